@@ -1,0 +1,196 @@
+#include "core/memory.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+
+namespace hs {
+
+std::string_view category_name(MemCategory c) {
+  switch (c) {
+    case MemCategory::Parameters: return "parameters";
+    case MemCategory::OptimizerState: return "optimizer_state";
+    case MemCategory::Batch: return "batch";
+    case MemCategory::Gradients: return "gradients";
+    case MemCategory::Activations: return "saved_activations";
+    case MemCategory::WeightCasts: return "weight_casts";
+    case MemCategory::Workspace: return "workspace";
+    case MemCategory::kCount: break;
+  }
+  return "?";
+}
+
+size_t MemorySnapshot::total() const {
+  size_t s = 0;
+  for (size_t b : bytes) s += b;
+  return s;
+}
+size_t MemorySnapshot::argument() const {
+  size_t s = 0;
+  for (size_t i = 0; i < kNumMemCategories; ++i)
+    if (is_argument(static_cast<MemCategory>(i))) s += bytes[i];
+  return s;
+}
+size_t MemorySnapshot::temp() const { return total() - argument(); }
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    owner_ = o.owner_;
+    id_ = o.id_;
+    cat_ = o.cat_;
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+    o.owner_ = nullptr;
+    o.id_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::reset() {
+  if (owner_) owner_->release(*this);
+  data_ = nullptr;
+  bytes_ = 0;
+  owner_ = nullptr;
+  id_ = 0;
+}
+
+MemoryAccountant::MemoryAccountant(bool planning, size_t largest_tracked)
+    : planning_(planning), largest_tracked_(largest_tracked) {}
+
+MemoryAccountant::~MemoryAccountant() = default;
+
+Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_view tag, bool zero) {
+  Buffer b;
+  if (!planning_ && bytes > 0) {
+    size_t rounded = (bytes + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    if (!p) {
+      std::fprintf(stderr, "hybridscan: out of memory allocating %s for '%.*s' (%s live)\n",
+                   format_bytes(static_cast<double>(bytes)).c_str(), static_cast<int>(tag.size()),
+                   tag.data(), format_bytes(static_cast<double>(live_total())).c_str());
+      throw std::bad_alloc();
+    }
+    if (zero) std::fill_n(static_cast<unsigned char*>(p), rounded, 0);
+    b.data_ = p;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  b.bytes_ = bytes;
+  b.owner_ = this;
+  b.id_ = next_id_++;
+  b.cat_ = cat;
+  ++n_allocs_;
+  size_t ci = static_cast<size_t>(cat);
+  live_[ci] += bytes;
+  live_total_ += bytes;
+  cat_peak_[ci] = std::max(cat_peak_[ci], live_[ci]);
+  live_buffers_.emplace(b.id_, LiveBuffer{std::string(tag), cat, bytes});
+  if (live_total_ > peak_.total() || n_allocs_ == 1) {
+    peak_.bytes = live_;
+    peak_.largest = largest_live_locked();
+  }
+  return b;
+}
+
+void MemoryAccountant::release(Buffer& b) {
+  if (b.data_) std::free(b.data_);
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t ci = static_cast<size_t>(b.cat_);
+  live_[ci] -= b.bytes_;
+  live_total_ -= b.bytes_;
+  live_buffers_.erase(b.id_);
+}
+
+std::vector<LiveBuffer> MemoryAccountant::largest_live_locked() const {
+  std::vector<LiveBuffer> v;
+  v.reserve(live_buffers_.size());
+  for (const auto& [id, lb] : live_buffers_) v.push_back(lb);
+  size_t k = std::min(largest_tracked_, v.size());
+  std::partial_sort(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(k), v.end(),
+                    [](const LiveBuffer& a, const LiveBuffer& b) {
+                      return a.bytes != b.bytes ? a.bytes > b.bytes : a.tag < b.tag;
+                    });
+  v.resize(k);
+  return v;
+}
+
+size_t MemoryAccountant::live(MemCategory c) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_[static_cast<size_t>(c)];
+}
+size_t MemoryAccountant::live_total() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_total_;
+}
+size_t MemoryAccountant::peak_total() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_.total();
+}
+size_t MemoryAccountant::peak(MemCategory c) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cat_peak_[static_cast<size_t>(c)];
+}
+MemorySnapshot MemoryAccountant::at_peak() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+MemorySnapshot MemoryAccountant::now() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemorySnapshot s;
+  s.bytes = live_;
+  s.largest = largest_live_locked();
+  return s;
+}
+void MemoryAccountant::reset_peak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  peak_.bytes = live_;
+  peak_.largest = largest_live_locked();
+  cat_peak_ = live_;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (std::fabs(bytes) >= 1024.0 && u < 4) {
+    bytes /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", bytes, units[u]);
+  return buf;
+}
+
+size_t parse_bytes(std::string_view text) {
+  std::string s(text);
+  size_t pos = 0;
+  double v;
+  try {
+    v = std::stod(s, &pos);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("'" + s + "' is not a size: expected a number with an optional unit such as 80GB or 95GiB");
+  }
+  std::string unit;
+  for (size_t i = pos; i < s.size(); ++i)
+    if (!std::isspace(static_cast<unsigned char>(s[i]))) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(s[i])));
+  double mult;
+  if (unit.empty() || unit == "b") mult = 1;
+  else if (unit == "kb" || unit == "k") mult = 1e3;
+  else if (unit == "mb" || unit == "m") mult = 1e6;
+  else if (unit == "gb" || unit == "g") mult = 1e9;
+  else if (unit == "tb" || unit == "t") mult = 1e12;
+  else if (unit == "kib") mult = 1024.0;
+  else if (unit == "mib") mult = 1024.0 * 1024;
+  else if (unit == "gib") mult = 1024.0 * 1024 * 1024;
+  else if (unit == "tib") mult = 1024.0 * 1024 * 1024 * 1024;
+  else throw std::invalid_argument("unknown size unit '" + unit + "' in '" + s + "' (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)");
+  if (!(v >= 0)) throw std::invalid_argument("size '" + s + "' must not be negative");
+  return static_cast<size_t>(v * mult);
+}
+
+}  // namespace hs
