@@ -59,6 +59,9 @@ class Buffer {
   MemCategory cat_ = MemCategory::Workspace;
 };
 
+// The data of a buffer as E*: a free function, so it reads the same inside templates.
+template <typename E> E* ptr(const Buffer& b) { return b.as<E>(); }
+
 struct LiveBuffer {
   std::string tag;
   MemCategory category;

@@ -1,0 +1,7 @@
+#include "cli/commands.h"
+
+namespace hs::cli {
+
+void register_commands(CLI::App& app) { register_train(app); }
+
+}  // namespace hs::cli

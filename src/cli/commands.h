@@ -1,0 +1,8 @@
+#pragma once
+#include <CLI/CLI.hpp>
+
+namespace hs::cli {
+// Adds every subcommand (train, eval, ...) to the app; each runs from its callback.
+void register_commands(CLI::App& app);
+void register_train(CLI::App& app);
+}  // namespace hs::cli

@@ -1,0 +1,106 @@
+#include <omp.h>
+
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "train/trainer.h"
+
+namespace hs::cli {
+
+namespace {
+
+struct TrainArgs {
+  train::TrainOptions o;
+  std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16";
+  int threads = 0;
+  bool report_memory = false, json = false, quiet = false;
+};
+
+nlohmann::json memory_json(const MemorySnapshot& s) {
+  nlohmann::json j;
+  for (size_t i = 0; i < kNumMemCategories; ++i) j[std::string(category_name(static_cast<MemCategory>(i)))] = s.bytes[i];
+  return j;
+}
+
+void print_memory(const MemorySnapshot& s) {
+  std::printf("measured step peak by category (live at the peak):\n");
+  for (size_t i = 0; i < kNumMemCategories; ++i) {
+    MemCategory c = static_cast<MemCategory>(i);
+    std::printf("  %-18s %12s  %s\n", std::string(category_name(c)).c_str(), format_bytes(double(s.bytes[i])).c_str(),
+                is_argument(c) ? "(argument)" : "(temp)");
+  }
+  std::printf("  %-18s %12s\n  %-18s %12s\n  %-18s %12s\n", "argument", format_bytes(double(s.argument())).c_str(),
+              "temp", format_bytes(double(s.temp())).c_str(), "peak", format_bytes(double(s.total())).c_str());
+  std::printf("largest live buffers at the peak:\n");
+  for (const auto& b : s.largest)
+    std::printf("  %-28s %-18s %12s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(),
+                format_bytes(double(b.bytes)).c_str());
+}
+
+}  // namespace
+
+void register_train(CLI::App& app) {
+  auto a = std::make_shared<TrainArgs>();
+  CLI::App* c = app.add_subcommand("train", "Train a model on a text file (byte tokens) or on random tokens");
+  auto* preset = c->add_option("--preset", a->preset, "Model preset: tiny, small, qwen3-next-80b-a3b, qwen3.5-35b-a3b, qwen3.5-397b-a17b");
+  auto* config = c->add_option("--config", a->config, "Hugging Face config.json (or a directory holding one)");
+  preset->excludes(config);
+  c->add_option("--text", a->o.text, "Training text (UTF-8 bytes are the tokens); the last 2% is held out")->check(CLI::ExistingFile);
+  c->add_flag("--synthetic", a->o.synthetic, "Train on random tokens (for benchmarking)");
+  c->add_option("--steps", a->o.steps, "Optimizer steps")->capture_default_str();
+  c->add_option("--batch", a->o.batch, "Sequences per step")->capture_default_str();
+  c->add_option("--seq", a->o.seq, "Tokens per sequence")->capture_default_str();
+  c->add_option("--lr", a->o.opt.lr, "Peak learning rate (warmup then cosine decay)")->capture_default_str();
+  c->add_option("--warmup", a->o.opt.warmup, "Warmup steps")->capture_default_str();
+  c->add_option("--weight-decay", a->o.opt.weight_decay, "AdamW weight decay (matrices and embeddings)")->capture_default_str();
+  c->add_option("--clip", a->o.opt.clip, "Global gradient-norm clip (0: off)")->capture_default_str();
+  c->add_option("--seed", a->o.seed, "Seed for initialisation and data order")->capture_default_str();
+  c->add_option("--remat", a->remat, "Rematerialisation: none | block | sublayer")
+      ->check(CLI::IsMember({"none", "block", "sublayer"}))->capture_default_str();
+  c->add_option("--weight-dtype", a->weight_dtype, "Weight storage: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->add_option("--compute-dtype", a->compute_dtype, "Compute / activation dtype: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
+  c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: only never)")->capture_default_str();
+  c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
+  c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
+  c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");
+  c->add_flag("--quiet", a->quiet, "No progress line");
+  c->callback([a] {
+    TrainArgs& x = *a;
+    x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");
+    x.o.step.remat = train::parse_remat(x.remat);
+    x.o.weight_dtype = train::parse_dtype(x.weight_dtype);
+    x.o.step.compute = train::parse_dtype(x.compute_dtype);
+    x.o.progress = !x.quiet;
+    if (x.threads > 0) omp_set_num_threads(x.threads);
+    train::TrainSummary s = train::run_training(x.o, std::cerr);
+    if (x.report_memory) print_memory(s.peak);
+    std::printf("trained %lld steps: final loss %.4f (ce %.4f), %.0f tokens/s%s\n", (long long)s.steps, s.final_loss,
+                s.final_ce, s.tokens_per_s,
+                s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats = " +
+                                  std::to_string(s.eval_ce / std::log(2.0)) + " bits/byte").c_str()
+                               : "");
+    if (x.json) {
+      nlohmann::json j = {{"steps", s.steps},
+                          {"tokens_per_s", s.tokens_per_s},
+                          {"final_loss", s.final_loss},
+                          {"final_ce", s.final_ce},
+                          {"eval_ce", s.eval_ce},
+                          {"argument_bytes", s.argument_bytes},
+                          {"temp_bytes", s.temp_bytes},
+                          {"peak_bytes", s.peak_bytes},
+                          {"temp_by_category", memory_json(s.peak)},
+                          {"remat", x.remat},
+                          {"weight_dtype", x.weight_dtype},
+                          {"compute_dtype", x.compute_dtype}};
+      std::printf("%s\n", j.dump().c_str());
+    }
+  });
+}
+
+}  // namespace hs::cli

@@ -1,0 +1,366 @@
+#include "model/layer.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "kernels/conv.h"
+#include "kernels/gdn_gates.h"
+#include "kernels/norms.h"
+#include "kernels/rope.h"
+#include "model/linear.h"
+
+namespace hs::model {
+
+using namespace hs::kernels;
+
+template <typename T>
+ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem) {
+  ComputeWeights<T> cw;
+  auto specs = layer_specs(c, w.kind);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const TensorView& t = w[i];
+    if (specs[i].is_matrix) {
+      Converted<T> m = as_type<T>(t, mem, MemCategory::WeightCasts, "weight_cast");
+      cw.ptr.push_back(m.ptr);
+      if (!m.owned.empty()) cw.owned.push_back(std::move(m.owned));
+    } else {
+      Converted<float> v = as_type<float>(t, mem, MemCategory::WeightCasts, "weight_cast");
+      cw.ptr.push_back(v.ptr);
+      if (!v.owned.empty()) cw.owned.push_back(std::move(v.owned));
+    }
+  }
+  return cw;
+}
+
+namespace {
+
+// Allocation helper: what is kept for backward is MemCategory::Activations, the rest Workspace.
+struct Alloc {
+  MemoryAccountant& mem;
+  bool keep;
+  template <typename E> Buffer make(int64_t n, const char* tag, bool zero = false) const {
+    return mem.allocate_n<E>(static_cast<size_t>(n), keep ? MemCategory::Activations : MemCategory::Workspace, tag, zero);
+  }
+};
+template <typename E> Buffer scratch(MemoryAccountant& mem, int64_t n, const char* tag, bool zero = false) {
+  return mem.allocate_n<E>(static_cast<size_t>(n), MemCategory::Workspace, tag, zero);
+}
+
+template <typename T> MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f) {
+  return {w.mat(f + p::kRouter),     w.mat(f + p::kGateUp),     w.mat(f + p::kDown),
+          w.mat(f + p::kSharedGate), w.mat(f + p::kSharedUp),   w.mat(f + p::kSharedDown),
+          w.vec(f + p::kSharedExpertGate)};
+}
+MoeShape moe_shape(const ModelConfig& c, int64_t N) {
+  return {N, c.hidden, c.experts, c.top_k, c.expert_inter, c.shared_inter, c.norm_topk_prob};
+}
+float* G(const LayerWeights& g, size_t i) { return static_cast<float*>(g[i].data); }
+
+// [N, heads, 2*hd] (per head: hd query rows then hd gate rows) <-> q [N, heads, hd], gate [N, heads, hd].
+template <typename S, typename D>
+void split_query_gate(const S* qg, D* q, D* gate, int64_t N, int64_t heads, int64_t hd) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < hd; ++j) {
+        q[(n * heads + h) * hd + j] = from_f32<D>(to_f32(qg[(n * heads + h) * 2 * hd + j]));
+        gate[(n * heads + h) * hd + j] = from_f32<D>(to_f32(qg[(n * heads + h) * 2 * hd + hd + j]));
+      }
+}
+void merge_query_gate(const float* dq, const float* dgate, float* dqg, int64_t N, int64_t heads, int64_t hd) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t j = 0; j < hd; ++j) {
+        dqg[(n * heads + h) * 2 * hd + j] = dq[(n * heads + h) * hd + j];
+        dqg[(n * heads + h) * 2 * hd + hd + j] = dgate[(n * heads + h) * hd + j];
+      }
+}
+
+template <typename T>
+void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h_in, T* mix, LayerSaved<T>& s,
+                 bool keep) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
+  const int64_t Hk = c.k_heads, Hv = c.v_heads;
+  Alloc A{mem, keep};
+  s.xn = A.make<T>(N * H, "gdn.xn");
+  s.rstd1 = A.make<float>(N, "gdn.rstd1");
+  if (!P) rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
+  s.qkv = A.make<T>(N * CD, "gdn.qkv");
+  s.z = A.make<T>(N * VD, "gdn.z");
+  s.b = A.make<T>(N * Hv, "gdn.b");
+  s.a = A.make<T>(N * Hv, "gdn.a");
+  if (!P) {
+    linear_forward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(s.qkv), N, CD, H);
+    linear_forward(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(s.z), N, VD, H);
+    linear_forward(ptr<T>(s.xn), w.mat(p::kB), ptr<T>(s.b), N, Hv, H);
+    linear_forward(ptr<T>(s.xn), w.mat(p::kA), ptr<T>(s.a), N, Hv, H);
+  }
+  {
+    Buffer conv = scratch<T>(mem, N * CD, "gdn.conv_out");
+    s.q = A.make<T>(N * KD, "gdn.q");
+    s.k = A.make<T>(N * KD, "gdn.k");
+    s.v = A.make<T>(N * VD, "gdn.v");
+    if (!P) {
+      causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<T>(conv), ctx.batch, ctx.seq, CD, c.conv_width);
+      copy_columns(ptr<T>(conv), CD, 0, ptr<T>(s.q), N, KD);
+      copy_columns(ptr<T>(conv), CD, KD, ptr<T>(s.k), N, KD);
+      copy_columns(ptr<T>(conv), CD, 2 * KD, ptr<T>(s.v), N, VD);
+    }
+  }
+  s.qn = A.make<T>(N * KD, "gdn.qn");
+  s.kn = A.make<T>(N * KD, "gdn.kn");
+  s.rstdq = A.make<float>(N * Hk, "gdn.rstdq");
+  s.rstdk = A.make<float>(N * Hk, "gdn.rstdk");
+  s.beta = A.make<float>(N * Hv, "gdn.beta");
+  s.g = A.make<float>(N * Hv, "gdn.g");
+  if (!P) {
+    const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+    l2norm_forward(ptr<T>(s.q), ptr<T>(s.qn), ptr<float>(s.rstdq), N * Hk, c.dk, 1e-6f, qscale);
+    l2norm_forward(ptr<T>(s.k), ptr<T>(s.kn), ptr<float>(s.rstdk), N * Hk, c.dk, 1e-6f, 1.0f);
+    gdn_gates_forward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(s.beta),
+                      ptr<float>(s.g), N, Hv);
+  }
+  s.o = A.make<T>(N * VD, "gdn.o");
+  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
+  delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
+                     keep ? &s.delta : nullptr, mem);
+  s.y = A.make<T>(N * VD, "gdn.y");
+  s.rstdg = A.make<float>(N * Hv, "gdn.rstdg");
+  if (!P) {
+    gated_rmsnorm_forward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<T>(s.y), ptr<float>(s.rstdg), N * Hv, c.dv,
+                          float(c.rms_eps));
+    linear_forward(ptr<T>(s.y), w.mat(p::kOut), mix, N, H, VD);
+  }
+}
+
+template <typename T>
+void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const LayerWeights& gr, const T* h_in,
+                  const LayerSaved<T>& s, const float* dmix, float* dh_in) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
+  const int64_t Hk = c.k_heads, Hv = c.v_heads;
+  Buffer dy = scratch<float>(mem, N * VD, "gdn.dy", true);
+  linear_backward(ptr<T>(s.y), w.mat(p::kOut), dmix, ptr<float>(dy), G(gr, p::kOut), N, H, VD, mem);
+  Buffer d_o = scratch<float>(mem, N * VD, "gdn.do", true);
+  Buffer dz = scratch<float>(mem, N * VD, "gdn.dz", true);
+  if (!P)
+    gated_rmsnorm_backward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<float>(s.rstdg), ptr<float>(dy),
+                           ptr<float>(d_o), ptr<float>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv);
+  dy.reset();
+  Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
+  Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
+  Buffer dconv = scratch<float>(mem, N * CD, "gdn.dconv", true);  // [dq | dk | dv] per token, the conv output grad
+  Buffer dv = scratch<float>(mem, N * VD, "gdn.dv", true);
+  Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta", true);
+  Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg", true);
+  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
+  delta_rule_backward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), s.delta,
+                      ptr<float>(d_o), ptr<float>(dqn), ptr<float>(dkn), ptr<float>(dv), ptr<float>(dbeta),
+                      ptr<float>(dg), mem);
+  d_o.reset();
+  Buffer db = scratch<float>(mem, N * Hv, "gdn.db", true);
+  Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);
+  {
+    Buffer dq = scratch<float>(mem, N * KD, "gdn.dq", true);
+    Buffer dk = scratch<float>(mem, N * KD, "gdn.dk", true);
+    if (!P) {
+      const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+      l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale);
+      l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f);
+      gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
+                         ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
+      scatter_columns(ptr<float>(dq), N, KD, ptr<float>(dconv), CD, 0);
+      scatter_columns(ptr<float>(dk), N, KD, ptr<float>(dconv), CD, KD);
+      scatter_columns(ptr<float>(dv), N, VD, ptr<float>(dconv), CD, 2 * KD);
+    }
+  }
+  dqn.reset();
+  dkn.reset();
+  dv.reset();
+  Buffer dqkv = scratch<float>(mem, N * CD, "gdn.dqkv", true);
+  if (!P)
+    causal_conv_silu_backward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<float>(dconv), ptr<float>(dqkv), G(gr, p::kConv),
+                              ctx.batch, ctx.seq, CD, c.conv_width);
+  dconv.reset();
+  Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn", true);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<float>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, mem);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kZ), ptr<float>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H, mem);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);
+  if (!P)
+    rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
+                     H);
+}
+
+template <typename T>
+void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h_in, T* mix, LayerSaved<T>& s,
+                       bool keep) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
+  Alloc A{mem, keep};
+  s.xn = A.make<T>(N * H, "attn.xn");
+  s.rstd1 = A.make<float>(N, "attn.rstd1");
+  if (!P) rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
+  s.q_raw = A.make<T>(N * nH * hd, "attn.q_raw");
+  s.gate = A.make<T>(N * nH * hd, "attn.gate");
+  s.k_raw = A.make<T>(N * nKV * hd, "attn.k_raw");
+  s.vv = A.make<T>(N * nKV * hd, "attn.v");
+  {
+    Buffer qg = scratch<T>(mem, N * nH * 2 * hd, "attn.q_proj_out");
+    if (!P) {
+      linear_forward(ptr<T>(s.xn), w.mat(p::kQ), ptr<T>(qg), N, nH * 2 * hd, H);
+      split_query_gate(ptr<T>(qg), ptr<T>(s.q_raw), ptr<T>(s.gate), N, nH, hd);
+      linear_forward(ptr<T>(s.xn), w.mat(p::kK), ptr<T>(s.k_raw), N, nKV * hd, H);
+      linear_forward(ptr<T>(s.xn), w.mat(p::kV), ptr<T>(s.vv), N, nKV * hd, H);
+    }
+  }
+  s.qn = A.make<T>(N * nH * hd, "attn.q");
+  s.kn = A.make<T>(N * nKV * hd, "attn.k");
+  s.rstdq = A.make<float>(N * nH, "attn.rstdq");
+  s.rstdk = A.make<float>(N * nKV, "attn.rstdk");
+  if (!P) {
+    rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
+    rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
+    rope_forward(ptr<T>(s.qn), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
+    rope_forward(ptr<T>(s.kn), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+  }
+  s.attn_out = A.make<T>(N * nH * hd, "attn.out");
+  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
+  gated_attention_forward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), ptr<T>(s.attn_out),
+                          keep ? &s.attn : nullptr, mem);
+  if (!P) linear_forward(ptr<T>(s.attn_out), w.mat(p::kO), mix, N, H, nH * hd);
+}
+
+template <typename T>
+void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const LayerWeights& gr, const T* h_in,
+                        const LayerSaved<T>& s, const float* dmix, float* dh_in) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
+  Buffer dattn = scratch<float>(mem, N * nH * hd, "attn.dout", true);
+  linear_backward(ptr<T>(s.attn_out), w.mat(p::kO), dmix, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd, mem);
+  Buffer dq = scratch<float>(mem, N * nH * hd, "attn.dq", true);
+  Buffer dk = scratch<float>(mem, N * nKV * hd, "attn.dk", true);
+  Buffer dv = scratch<float>(mem, N * nKV * hd, "attn.dv", true);
+  Buffer dgate = scratch<float>(mem, N * nH * hd, "attn.dgate", true);
+  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
+  gated_attention_backward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), s.attn, ptr<float>(dattn),
+                           ptr<float>(dq), ptr<float>(dk), ptr<float>(dv), ptr<float>(dgate), mem);
+  dattn.reset();
+  Buffer dq_raw = scratch<float>(mem, N * nH * hd, "attn.dq_raw", true);
+  Buffer dk_raw = scratch<float>(mem, N * nKV * hd, "attn.dk_raw", true);
+  Buffer dqg = scratch<float>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
+  if (!P) {
+    rope_backward(ptr<float>(dq), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
+    rope_backward(ptr<float>(dk), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+    rmsnorm_backward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<float>(dq_raw),
+                     G(gr, p::kQNorm), N * nH, hd);
+    rmsnorm_backward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<float>(dk_raw),
+                     G(gr, p::kKNorm), N * nKV, hd);
+    merge_query_gate(ptr<float>(dq_raw), ptr<float>(dgate), ptr<float>(dqg), N, nH, hd);
+  }
+  dq.reset();
+  dk.reset();
+  dgate.reset();
+  dq_raw.reset();
+  Buffer dxn = scratch<float>(mem, N * H, "attn.dxn", true);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kQ), ptr<float>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H, mem);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kK), ptr<float>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H, mem);
+  linear_backward(ptr<T>(s.xn), w.mat(p::kV), ptr<float>(dv), ptr<float>(dxn), G(gr, p::kV), N, nKV * hd, H, mem);
+  if (!P)
+    rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
+                     H);
+}
+
+}  // namespace
+
+template <typename T>
+RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const T* h_in, T* h_out,
+                          LayerSaved<T>* saved) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const bool keep = saved != nullptr;
+  const int64_t N = ctx.tokens(), H = c.hidden;
+  LayerSaved<T> local;
+  LayerSaved<T>& s = keep ? *saved : local;
+  s.weights = compute_weights<T>(c, lw, mem);
+  const ComputeWeights<T>& w = s.weights;
+  Alloc A{mem, keep};
+  {
+    Buffer mix = scratch<T>(mem, N * H, "layer.mixer_out");
+    if (lw.kind == LayerKind::LinearAttention) gdn_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
+    else attention_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
+    s.h_mid = A.make<T>(N * H, "layer.h_mid");
+    if (!P) add(h_in, ptr<T>(mix), ptr<T>(s.h_mid), N * H);
+  }
+  s.x2 = A.make<T>(N * H, "ffn.xn");
+  s.rstd2 = A.make<float>(N, "ffn.rstd");
+  if (!P)
+    rmsnorm_forward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N, H, float(c.rms_eps));
+  const int f = ffn_offset(lw.kind);
+  Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
+  RouterStats stats;
+  if (c.moe()) {
+    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), ptr<T>(ffn_out), keep ? &s.moe : nullptr, mem);
+  } else {
+    swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
+                   w.mat(f + p::kMlpDown), ptr<T>(ffn_out), keep ? &s.mlp : nullptr, mem);
+  }
+  if (!P) add(ptr<T>(s.h_mid), ptr<T>(ffn_out), h_out, N * H);
+  return stats;
+}
+
+template <typename T>
+void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const LayerWeights& gr, const T* h_in,
+                    const LayerSaved<T>& s, const float* dh_out, float* dh_in, const float* aux_dprob) {
+  const ModelConfig& c = ctx.cfg;
+  MemoryAccountant& mem = ctx.mem;
+  const bool P = mem.planning();
+  const int64_t N = ctx.tokens(), H = c.hidden;
+  const ComputeWeights<T>& w = s.weights;
+  const int f = ffn_offset(lw.kind);
+  // Feed-forward branch: dh_mid = dh_out + d(FFN(norm(h_mid)))/dh_mid.
+  Buffer dh_mid = scratch<float>(mem, N * H, "layer.dh_mid");
+  if (!P) std::memcpy(ptr<float>(dh_mid), dh_out, sizeof(float) * static_cast<size_t>(N * H));
+  {
+    Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn", true);
+    if (c.moe()) {
+      MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
+                  G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
+                  G(gr, f + p::kSharedExpertGate)};
+      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), s.moe, dh_out, aux_dprob, ptr<float>(dx2), mg, mem);
+    } else {
+      swiglu_backward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
+                      w.mat(f + p::kMlpDown), s.mlp, dh_out, ptr<float>(dx2), G(gr, f + p::kMlpGate),
+                      G(gr, f + p::kMlpUp), G(gr, f + p::kMlpDown), mem);
+    }
+    if (!P)
+      rmsnorm_backward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<float>(s.rstd2), ptr<float>(dx2), ptr<float>(dh_mid),
+                       G(gr, p::kPostNorm), N, H);
+  }
+  // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in.
+  if (!P) std::memcpy(dh_in, ptr<float>(dh_mid), sizeof(float) * static_cast<size_t>(N * H));
+  if (lw.kind == LayerKind::LinearAttention) gdn_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
+  else attention_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
+}
+
+#define HS_INSTANTIATE(T)                                                                                          \
+  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&);        \
+  template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*);   \
+  template void layer_backward<T>(const LayerContext&, const LayerWeights&, const LayerWeights&, const T*,          \
+                                  const LayerSaved<T>&, const float*, float*, const float*);
+HS_INSTANTIATE(float)
+HS_INSTANTIATE(bf16)
+#undef HS_INSTANTIATE
+
+}  // namespace hs::model

@@ -1,0 +1,63 @@
+// One decoder layer, the unit the step schedule runs and rematerialises: h_out = h_mid + FFN(norm(h_mid)),
+// h_mid = h_in + Mixer(norm(h_in)), with Mixer = Gated DeltaNet (linear attention) or gated full attention as the
+// layer is told by its LayerKind, and FFN = sparse MoE or dense SwiGLU. Both families run this same code: family
+// differences live in the config and the checkpoint mapping.
+#pragma once
+#include <memory>
+#include <vector>
+
+#include "core/memory.h"
+#include "kernels/attention.h"
+#include "kernels/delta_rule.h"
+#include "kernels/mlp.h"
+#include "kernels/moe.h"
+#include "model/config.h"
+#include "model/params.h"
+
+namespace hs::model {
+
+struct LayerContext {
+  const ModelConfig& cfg;
+  MemoryAccountant& mem;
+  int64_t batch, seq;          // the layer sees batch*seq tokens
+  const int32_t* positions;    // [batch*seq] token positions (0..seq-1 per sequence)
+  int64_t tokens() const { return batch * seq; }
+};
+
+// A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts are
+// temporaries of this sub-layer (MemCategory::WeightCasts); when the storage dtype already matches, nothing is copied.
+template <typename T> struct ComputeWeights {
+  std::vector<Buffer> owned;
+  std::vector<const void*> ptr;
+  const T* mat(size_t i) const { return static_cast<const T*>(ptr[i]); }
+  const float* vec(size_t i) const { return static_cast<const float*>(ptr[i]); }
+};
+template <typename T>
+ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem);
+
+// Everything a layer keeps between its forward and its backward (all accounted: MemCategory::Activations, and the
+// weight casts). Unused members stay empty.
+template <typename T> struct LayerSaved {
+  ComputeWeights<T> weights;
+  Buffer xn, rstd1, h_mid, x2, rstd2;                        // norms and the mid residual
+  Buffer qkv, q, k, v, qn, kn, rstdq, rstdk, b, a, beta, g;  // Gated DeltaNet
+  Buffer o, z, rstdg, y;
+  kernels::DeltaRuleSaved delta;
+  Buffer q_raw, k_raw, gate, vv, attn_out;                   // full attention (q/k after norm+rope in qn/kn)
+  kernels::AttentionSaved attn;
+  kernels::MoeSaved moe;
+  kernels::SwigluSaved mlp;
+};
+
+// Runs the layer. With `saved` it keeps what backward needs; without, every intermediate is freed on return.
+// Returns the MoE router statistics of this layer (empty for a dense FFN) as a value.
+template <typename T>
+kernels::RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& w, const T* h_in, T* h_out,
+                                   LayerSaved<T>* saved);
+// Backward from dh_out (fp32 [tokens, H]); writes dh_in (fp32, not accumulated) and accumulates the parameter
+// gradients into `grads` (fp32 views shaped like w). aux_dprob is the load-balance gradient per expert (or null).
+template <typename T>
+void layer_backward(const LayerContext& ctx, const LayerWeights& w, const LayerWeights& grads, const T* h_in,
+                    const LayerSaved<T>& saved, const float* dh_out, float* dh_in, const float* aux_dprob);
+
+}  // namespace hs::model

@@ -1,0 +1,38 @@
+// The plumbing between kernels inside a layer: linear layers in the compute dtype (weights [out, in], the Hugging
+// Face layout), casts of weights to the compute dtype, and the small elementwise steps (residual adds, column splits).
+#pragma once
+#include <cstdint>
+
+#include "core/memory.h"
+#include "core/tensor.h"
+
+namespace hs::model {
+
+// y[N,out] = x[N,in] W^T.
+template <typename T> void linear_forward(const T* x, const T* W, T* y, int64_t N, int64_t out, int64_t in);
+// dx[N,in] += dy W (skipped when dx is null); dW[out,in] += dy^T x. dy is fp32; with bf16 compute it is cast to
+// bf16 (a workspace of N*out) so both products run on the bf16 matmul path.
+template <typename T>
+void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
+                     MemoryAccountant& mem);
+
+// y = a + b, elementwise over n values.
+template <typename T> void add(const T* a, const T* b, T* y, int64_t n);
+// y[i] += x[i].
+void accumulate(const float* x, float* y, int64_t n);
+// Copies columns [col, col+width) of src [rows, src_cols] into dst [rows, width] (or back, with scatter).
+template <typename S, typename D>
+void copy_columns(const S* src, int64_t src_cols, int64_t col, D* dst, int64_t rows, int64_t width);
+template <typename S, typename D>
+void scatter_columns(const S* src, int64_t rows, int64_t width, D* dst, int64_t dst_cols, int64_t col);
+// dst = convert(src): between storage types.
+template <typename S, typename D> void cast(const S* src, D* dst, int64_t n);
+
+// A view of `t` as const T*, casting into a new buffer of category `cat` when the storage type differs.
+template <typename T> struct Converted {
+  Buffer owned;
+  const T* ptr = nullptr;
+};
+template <typename T> Converted<T> as_type(const TensorView& t, MemoryAccountant& mem, MemCategory cat, const char* tag);
+
+}  // namespace hs::model

@@ -1,0 +1,203 @@
+#include "model/params.h"
+
+#include <cmath>
+#include <stdexcept>
+
+namespace hs::model {
+
+std::string group_name(StackGroup g) {
+  switch (g) {
+    case StackGroup::Local: return "local";
+    case StackGroup::Global: return "global";
+    case StackGroup::Remainder: return "remainder";
+  }
+  return "?";
+}
+
+namespace {
+
+ParamSpec matrix(std::string n, Shape s) { return {std::move(n), std::move(s), false, true, true}; }
+ParamSpec vec(std::string n, Shape s) { return {std::move(n), std::move(s), false, false, false}; }
+ParamSpec fp32(std::string n, Shape s) { return {std::move(n), std::move(s), true, false, false}; }
+
+void add_ffn(const ModelConfig& c, std::vector<ParamSpec>& v) {
+  const int64_t H = c.hidden;
+  if (c.moe()) {
+    v.push_back(matrix("mlp.gate.weight", {c.experts, H}));
+    v.push_back(matrix("mlp.experts.gate_up_proj", {c.experts, 2 * c.expert_inter, H}));
+    v.push_back(matrix("mlp.experts.down_proj", {c.experts, H, c.expert_inter}));
+    v.push_back(matrix("mlp.shared_expert.gate_proj.weight", {c.shared_inter, H}));
+    v.push_back(matrix("mlp.shared_expert.up_proj.weight", {c.shared_inter, H}));
+    v.push_back(matrix("mlp.shared_expert.down_proj.weight", {H, c.shared_inter}));
+    v.push_back(vec("mlp.shared_expert_gate.weight", {H}));
+  } else {
+    v.push_back(matrix("mlp.gate_proj.weight", {c.intermediate, H}));
+    v.push_back(matrix("mlp.up_proj.weight", {c.intermediate, H}));
+    v.push_back(matrix("mlp.down_proj.weight", {H, c.intermediate}));
+  }
+}
+
+}  // namespace
+
+std::vector<ParamSpec> layer_specs(const ModelConfig& c, LayerKind kind) {
+  const int64_t H = c.hidden;
+  std::vector<ParamSpec> v = {vec("input_layernorm.weight", {H}), vec("post_attention_layernorm.weight", {H})};
+  if (kind == LayerKind::LinearAttention) {
+    v.push_back(matrix("linear_attn.in_proj_qkv.weight", {c.conv_dim(), H}));
+    v.push_back(matrix("linear_attn.in_proj_z.weight", {c.value_dim(), H}));
+    v.push_back(matrix("linear_attn.in_proj_b.weight", {c.v_heads, H}));
+    v.push_back(matrix("linear_attn.in_proj_a.weight", {c.v_heads, H}));
+    v.push_back(vec("linear_attn.conv1d.weight", {c.conv_dim(), c.conv_width}));
+    v.push_back(fp32("linear_attn.A_log", {c.v_heads}));
+    v.push_back(fp32("linear_attn.dt_bias", {c.v_heads}));
+    v.push_back(vec("linear_attn.norm.weight", {c.dv}));
+    v.push_back(matrix("linear_attn.out_proj.weight", {H, c.value_dim()}));
+  } else {
+    v.push_back(matrix("self_attn.q_proj.weight", {c.q_heads * 2 * c.head_dim, H}));
+    v.push_back(matrix("self_attn.k_proj.weight", {c.kv_heads * c.head_dim, H}));
+    v.push_back(matrix("self_attn.v_proj.weight", {c.kv_heads * c.head_dim, H}));
+    v.push_back(matrix("self_attn.o_proj.weight", {H, c.q_heads * c.head_dim}));
+    v.push_back(vec("self_attn.q_norm.weight", {c.head_dim}));
+    v.push_back(vec("self_attn.k_norm.weight", {c.head_dim}));
+  }
+  add_ffn(c, v);
+  return v;
+}
+
+int ffn_offset(LayerKind kind) {
+  return kind == LayerKind::LinearAttention ? static_cast<int>(p::kLinearFfn) : static_cast<int>(p::kFullFfn);
+}
+
+std::vector<ParamSpec> global_specs(const ModelConfig& c) {
+  return {matrix("embed_tokens.weight", {c.vocab, c.hidden}), vec("norm.weight", {c.hidden}),
+          matrix("lm_head.weight", {c.vocab, c.hidden})};
+}
+
+LayerSlot slot_of_layer(const ModelConfig& c, int64_t layer) {
+  if (layer < 0 || layer >= c.layers) throw std::out_of_range("layer " + std::to_string(layer) + " out of range");
+  int64_t b = layer / c.cycle, pos = layer % c.cycle;
+  if (b >= c.blocks()) return {StackGroup::Remainder, pos, 0};
+  if (pos == c.cycle - 1) return {StackGroup::Global, b, 0};
+  return {StackGroup::Local, b, pos};
+}
+
+int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s) {
+  switch (s.group) {
+    case StackGroup::Local: return s.block * c.cycle + s.local;
+    case StackGroup::Global: return s.block * c.cycle + c.cycle - 1;
+    case StackGroup::Remainder: return c.blocks() * c.cycle + s.block;
+  }
+  return -1;
+}
+
+ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero)
+    : cfg_(c) {
+  auto add = [&](const std::string& prefix, const ParamSpec& s, const Shape& lead) {
+    Shape full = lead;
+    full.insert(full.end(), s.shape.begin(), s.shape.end());
+    DType t = (s.keep_fp32 || cat != MemCategory::Parameters) ? DType::F32 : weight_dtype;
+    std::string name = prefix + s.name;
+    Tensor tensor = zero ? Tensor::zeros(mem, cat, t, full, name) : Tensor::empty(mem, cat, t, full, name);
+    params_.push_back({name, s, lead, std::move(tensor)});
+  };
+  for (const auto& s : global_specs(c)) add("", s, {});
+  struct G { StackGroup g; Shape lead; LayerKind kind; };
+  const G groups[3] = {{StackGroup::Local, {c.blocks(), c.local_per_block()}, LayerKind::LinearAttention},
+                       {StackGroup::Global, {c.blocks()}, LayerKind::FullAttention},
+                       {StackGroup::Remainder, {c.remainder()}, LayerKind::LinearAttention}};
+  for (const G& grp : groups) {
+    first_[static_cast<int>(grp.g)] = params_.size();
+    if (hs::numel(grp.lead) == 0) continue;
+    for (const auto& s : layer_specs(c, grp.kind)) add(group_name(grp.g) + ".", s, grp.lead);
+  }
+}
+
+const StackedParam* ParamSet::find(const std::string& name) const {
+  for (const auto& p : params_)
+    if (p.name == name) return &p;
+  return nullptr;
+}
+
+LayerWeights ParamSet::layer(const LayerSlot& s) const {
+  LayerWeights w{s.kind(), {}};
+  size_t n = layer_specs(cfg_, s.kind()).size();
+  size_t first = first_[static_cast<int>(s.group)];
+  for (size_t i = 0; i < n; ++i) {
+    const TensorView& full = params_.at(first + i).tensor.view();
+    TensorView v = full[s.block];
+    if (s.group == StackGroup::Local) v = v[s.local];
+    w.t.push_back(v);
+  }
+  return w;
+}
+
+int64_t ParamSet::numel() const {
+  int64_t n = 0;
+  for (const auto& p : params_) n += p.tensor.numel();
+  return n;
+}
+
+size_t ParamSet::nbytes() const {
+  size_t n = 0;
+  for (const auto& p : params_) n += p.tensor.nbytes();
+  return n;
+}
+
+void ParamSet::zero() {
+  for (auto& p : params_)
+    if (p.tensor.data()) std::fill_n(static_cast<unsigned char*>(p.tensor.data()), p.tensor.nbytes(), 0);
+}
+
+namespace {
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+uint64_t hash_name(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (char ch : s) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  return h;
+}
+double uniform01(uint64_t key, uint64_t i) {
+  return (static_cast<double>(splitmix(key ^ splitmix(i)) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+template <typename T, typename F>
+void fill(T* data, int64_t n, F f) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) data[i] = from_f32<T>(static_cast<float>(f(static_cast<uint64_t>(i))));
+}
+
+}  // namespace
+
+void init_params(ParamSet& params, uint64_t seed) {
+  const ModelConfig& c = params.config();
+  for (auto& prm : params.all()) {
+    if (!prm.tensor.data()) continue;
+    const uint64_t key = splitmix(seed) ^ hash_name(prm.name);
+    const std::string& n = prm.spec.name;
+    auto gen = [&](uint64_t i) -> double {
+      if (prm.spec.is_matrix) {
+        double u1 = uniform01(key, 2 * i), u2 = uniform01(key, 2 * i + 1);
+        return 0.02 * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+      }
+      if (n == "linear_attn.A_log") return std::log(1.0 + 15.0 * uniform01(key, i));
+      if (n == "linear_attn.dt_bias") return std::log(std::expm1(0.001 + 0.099 * uniform01(key, i)));
+      if (n == "linear_attn.norm.weight") return 1.0;
+      if (n == "linear_attn.conv1d.weight")
+        return (2.0 * uniform01(key, i) - 1.0) / std::sqrt(static_cast<double>(c.conv_width));
+      if (n == "mlp.shared_expert_gate.weight") {
+        double u1 = uniform01(key, 2 * i), u2 = uniform01(key, 2 * i + 1);
+        return 0.02 * std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+      }
+      return 0.0;  // zero-centred norms: runtime scale 1 + w = 1
+    };
+    if (prm.tensor.dtype() == DType::F32) fill(prm.tensor.as<float>(), prm.tensor.numel(), gen);
+    else fill(prm.tensor.as<bf16>(), prm.tensor.numel(), gen);
+  }
+}
+
+}  // namespace hs::model

@@ -1,0 +1,101 @@
+// Parameters in the stacked ("scanned") layout (shared/spec/checkpoints.md): every tensor of the linear-attention
+// ("local") layers carries two leading axes [block, local]; every tensor of the full-attention ("global") layer one
+// leading axis [block]; when L is not a multiple of the cycle the trailing linear-attention layers form a
+// remainder stack [remainder]. Routed-expert tensors keep the expert axis right after the stacking axes:
+// local.mlp.experts.gate_up is [block, local, expert, 2I, H].
+// A layer sees its weights as a LayerWeights: views into the stacks, in the order of its ParamSpecs.
+#pragma once
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace hs::model {
+
+enum class LayerKind { LinearAttention, FullAttention };
+enum class StackGroup { Local, Global, Remainder };
+std::string group_name(StackGroup g);
+
+struct ParamSpec {
+  std::string name;   // e.g. "linear_attn.in_proj_qkv.weight", the per-layer name
+  Shape shape;        // per-layer shape
+  bool keep_fp32;     // stored in fp32 whatever the weight dtype (A_log, dt_bias)
+  bool is_matrix;     // multiplied through matmul (cast to the compute dtype per sub-layer)
+  bool weight_decay;  // AdamW decays it (matrices and embeddings, not norms/gates/biases)
+};
+
+// Indices into a layer's spec list. Both layer kinds start with the norms and end with the feed-forward.
+namespace p {
+enum Common { kInputNorm = 0, kPostNorm = 1 };
+enum Linear { kQkv = 2, kZ, kB, kA, kConv, kALog, kDtBias, kGdnNorm, kOut, kLinearFfn };
+enum Full { kQ = 2, kK, kV, kO, kQNorm, kKNorm, kFullFfn };
+// Offsets from the layer's first feed-forward spec.
+enum Moe { kRouter = 0, kGateUp, kDown, kSharedGate, kSharedUp, kSharedDown, kSharedExpertGate };
+enum Dense { kMlpGate = 0, kMlpUp, kMlpDown };
+}  // namespace p
+
+std::vector<ParamSpec> layer_specs(const ModelConfig& c, LayerKind kind);
+int ffn_offset(LayerKind kind);
+// Globals: embed_tokens [V,H], norm [H], lm_head [V,H].
+std::vector<ParamSpec> global_specs(const ModelConfig& c);
+namespace g {
+enum Global { kEmbed = 0, kFinalNorm, kLmHead };
+}
+
+struct LayerWeights {
+  LayerKind kind;
+  std::vector<TensorView> t;  // in layer_specs order
+  const TensorView& operator[](size_t i) const { return t[i]; }
+};
+
+// One stacked tensor.
+struct StackedParam {
+  std::string name;   // "local.linear_attn.in_proj_qkv.weight", "global.self_attn.q_proj.weight", "embed_tokens.weight"
+  ParamSpec spec;
+  Shape lead;         // stacking axes
+  Tensor tensor;      // shape lead ++ spec.shape
+};
+
+// Where a decoder layer lives in the stacks.
+struct LayerSlot {
+  StackGroup group;
+  int64_t block;  // block index (or remainder index)
+  int64_t local;  // position among the local layers (0 for global / remainder)
+  LayerKind kind() const { return group == StackGroup::Global ? LayerKind::FullAttention : LayerKind::LinearAttention; }
+};
+// Hugging Face layer index <-> slot: layer i = block*cycle + position, remainder layers follow the blocks.
+LayerSlot slot_of_layer(const ModelConfig& c, int64_t layer);
+int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s);
+
+// A full set of model tensors in the stacked layout: parameters (weight dtype), or gradients / optimizer moments
+// (fp32) shaped like them.
+class ParamSet {
+ public:
+  ParamSet() = default;
+  ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero);
+
+  const ModelConfig& config() const { return cfg_; }
+  std::vector<StackedParam>& all() { return params_; }
+  const std::vector<StackedParam>& all() const { return params_; }
+  const StackedParam* find(const std::string& name) const;
+  LayerWeights layer(const LayerSlot& s) const;
+  const TensorView& global(g::Global which) const { return params_[static_cast<size_t>(which)].tensor.view(); }
+  int64_t numel() const;
+  size_t nbytes() const;
+  void zero();
+
+ private:
+  ModelConfig cfg_;
+  std::vector<StackedParam> params_;  // globals first, then local, global, remainder stacks in spec order
+  size_t first_[3] = {0, 0, 0};       // index of each group's first tensor
+};
+
+// Deterministic initialisation from a seed: each tensor's values depend only on (seed, tensor name, index), so
+// the result is independent of thread count and allocation order. Matrices N(0, 0.02); zero-centred norm weights
+// 0 (scale 1); the gated norm weight 1; A_log = log(U(1,16)); dt_bias = log(expm1(U(0.001, 0.1))) (softplus^-1 of
+// a step in [0.001, 0.1], as Mamba-2 does); conv weights U(-1/sqrt(K), 1/sqrt(K)).
+void init_params(ParamSet& params, uint64_t seed);
+
+}  // namespace hs::model

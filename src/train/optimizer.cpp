@@ -1,0 +1,49 @@
+#include "train/optimizer.h"
+
+#include <cmath>
+
+#include "kernels/adamw.h"
+
+namespace hs::train {
+
+double lr_at(const OptimizerConfig& c, int64_t step) {
+  if (c.warmup > 0 && step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup);
+  const int64_t decay_steps = std::max<int64_t>(1, c.total_steps - c.warmup);
+  const double t = std::min(1.0, static_cast<double>(step - c.warmup) / static_cast<double>(decay_steps));
+  const double cosine = 0.5 * (1.0 + std::cos(3.14159265358979323846 * t));
+  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+}
+
+AdamWOptimizer::AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem)
+    : cfg_(cfg),
+      m_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true),
+      v_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true) {}
+
+double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
+  double sq = 0;
+  for (auto& g : grads.all()) sq += kernels::sum_squares(g.tensor.as<float>(), g.tensor.numel());
+  const double norm = std::sqrt(sq);
+  if (cfg_.clip > 0 && norm > cfg_.clip) {
+    const float s = static_cast<float>(cfg_.clip / (norm + 1e-6));
+    for (auto& g : grads.all()) kernels::scale_inplace(g.tensor.as<float>(), g.tensor.numel(), s);
+  }
+  kernels::AdamWParams p;
+  p.lr = static_cast<float>(lr_at(cfg_, step_));
+  p.beta1 = static_cast<float>(cfg_.beta1);
+  p.beta2 = static_cast<float>(cfg_.beta2);
+  p.eps = static_cast<float>(cfg_.eps);
+  ++step_;
+  auto& ps = params.all();
+  for (size_t i = 0; i < ps.size(); ++i) {
+    p.weight_decay = ps[i].spec.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
+    Tensor& w = ps[i].tensor;
+    const float* g = grads.all()[i].tensor.as<float>();
+    float* m = m_.all()[i].tensor.as<float>();
+    float* v = v_.all()[i].tensor.as<float>();
+    if (w.dtype() == DType::F32) kernels::adamw_update(w.as<float>(), g, m, v, w.numel(), p, step_);
+    else kernels::adamw_update(w.as<bf16>(), g, m, v, w.numel(), p, step_);
+  }
+  return norm;
+}
+
+}  // namespace hs::train

@@ -1,0 +1,55 @@
+// The step schedule: the decoder run as a nested block scan (for each block, an inner loop over its local
+// linear-attention layers, then its global full-attention layer; then the remainder layers), forward then backward
+// in reverse, with a selectable rematerialisation policy. The same code runs real steps and, with a planning-mode
+// MemoryAccountant, the memory plan (shapes only).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "kernels/moe.h"
+#include "model/params.h"
+
+namespace hs::train {
+
+// none: every intermediate of every layer is kept for backward. block: only each block's input is kept and the
+// whole block is recomputed in backward (its layers' intermediates and weight casts live together). sublayer: each
+// layer's input is kept and one layer at a time is recomputed.
+enum class RematPolicy { None, Block, Sublayer };
+std::string remat_name(RematPolicy p);
+RematPolicy parse_remat(const std::string& s);  // throws std::invalid_argument
+DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
+
+struct StepOptions {
+  RematPolicy remat = RematPolicy::Sublayer;
+  DType compute = DType::BF16;
+};
+
+struct StepResult {
+  double loss = 0;  // ce + router_aux_coef * aux
+  double ce = 0;    // mean cross-entropy over counted targets (nats)
+  double aux = 0;   // load-balance loss (0 for dense models)
+  double ce_sum = 0;
+  int64_t count = 0;  // counted targets
+  std::vector<kernels::RouterStats> router;  // per layer, in scan order
+};
+
+// One batch: inputs and targets are [batch, seq] token ids; targets < 0 are ignored.
+struct Batch {
+  const int32_t* inputs;
+  const int32_t* targets;
+  int64_t batch, seq;
+};
+
+// Forward and backward. Allocates the gradients (fp32, MemCategory::Gradients) into *grads and fills them.
+StepResult forward_backward(const model::ParamSet& params, const Batch& b, const StepOptions& opt,
+                            MemoryAccountant& mem, std::unique_ptr<model::ParamSet>* grads);
+// Forward only: the loss, and when `logits` is given the fp32 logits [batch, seq, vocab].
+StepResult forward_only(const model::ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem,
+                        float* logits = nullptr);
+
+// The layers in scan order (block by block: local layers then the global layer; then the remainder).
+std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);
+
+}  // namespace hs::train

@@ -1,0 +1,192 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "model/params.h"
+#include "train/data.h"
+
+namespace hs::train {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string format_duration(double s) {
+  char b[32];
+  if (s >= 3600) std::snprintf(b, sizeof b, "%dh%02dm", int(s / 3600), int(std::fmod(s, 3600) / 60));
+  else if (s >= 60) std::snprintf(b, sizeof b, "%dm%02ds", int(s / 60), int(std::fmod(s, 60)));
+  else std::snprintf(b, sizeof b, "%.0fs", s);
+  return b;
+}
+
+}  // namespace
+
+EvalResult evaluate_tokens(const model::ParamSet& params, const std::vector<int32_t>& tokens, int64_t seq,
+                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches) {
+  EvalResult r;
+  double sum = 0;
+  int64_t done = 0;
+  for (const TokenBatch& tb : eval_windows(tokens, seq, batch)) {
+    if (max_batches >= 0 && done++ >= max_batches) break;
+    Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
+    StepResult s = forward_only(params, b, compute, mem);
+    sum += s.ce_sum;
+    r.count += s.count;
+  }
+  r.ce = r.count ? sum / static_cast<double>(r.count) : 0.0;
+  return r;
+}
+
+void write_svg_chart(const std::string& path, const std::string& title, const std::string& xlabel,
+                     const std::string& ylabel, const std::vector<Series>& series) {
+  double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
+  for (const auto& s : series)
+    for (auto [x, y] : s.points) {
+      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
+    }
+  if (x0 > x1) x0 = 0, x1 = 1, y0 = 0, y1 = 1;
+  if (x1 == x0) x1 = x0 + 1;
+  if (y1 == y0) y1 = y0 + 1;
+  const double W = 720, Hh = 420, L = 70, R = 20, T = 40, B = 50;
+  auto px = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
+  auto py = [&](double y) { return T + (1 - (y - y0) / (y1 - y0)) * (Hh - T - B); };
+  std::ostringstream o;
+  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << Hh
+    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
+  o << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">" << title << "</text>\n";
+  o << "<line x1=\"" << L << "\" y1=\"" << Hh - B << "\" x2=\"" << W - R << "\" y2=\"" << Hh - B << "\" stroke=\"black\"/>\n";
+  o << "<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << Hh - B << "\" stroke=\"black\"/>\n";
+  for (int i = 0; i <= 5; ++i) {
+    double yv = y0 + (y1 - y0) * i / 5, xv = x0 + (x1 - x0) * i / 5;
+    char b[64];
+    std::snprintf(b, sizeof b, "%.3g", yv);
+    o << "<text x=\"" << L - 6 << "\" y=\"" << py(yv) + 4 << "\" text-anchor=\"end\">" << b << "</text>\n";
+    o << "<line x1=\"" << L << "\" y1=\"" << py(yv) << "\" x2=\"" << W - R << "\" y2=\"" << py(yv) << "\" stroke=\"#eee\"/>\n";
+    std::snprintf(b, sizeof b, "%.0f", xv);
+    o << "<text x=\"" << px(xv) << "\" y=\"" << Hh - B + 18 << "\" text-anchor=\"middle\">" << b << "</text>\n";
+  }
+  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << Hh - 10 << "\" text-anchor=\"middle\">" << xlabel << "</text>\n";
+  o << "<text x=\"16\" y=\"" << (T + Hh - B) / 2 << "\" text-anchor=\"middle\" transform=\"rotate(-90 16 " << (T + Hh - B) / 2
+    << ")\">" << ylabel << "</text>\n";
+  int li = 0;
+  for (const auto& s : series) {
+    o << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\" points=\"";
+    for (auto [x, y] : s.points) o << px(x) << "," << py(y) << " ";
+    o << "\"/>\n<text x=\"" << W - R - 150 << "\" y=\"" << T + 16 * (li + 1) << "\" fill=\"" << s.color << "\">" << s.name
+      << "</text>\n";
+    ++li;
+  }
+  o << "</svg>\n";
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << o.str();
+    if (!f) throw std::runtime_error("cannot write '" + tmp + "'");
+  }
+  std::filesystem::rename(tmp, path);
+}
+
+TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
+  const model::ModelConfig cfg = model::load_config(o.model);
+  if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
+  Corpus corpus;
+  if (!o.synthetic) {
+    if (o.text.empty()) throw std::invalid_argument("no corpus: pass --text FILE (or --synthetic for random tokens)");
+    corpus = load_byte_corpus(o.text, o.heldout_fraction, o.seq);
+    if (cfg.vocab < 256)
+      throw std::invalid_argument("byte tokens need vocab_size >= 256; model '" + cfg.name + "' has " + std::to_string(cfg.vocab));
+  }
+  if (!o.out.empty()) std::filesystem::create_directories(o.out);
+
+  MemoryAccountant mem;
+  model::ParamSet params(cfg, o.weight_dtype, mem, MemCategory::Parameters, false);
+  model::init_params(params, o.seed);
+  OptimizerConfig oc = o.opt;
+  oc.total_steps = o.steps;
+  AdamWOptimizer opt(params, oc, mem);
+  log << "model: " << model::describe(cfg) << "\n"
+      << "params " << params.numel() << " (" << format_bytes(double(params.nbytes())) << " " << dtype_name(o.weight_dtype)
+      << "), remat " << remat_name(o.step.remat) << ", compute " << dtype_name(o.step.compute) << ", batch " << o.batch
+      << " x seq " << o.seq << ", " << o.steps << " steps";
+  if (!o.synthetic) log << ", corpus " << o.text << " (" << corpus.train.size() << " train / " << corpus.heldout.size() << " held-out bytes)";
+  log << "\n";
+
+  std::ofstream metrics;
+  if (!o.out.empty()) metrics.open(o.out + "/metrics.jsonl");
+  Series train_curve{"train loss", "#1f77b4", {}}, eval_curve{"held-out loss", "#d62728", {}};
+  TrainSummary sum;
+  const bool tty = o.progress && isatty(STDERR_FILENO);
+  const auto t_start = Clock::now();
+  double step_seconds = 0;
+  for (int64_t step = 0; step < o.steps; ++step) {
+    TokenBatch tb = o.synthetic ? synthetic_batch(cfg.vocab, o.batch, o.seq, o.seed, step)
+                                : sample_batch(corpus.train, o.batch, o.seq, o.seed, step);
+    Buffer batch_mem = mem.allocate(2 * tb.inputs.size() * sizeof(int32_t), MemCategory::Batch, "batch");
+    mem.reset_peak();
+    const auto t0 = Clock::now();
+    std::unique_ptr<model::ParamSet> grads;
+    Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
+    StepResult r = forward_backward(params, b, o.step, mem, &grads);
+    const double lr = lr_at(oc, step);
+    const double gnorm = opt.step(params, *grads);
+    grads.reset();
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    MemorySnapshot peak = mem.at_peak();
+    if (peak.total() > sum.peak.total()) sum.peak = peak;
+    step_seconds += dt;
+    sum.steps = step + 1;
+    sum.tokens += o.batch * o.seq;
+    sum.final_loss = r.loss;
+    sum.final_ce = r.ce;
+    train_curve.points.emplace_back(double(step + 1), r.ce);
+    const double tps = double(sum.tokens) / step_seconds;
+    nlohmann::json m = {{"step", step + 1}, {"loss", r.loss}, {"ce", r.ce}, {"aux", r.aux}, {"lr", lr},
+                        {"grad_norm", gnorm}, {"tokens_per_s", double(o.batch * o.seq) / dt},
+                        {"peak_bytes", peak.total()}};
+    const bool do_eval = !o.synthetic && o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps);
+    if (do_eval) {
+      EvalResult e = evaluate_tokens(params, corpus.heldout, o.seq, o.batch, o.step.compute, mem, o.eval_batches);
+      sum.eval_ce = e.ce;
+      eval_curve.points.emplace_back(double(step + 1), e.ce);
+      m["eval_ce"] = e.ce;
+      m["eval_bits_per_byte"] = e.ce / std::log(2.0);
+    }
+    if (metrics.is_open()) metrics << m.dump() << "\n" << std::flush;
+    if (o.progress) {
+      const double eta = step_seconds / double(step + 1) * double(o.steps - step - 1);
+      char line[256];
+      std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | %.0f tok/s | peak %s | lr %.2e | ETA %s",
+                    (long long)(step + 1), (long long)o.steps, r.loss, tps, format_bytes(double(peak.total())).c_str(), lr,
+                    format_duration(eta).c_str());
+      std::string s = line;
+      if (do_eval) {
+        std::snprintf(line, sizeof line, " | held-out %.4f (%.3f bits/byte)", sum.eval_ce, sum.eval_ce / std::log(2.0));
+        s += line;
+      }
+      if (tty) std::fprintf(stderr, "\r\033[K%s%s", s.c_str(), do_eval || step + 1 == o.steps ? "\n" : "");
+      else if (do_eval || step == 0 || (step + 1) % 10 == 0 || step + 1 == o.steps) std::fprintf(stderr, "%s\n", s.c_str());
+    }
+  }
+  sum.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
+  sum.tokens_per_s = step_seconds > 0 ? double(sum.tokens) / step_seconds : 0;
+  sum.peak_bytes = sum.peak.total();
+  sum.argument_bytes = sum.peak.argument();
+  sum.temp_bytes = sum.peak.temp();
+  if (!o.out.empty() && !train_curve.points.empty()) {
+    std::vector<Series> s{train_curve};
+    if (!eval_curve.points.empty()) s.push_back(eval_curve);
+    write_svg_chart(o.out + "/loss.svg", "hybridscan: " + cfg.name + " training loss", "step", "cross-entropy (nats)", s);
+  }
+  return sum;
+}
+
+}  // namespace hs::train
