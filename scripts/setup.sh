@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev nlohmann-json3-dev libcli11-dev libgtest-dev
-      libgmock-dev libbenchmark-dev bible-kjv-text)
+      libgmock-dev libbenchmark-dev bible-kjv bible-kjv-text)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -13,6 +13,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The default training corpus: the King James Bible (public domain), as plain text from Debian's bible-kjv.
+mkdir -p data
+if [ ! -s data/kjv.txt ]; then
+  bible "Genesis 1:1-Revelation 22:21" > data/kjv.txt.tmp && mv data/kjv.txt.tmp data/kjv.txt
 fi
 
 build=${1:-build}

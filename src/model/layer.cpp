@@ -14,11 +14,21 @@ namespace hs::model {
 using namespace hs::kernels;
 
 template <typename T>
-ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem) {
+ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
+                                  Collectives* comm) {
   ComputeWeights<T> cw;
   auto specs = layer_specs(c, w.kind);
   for (size_t i = 0; i < specs.size(); ++i) {
     const TensorView& t = w[i];
+    if (w.shards > 1) {
+      if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
+      const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
+      Buffer full = mem.allocate(static_cast<size_t>(t.numel()) * dtype_size(to), MemCategory::WeightCasts, "gathered_weight");
+      comm->all_gather(t, full.data(), to, t.numel());
+      cw.ptr.push_back(full.data());
+      cw.owned.push_back(std::move(full));
+      continue;
+    }
     if (specs[i].is_matrix) {
       Converted<T> m = as_type<T>(t, mem, MemCategory::WeightCasts, "weight_cast");
       cw.ptr.push_back(m.ptr);
@@ -293,7 +303,7 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   const int64_t N = ctx.tokens(), H = c.hidden;
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
-  s.weights = compute_weights<T>(c, lw, mem);
+  s.weights = compute_weights<T>(c, lw, mem, ctx.comm);
   const ComputeWeights<T>& w = s.weights;
   Alloc A{mem, keep};
   {
@@ -355,7 +365,7 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
 }
 
 #define HS_INSTANTIATE(T)                                                                                          \
-  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&);        \
+  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&, Collectives*);        \
   template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*);   \
   template void layer_backward<T>(const LayerContext&, const LayerWeights&, const LayerWeights&, const T*,          \
                                   const LayerSaved<T>&, const float*, float*, const float*);

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/collectives.h"
 #include "core/memory.h"
 #include "kernels/attention.h"
 #include "kernels/delta_rule.h"
@@ -21,11 +22,13 @@ struct LayerContext {
   MemoryAccountant& mem;
   int64_t batch, seq;          // the layer sees batch*seq tokens
   const int32_t* positions;    // [batch*seq] token positions (0..seq-1 per sequence)
+  Collectives* comm = nullptr; // gathers sharded weights (needed when the weights are sharded)
   int64_t tokens() const { return batch * seq; }
 };
 
-// A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts are
-// temporaries of this sub-layer (MemCategory::WeightCasts); when the storage dtype already matches, nothing is copied.
+// A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts and
+// all-gathered shards are temporaries of this sub-layer (MemCategory::WeightCasts); when the weights are unsharded and
+// the storage dtype already matches, nothing is copied.
 template <typename T> struct ComputeWeights {
   std::vector<Buffer> owned;
   std::vector<const void*> ptr;
@@ -33,7 +36,8 @@ template <typename T> struct ComputeWeights {
   const float* vec(size_t i) const { return static_cast<const float*>(ptr[i]); }
 };
 template <typename T>
-ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem);
+ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
+                                  Collectives* comm);
 
 // Everything a layer keeps between its forward and its backward (all accounted: MemCategory::Activations, and the
 // weight casts). Unused members stay empty.

@@ -90,15 +90,18 @@ int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s) {
   return -1;
 }
 
-ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero)
-    : cfg_(c) {
+ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero,
+                   int64_t shards)
+    : cfg_(c), shards_(shards) {
+  if (shards < 1) throw std::invalid_argument("shard count must be >= 1");
   auto add = [&](const std::string& prefix, const ParamSpec& s, const Shape& lead) {
     Shape full = lead;
     full.insert(full.end(), s.shape.begin(), s.shape.end());
     DType t = (s.keep_fp32 || cat != MemCategory::Parameters) ? DType::F32 : weight_dtype;
     std::string name = prefix + s.name;
-    Tensor tensor = zero ? Tensor::zeros(mem, cat, t, full, name) : Tensor::empty(mem, cat, t, full, name);
-    params_.push_back({name, s, lead, std::move(tensor)});
+    Shape stored = shards == 1 ? full : Shape{(hs::numel(full) + shards - 1) / shards};
+    Tensor tensor = zero ? Tensor::zeros(mem, cat, t, stored, name) : Tensor::empty(mem, cat, t, stored, name);
+    params_.push_back({name, s, lead, std::move(tensor), full, t});
   };
   for (const auto& s : global_specs(c)) add("", s, {});
   struct G { StackGroup g; Shape lead; LayerKind kind; };
@@ -119,9 +122,16 @@ const StackedParam* ParamSet::find(const std::string& name) const {
 }
 
 LayerWeights ParamSet::layer(const LayerSlot& s) const {
-  LayerWeights w{s.kind(), {}};
+  LayerWeights w{s.kind(), {}, shards_};
   size_t n = layer_specs(cfg_, s.kind()).size();
   size_t first = first_[static_cast<int>(s.group)];
+  if (shards_ > 1) {
+    for (size_t i = 0; i < n; ++i) {
+      const StackedParam& sp = params_.at(first + i);
+      w.t.emplace_back(nullptr, sp.dtype, sp.spec.shape);
+    }
+    return w;
+  }
   for (size_t i = 0; i < n; ++i) {
     const TensorView& full = params_.at(first + i).tensor.view();
     TensorView v = full[s.block];

@@ -47,6 +47,7 @@ enum Global { kEmbed = 0, kFinalNorm, kLmHead };
 struct LayerWeights {
   LayerKind kind;
   std::vector<TensorView> t;  // in layer_specs order
+  int64_t shards = 1;         // > 1: the views carry per-layer shapes and dtypes only; the data is sharded
   const TensorView& operator[](size_t i) const { return t[i]; }
 };
 
@@ -55,7 +56,9 @@ struct StackedParam {
   std::string name;   // "local.linear_attn.in_proj_qkv.weight", "global.self_attn.q_proj.weight", "embed_tokens.weight"
   ParamSpec spec;
   Shape lead;         // stacking axes
-  Tensor tensor;      // shape lead ++ spec.shape
+  Tensor tensor;      // shape lead ++ spec.shape (unsharded), or this rank's 1-D shard
+  Shape full_shape;   // lead ++ spec.shape
+  DType dtype;
 };
 
 // Where a decoder layer lives in the stacks.
@@ -74,7 +77,10 @@ int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s);
 class ParamSet {
  public:
   ParamSet() = default;
-  ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero);
+  // shards > 1: fully-sharded data parallelism; each tensor holds ceil(numel / shards) elements (1-D) on this rank.
+  ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero,
+           int64_t shards = 1);
+  int64_t shards() const { return shards_; }
 
   const ModelConfig& config() const { return cfg_; }
   std::vector<StackedParam>& all() { return params_; }
@@ -82,12 +88,14 @@ class ParamSet {
   const StackedParam* find(const std::string& name) const;
   LayerWeights layer(const LayerSlot& s) const;
   const TensorView& global(g::Global which) const { return params_[static_cast<size_t>(which)].tensor.view(); }
+  const StackedParam& global_param(g::Global which) const { return params_[static_cast<size_t>(which)]; }
   int64_t numel() const;
   size_t nbytes() const;
   void zero();
 
  private:
   ModelConfig cfg_;
+  int64_t shards_ = 1;
   std::vector<StackedParam> params_;  // globals first, then local, global, remainder stacks in spec order
   size_t first_[3] = {0, 0, 0};       // index of each group's first tensor
 };

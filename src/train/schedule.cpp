@@ -76,24 +76,87 @@ struct Runner {
   int64_t N, H;
   Buffer positions;
   std::vector<LayerSlot> slots;
+  LocalCollectives local;
+  Collectives* comm;
 
-  Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m)
+  Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group)
       : params(p), c(p.config()), b(bt), mem(m), P(m.planning()), N(bt.batch * bt.seq), H(p.config().hidden),
-        slots(scan_order(p.config())) {
+        slots(scan_order(p.config())), comm(group ? group : &local) {
+    if (comm->size() != p.shards())
+      throw std::invalid_argument("parameters are sharded " + std::to_string(p.shards()) + " ways but the group has " +
+                                  std::to_string(comm->size()) + " ranks");
     positions = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "positions");
     if (!P)
-      for (int64_t i = 0; i < N; ++i) positions.as<int32_t>()[i] = static_cast<int32_t>(i % b.seq);
+      for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
   }
-  model::LayerContext ctx() const { return {c, mem, b.batch, b.seq, positions.as<int32_t>()}; }
+  model::LayerContext ctx() const { return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm}; }
+  bool sharded() const { return params.shards() > 1; }
+
+  // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
+  // the storage dtype differs, else used in place.
+  template <typename E> model::Converted<E> global_weight(model::g::Global which) {
+    const model::StackedParam& sp = params.global_param(which);
+    if (!sharded()) return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
+    model::Converted<E> r;
+    const int64_t n = hs::numel(sp.full_shape);
+    r.owned = mem.allocate_n<E>(static_cast<size_t>(n), MemCategory::WeightCasts, "gathered_weight");
+    comm->all_gather(sp.tensor.view(), r.owned.data(), dtype_of<E>(), n);
+    r.ptr = static_cast<const E*>(r.owned.data());
+    return r;
+  }
+
+  // Where a layer's backward accumulates its gradients: the gradient stacks themselves, or, when sharded, full-size
+  // temporaries that are reduce-scattered into this rank's shards once the layer's backward is done.
+  struct GradTarget {
+    std::vector<Buffer> full;
+    model::LayerWeights view;
+  };
+  GradTarget layer_grads(ParamSet& grads, const LayerSlot& s) {
+    GradTarget g;
+    g.view = grads.layer(s);
+    if (!sharded()) return g;
+    for (TensorView& v : g.view.t) {
+      g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(v.numel()), MemCategory::Gradients, "layer_grad", true));
+      v.data = g.full.back().data();
+      v.dtype = DType::F32;
+    }
+    g.view.shards = 1;
+    return g;
+  }
+  void reduce_scatter(GradTarget& g) {
+    for (size_t i = 0; i < g.full.size(); ++i) comm->reduce_scatter(ptr<float>(g.full[i]), g.view.t[i].numel(), nullptr);
+    g.full.clear();
+  }
+  struct GlobalGrad {
+    Buffer full;
+    float* ptr;
+  };
+  GlobalGrad global_grad(ParamSet& grads, model::g::Global which) {
+    const model::StackedParam& sp = grads.global_param(which);
+    if (!sharded()) return {Buffer(), static_cast<float*>(sp.tensor.data())};
+    Buffer full = mem.allocate_n<float>(static_cast<size_t>(hs::numel(sp.full_shape)), MemCategory::Gradients, "global_grad", true);
+    float* p = ptr<float>(full);
+    return {std::move(full), p};
+  }
+  void reduce_scatter(GlobalGrad& g, ParamSet& grads, model::g::Global which) {
+    if (!sharded()) return;
+    comm->reduce_scatter(ptr<float>(g.full), hs::numel(grads.global_param(which).full_shape), nullptr);
+    g.full.reset();
+  }
 
   Buffer embed(MemCategory cat) {
     Buffer h = mem.allocate_n<T>(static_cast<size_t>(N * H), cat, "h.embed");
+    if (sharded()) {
+      model::Converted<T> table = global_weight<T>(model::g::kEmbed);
+      if (!P) kernels::embedding_forward(b.inputs, N, table.ptr, c.vocab, H, ptr<T>(h));
+      return h;
+    }
     if (P) return h;
     const TensorView& e = params.global(model::g::kEmbed);
     if (e.dtype == DType::F32)
-      kernels::embedding_forward(b.inputs, N, static_cast<const float*>(e.data), c.vocab, H, h.as<T>());
+      kernels::embedding_forward(b.inputs, N, static_cast<const float*>(e.data), c.vocab, H, ptr<T>(h));
     else
-      kernels::embedding_forward(b.inputs, N, static_cast<const bf16*>(e.data), c.vocab, H, h.as<T>());
+      kernels::embedding_forward(b.inputs, N, static_cast<const bf16*>(e.data), c.vocab, H, ptr<T>(h));
     return h;
   }
 
@@ -101,22 +164,22 @@ struct Runner {
   kernels::XentResult head(const T* h_last, float grad_scale, ParamSet* grads, float* dh_last, float* logits) {
     Buffer xf = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.out");
     Buffer rstd = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
-    model::Converted<float> wn = model::as_type<float>(params.global(model::g::kFinalNorm), mem,
-                                                       MemCategory::WeightCasts, "weight_cast");
-    if (!P) kernels::rmsnorm_forward(h_last, wn.ptr, xf.as<T>(), rstd.as<float>(), N, H, float(c.rms_eps));
-    model::Converted<T> wl = model::as_type<T>(params.global(model::g::kLmHead), mem, MemCategory::WeightCasts,
-                                               "weight_cast");
-    if (logits && !P) kernels::matmul(xf.as<T>(), wl.ptr, logits, N, c.vocab, H, false, true);
-    if (!grads) return kernels::lm_head_xent(xf.as<T>(), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
+    model::Converted<float> wn = global_weight<float>(model::g::kFinalNorm);
+    if (!P) kernels::rmsnorm_forward(h_last, wn.ptr, ptr<T>(xf), ptr<float>(rstd), N, H, float(c.rms_eps));
+    model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
+    if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
+    if (!grads) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
     Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
-    float* dW = static_cast<float*>(grads->global(model::g::kLmHead).data);
+    GlobalGrad dW = global_grad(*grads, model::g::kLmHead);
     kernels::XentResult r =
-        kernels::lm_head_xent(xf.as<T>(), wl.ptr, b.targets, N, H, c.vocab, grad_scale, dxf.as<float>(), dW, mem);
+        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem);
+    reduce_scatter(dW, *grads, model::g::kLmHead);
+    GlobalGrad dn = global_grad(*grads, model::g::kFinalNorm);
     if (!P) {
       std::memset(dh_last, 0, sizeof(float) * static_cast<size_t>(N * H));
-      kernels::rmsnorm_backward(h_last, wn.ptr, rstd.as<float>(), dxf.as<float>(), dh_last,
-                                static_cast<float*>(grads->global(model::g::kFinalNorm).data), N, H);
+      kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H);
     }
+    reduce_scatter(dn, *grads, model::g::kFinalNorm);
     return r;
   }
 
@@ -135,10 +198,10 @@ struct Runner {
     Buffer h = embed(MemCategory::Workspace);
     for (const LayerSlot& s : slots) {
       Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.layer_out");
-      r.router.push_back(model::layer_forward<T>(ctx(), params.layer(s), h.as<T>(), out.as<T>(), nullptr));
+      r.router.push_back(model::layer_forward<T>(ctx(), params.layer(s), ptr<T>(h), ptr<T>(out), nullptr));
       h = std::move(out);
     }
-    finish(r, head(h.as<T>(), 0.f, nullptr, nullptr, logits), nullptr);
+    finish(r, head(ptr<T>(h), 0.f, nullptr, nullptr, logits), nullptr);
     return r;
   }
 
@@ -158,31 +221,33 @@ struct Runner {
       Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), out_cat, "h.layer_out");
       if (policy == RematPolicy::None) states[i] = std::make_unique<model::LayerSaved<T>>();
       r.router.push_back(
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), h.as<T>(), out.as<T>(), states[i].get()));
+          model::layer_forward<T>(ctx(), params.layer(slots[i]), ptr<T>(h), ptr<T>(out), states[i].get()));
       if (keeps_input(i)) kept[i] = std::move(h);
       h = std::move(out);
     }
     kept[L] = std::move(h);
 
-    grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true));
+    grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
     ParamSet& grads = **grads_out;
     const int64_t count = count_targets(b, P);
     Buffer dh = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");
     std::vector<float> dprob;
-    finish(r, head(kept[L].as<T>(), count ? 1.0f / static_cast<float>(count) : 0.f, &grads, dh.as<float>(), nullptr),
+    finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, &grads, ptr<float>(dh), nullptr),
            c.moe() ? &dprob : nullptr);
     kept[L].reset();
     const float* aux_dprob = c.moe() ? dprob.data() : nullptr;
 
     Buffer dh_prev = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");
     auto backward_one = [&](size_t i, const T* h_in, const model::LayerSaved<T>& st) {
-      model::layer_backward<T>(ctx(), params.layer(slots[i]), grads.layer(slots[i]), h_in, st, dh.as<float>(),
-                               dh_prev.as<float>(), aux_dprob);
+      GradTarget gt = layer_grads(grads, slots[i]);
+      model::layer_backward<T>(ctx(), params.layer(slots[i]), gt.view, h_in, st, ptr<float>(dh), ptr<float>(dh_prev),
+                               aux_dprob);
+      reduce_scatter(gt);
       std::swap(dh, dh_prev);
     };
     if (policy == RematPolicy::None) {
       for (size_t i = L; i-- > 0;) {
-        backward_one(i, kept[i].as<T>(), *states[i]);
+        backward_one(i, ptr<T>(kept[i]), *states[i]);
         states[i].reset();
         kept[i].reset();
       }
@@ -191,9 +256,9 @@ struct Runner {
         model::LayerSaved<T> st;
         {
           Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.recompute_out");
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), kept[i].as<T>(), out.as<T>(), &st);
+          model::layer_forward<T>(ctx(), params.layer(slots[i]), ptr<T>(kept[i]), ptr<T>(out), &st);
         }
-        backward_one(i, kept[i].as<T>(), st);
+        backward_one(i, ptr<T>(kept[i]), st);
         kept[i].reset();
       }
     } else {
@@ -205,14 +270,14 @@ struct Runner {
         std::vector<Buffer> inputs;
         std::vector<std::unique_ptr<model::LayerSaved<T>>> st;
         for (size_t i = start; i < end; ++i) {
-          const T* in = i == start ? kept[start].as<T>() : inputs.back().as<T>();
+          const T* in = i == start ? ptr<T>(kept[start]) : ptr<T>(inputs.back());
           Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.recompute_out");
           st.push_back(std::make_unique<model::LayerSaved<T>>());
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), in, out.as<T>(), st.back().get());
+          model::layer_forward<T>(ctx(), params.layer(slots[i]), in, ptr<T>(out), st.back().get());
           if (i + 1 < end) inputs.push_back(std::move(out));
         }
         for (size_t i = end; i-- > start;) {
-          const T* in = i == start ? kept[start].as<T>() : inputs[i - start - 1].as<T>();
+          const T* in = i == start ? ptr<T>(kept[start]) : ptr<T>(inputs[i - start - 1]);
           backward_one(i, in, *st[i - start]);
           st[i - start].reset();
           if (i > start) inputs[i - start - 1].reset();
@@ -221,9 +286,9 @@ struct Runner {
         end = start;
       }
     }
-    if (!P)
-      kernels::embedding_backward(b.inputs, N, dh.as<float>(), c.vocab, H,
-                                  static_cast<float*>(grads.global(model::g::kEmbed).data));
+    GlobalGrad de = global_grad(grads, model::g::kEmbed);
+    if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
+    reduce_scatter(de, grads, model::g::kEmbed);
     return r;
   }
 };
@@ -232,13 +297,14 @@ struct Runner {
 
 StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOptions& opt, MemoryAccountant& mem,
                             std::unique_ptr<ParamSet>* grads) {
-  if (opt.compute == DType::F32) return Runner<float>(params, b, mem).forward_backward(opt.remat, grads);
-  return Runner<bf16>(params, b, mem).forward_backward(opt.remat, grads);
+  if (opt.compute == DType::F32) return Runner<float>(params, b, mem, opt.comm).forward_backward(opt.remat, grads);
+  return Runner<bf16>(params, b, mem, opt.comm).forward_backward(opt.remat, grads);
 }
 
-StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits) {
-  if (compute == DType::F32) return Runner<float>(params, b, mem).forward_only(logits);
-  return Runner<bf16>(params, b, mem).forward_only(logits);
+StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits,
+                        Collectives* comm) {
+  if (compute == DType::F32) return Runner<float>(params, b, mem, comm).forward_only(logits);
+  return Runner<bf16>(params, b, mem, comm).forward_only(logits);
 }
 
 }  // namespace hs::train

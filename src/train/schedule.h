@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/collectives.h"
 #include "core/memory.h"
 #include "kernels/moe.h"
 #include "model/params.h"
@@ -24,6 +25,10 @@ DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
 struct StepOptions {
   RematPolicy remat = RematPolicy::Sublayer;
   DType compute = DType::BF16;
+  // The data-parallel group the parameters are sharded over (fully-sharded data parallelism). Null: one process.
+  // When params.shards() > 1, each sub-layer's weights are all-gathered into a temporary just before it runs (and
+  // again for its recompute) and its gradients are reduce-scattered right after its backward.
+  Collectives* comm = nullptr;
 };
 
 struct StepResult {
@@ -47,7 +52,7 @@ StepResult forward_backward(const model::ParamSet& params, const Batch& b, const
                             MemoryAccountant& mem, std::unique_ptr<model::ParamSet>* grads);
 // Forward only: the loss, and when `logits` is given the fp32 logits [batch, seq, vocab].
 StepResult forward_only(const model::ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem,
-                        float* logits = nullptr);
+                        float* logits = nullptr, Collectives* comm = nullptr);
 
 // The layers in scan order (block by block: local layers then the global layer; then the remainder).
 std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);
