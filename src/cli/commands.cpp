@@ -2,6 +2,9 @@
 
 namespace hs::cli {
 
-void register_commands(CLI::App& app) { register_train(app); }
+void register_commands(CLI::App& app) {
+  register_train(app);
+  register_plan(app);
+}
 
 }  // namespace hs::cli

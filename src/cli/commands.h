@@ -5,4 +5,5 @@ namespace hs::cli {
 // Adds every subcommand (train, eval, ...) to the app; each runs from its callback.
 void register_commands(CLI::App& app);
 void register_train(CLI::App& app);
+void register_plan(CLI::App& app);
 }  // namespace hs::cli

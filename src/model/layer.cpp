@@ -23,14 +23,14 @@ ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, M
     if (w.shards > 1) {
       if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
       const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
-      Buffer full = mem.allocate(static_cast<size_t>(t.numel()) * dtype_size(to), MemCategory::WeightCasts, "gathered_weight");
+      Buffer full = mem.allocate(static_cast<size_t>(t.numel()) * dtype_size(to), MemCategory::WeightCasts, "gathered:" + specs[i].name);
       comm->all_gather(t, full.data(), to, t.numel());
       cw.ptr.push_back(full.data());
       cw.owned.push_back(std::move(full));
       continue;
     }
     if (specs[i].is_matrix) {
-      Converted<T> m = as_type<T>(t, mem, MemCategory::WeightCasts, "weight_cast");
+      Converted<T> m = as_type<T>(t, mem, MemCategory::WeightCasts, ("cast:" + specs[i].name).c_str());
       cw.ptr.push_back(m.ptr);
       if (!m.owned.empty()) cw.owned.push_back(std::move(m.owned));
     } else {

@@ -1,0 +1,104 @@
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "planner/plan.h"
+
+namespace hs::cli {
+
+namespace {
+
+struct PlanArgs {
+  std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", chip, hbm;
+  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024;
+  bool compare = false, json = false;
+};
+
+nlohmann::json to_json(const planner::PlanResult& p) {
+  nlohmann::json cat, largest = nlohmann::json::array();
+  for (size_t i = 0; i < kNumMemCategories; ++i)
+    if (!is_argument(static_cast<MemCategory>(i))) cat[std::string(category_name(static_cast<MemCategory>(i)))] = p.peak.bytes[i];
+  for (const auto& b : p.peak.largest)
+    largest.push_back({{"name", b.tag}, {"category", std::string(category_name(b.category))}, {"bytes", b.bytes}});
+  return {{"remat", train::remat_name(p.remat)}, {"fsdp", p.fsdp},
+          {"argument_bytes", p.argument_bytes}, {"output_bytes", p.output_bytes}, {"alias_bytes", p.alias_bytes},
+          {"temp_bytes", p.temp_bytes}, {"total_bytes", p.total_bytes}, {"hbm_bytes", p.hbm_bytes},
+          {"fits", p.fits}, {"temp_by_category", cat}, {"largest_at_peak", largest}, {"plan_seconds", p.seconds}};
+}
+
+std::string gb(size_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GB", double(b) / 1e9);
+  return s;
+}
+
+}  // namespace
+
+void register_plan(CLI::App& app) {
+  auto a = std::make_shared<PlanArgs>();
+  CLI::App* c = app.add_subcommand("plan", "Predict the per-device memory of a training step (no hardware needed)");
+  c->add_option("--model", a->model, "Preset name or Hugging Face config.json")->capture_default_str();
+  c->add_option("--devices", a->devices, "Devices in the job")->capture_default_str();
+  c->add_option("--fsdp", a->fsdp, "FSDP group size (default: all devices)");
+  c->add_option("--batch-per-device", a->batch, "Sequences per device per step")->capture_default_str();
+  c->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();
+  c->add_option("--remat", a->remat, "none | block | sublayer | auto")
+      ->check(CLI::IsMember({"none", "block", "sublayer", "auto"}))->capture_default_str();
+  c->add_option("--weight-dtype", a->weight_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->add_option("--compute-dtype", a->compute_dtype, "bf16 | fp32")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  auto* chip = c->add_option("--chip", a->chip, "v5p | v6e | tpu7x | h100 | h200 (sets the HBM per device)");
+  auto* hbm = c->add_option("--hbm", a->hbm, "HBM per device, e.g. 95GiB or 80GB");
+  chip->excludes(hbm);
+  c->add_flag("--compare", a->compare, "Plan none, block and sublayer side by side");
+  c->add_flag("--json", a->json, "Print JSON");
+  c->callback([a] {
+    planner::PlanRequest r;
+    r.model = model::load_config(a->model);
+    r.devices = a->devices;
+    r.fsdp = a->fsdp;
+    r.batch_per_device = a->batch;
+    r.seq = a->seq;
+    r.weight_dtype = train::parse_dtype(a->weight_dtype);
+    r.compute_dtype = train::parse_dtype(a->compute_dtype);
+    r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);
+    std::vector<planner::PlanResult> plans;
+    if (a->compare) {
+      for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
+        r.remat = p;
+        plans.push_back(planner::plan(r));
+      }
+    } else if (a->remat == "auto") {
+      if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --hbm");
+      plans.push_back(planner::plan_auto(r, r.hbm_bytes));
+    } else {
+      r.remat = train::parse_remat(a->remat);
+      plans.push_back(planner::plan(r));
+    }
+    if (a->json) {
+      nlohmann::json j = a->compare ? nlohmann::json::array() : to_json(plans[0]);
+      if (a->compare)
+        for (const auto& p : plans) j.push_back(to_json(p));
+      std::printf("%s\n", j.dump().c_str());
+      return;
+    }
+    std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
+                model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
+                (long long)r.seq, a->weight_dtype.c_str(), a->compute_dtype.c_str());
+    std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
+    for (const auto& p : plans)
+      std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),
+                  gb(p.temp_bytes).c_str(), gb(p.total_bytes).c_str(), p.hbm_bytes ? gb(p.hbm_bytes).c_str() : "-",
+                  p.hbm_bytes ? (p.fits ? "yes" : "NO") : "-");
+    const auto& last = plans.back();
+    std::printf("temp of '%s' by category:", train::remat_name(last.remat).c_str());
+    for (size_t i = 0; i < kNumMemCategories; ++i)
+      if (!is_argument(static_cast<MemCategory>(i)))
+        std::printf(" %s %s;", std::string(category_name(static_cast<MemCategory>(i))).c_str(), gb(last.peak.bytes[i]).c_str());
+    std::printf("\nlargest live buffers at the peak:\n");
+    for (const auto& b : last.peak.largest)
+      std::printf("  %-24s %-16s %s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(), gb(b.bytes).c_str());
+  });
+}
+
+}  // namespace hs::cli

@@ -1,0 +1,68 @@
+#include "planner/plan.h"
+
+#include <chrono>
+#include <stdexcept>
+
+#include "core/collectives.h"
+#include "model/params.h"
+
+namespace hs::planner {
+
+size_t chip_hbm_bytes(const std::string& chip) {
+  const double GiB = 1024.0 * 1024 * 1024;
+  if (chip == "v5p") return static_cast<size_t>(95 * GiB);
+  if (chip == "v6e") return static_cast<size_t>(32 * GiB);
+  if (chip == "tpu7x") return static_cast<size_t>(192 * GiB);
+  if (chip == "h100") return static_cast<size_t>(80e9);
+  if (chip == "h200") return static_cast<size_t>(141e9);
+  throw std::invalid_argument("unknown chip '" + chip + "' (known: v5p, v6e, tpu7x, h100, h200; or give --hbm SIZE)");
+}
+
+PlanResult plan(const PlanRequest& r) {
+  const auto t0 = std::chrono::steady_clock::now();
+  r.model.validate();
+  if (r.devices < 1 || r.batch_per_device < 1 || r.seq < 1)
+    throw std::invalid_argument("--devices, --batch-per-device and --seq must be >= 1");
+  const int64_t fsdp = r.fsdp > 0 ? r.fsdp : r.devices;
+  if (r.devices % fsdp != 0)
+    throw std::invalid_argument("--fsdp " + std::to_string(fsdp) + " must divide --devices " + std::to_string(r.devices));
+  MemoryAccountant mem(/*planning=*/true);
+  VirtualCollectives group(fsdp);
+  // Arguments: this device's shard of the parameters and of both AdamW moments, and its batch.
+  model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false, fsdp);
+  model::ParamSet m(r.model, DType::F32, mem, MemCategory::OptimizerState, false, fsdp);
+  model::ParamSet v(r.model, DType::F32, mem, MemCategory::OptimizerState, false, fsdp);
+  const int64_t tokens = r.batch_per_device * r.seq;
+  Buffer batch = mem.allocate(2 * static_cast<size_t>(tokens) * sizeof(int32_t), MemCategory::Batch, "batch");
+  mem.reset_peak();
+  std::unique_ptr<model::ParamSet> grads;
+  train::Batch b{nullptr, nullptr, r.batch_per_device, r.seq};
+  train::StepOptions opt{r.remat, r.compute_dtype, &group};
+  train::forward_backward(params, b, opt, mem, &grads);
+
+  PlanResult out;
+  out.remat = r.remat;
+  out.fsdp = fsdp;
+  out.peak = mem.at_peak();
+  out.argument_bytes = out.peak.argument();
+  // The step returns the updated parameters and moments, written in place over the donated arguments.
+  out.output_bytes = out.peak.bytes[size_t(MemCategory::Parameters)] + out.peak.bytes[size_t(MemCategory::OptimizerState)];
+  out.alias_bytes = out.output_bytes;
+  out.temp_bytes = out.peak.temp();
+  out.total_bytes = out.argument_bytes + out.output_bytes + out.temp_bytes - out.alias_bytes;
+  out.hbm_bytes = r.hbm_bytes;
+  out.fits = r.hbm_bytes == 0 || out.total_bytes <= r.hbm_bytes;
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+PlanResult plan_auto(PlanRequest r, size_t budget) {
+  r.hbm_bytes = budget;
+  r.remat = train::RematPolicy::None;
+  PlanResult none = plan(r);
+  if (none.fits) return none;
+  r.remat = train::RematPolicy::Sublayer;
+  return plan(r);
+}
+
+}  // namespace hs::planner

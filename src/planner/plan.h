@@ -1,0 +1,43 @@
+// Ahead-of-time memory planning: the engine's own step schedule run over shapes only (a planning-mode
+// MemoryAccountant and virtual collectives), for any model, cluster size and remat policy. The plan cannot drift from
+// what the engine does because it is what the engine does, minus the arithmetic.
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/memory.h"
+#include "model/config.h"
+#include "train/schedule.h"
+
+namespace hs::planner {
+
+struct PlanRequest {
+  model::ModelConfig model;
+  int64_t devices = 1;
+  int64_t fsdp = 0;              // shards of parameters/gradients/optimizer state; 0: all devices
+  int64_t batch_per_device = 1;
+  int64_t seq = 1024;
+  train::RematPolicy remat = train::RematPolicy::Sublayer;
+  DType weight_dtype = DType::F32;
+  DType compute_dtype = DType::BF16;
+  size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
+};
+
+struct PlanResult {
+  train::RematPolicy remat;
+  int64_t fsdp = 1;
+  size_t argument_bytes = 0, output_bytes = 0, alias_bytes = 0, temp_bytes = 0, total_bytes = 0, hbm_bytes = 0;
+  bool fits = true;
+  MemorySnapshot peak;  // live bytes per category at the peak, and the largest buffers then
+  double seconds = 0;   // time spent planning
+};
+
+PlanResult plan(const PlanRequest& r);
+// HBM per chip by name (v5p 95 GiB, v6e 32 GiB, tpu7x 192 GiB, h100 80 GB, h200 141 GB); throws for unknown names.
+size_t chip_hbm_bytes(const std::string& chip);
+// --remat auto: the policy with the least recomputation whose plan fits `budget` (none, else sublayer, which never
+// plans above block); if nothing fits, sublayer (the smallest) with fits = false.
+PlanResult plan_auto(PlanRequest r, size_t budget);
+
+}  // namespace hs::planner
