@@ -2,6 +2,10 @@
 //   attn = softmax(q k^T * hd^-0.5, causal) v   (softmax in fp32),   out = attn * sigmoid(gate).
 // The fast path is tiled flash-style: an online softmax over key tiles, so no [T, T] score matrix is
 // ever materialised; backward recomputes the probabilities from the saved log-sum-exp.
+// Workspace (MemCategory::Workspace, freed on return), all linear in T: the forward converts k and v to
+// fp32 (2 * B * kv_heads * T * hd floats, with T rounded up to 64 and hd to 16); the backward also q and
+// dL/d(attn) (2 * B * q_heads * T * hd floats more) and one float per query; both add per-thread tiles
+// of ~(4 * 64 * hd + 8192) floats.
 #pragma once
 #include <cstdint>
 
