@@ -75,12 +75,15 @@ inline void micro_kernel(int64_t K, const float* A, int64_t lda, const float* B,
 template <bool kTransA>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                int64_t ldc, bool accumulate) {
-  for (int64_t i = 0; i < M; i += 8) {
-    const float* Ai = kTransA ? A + i : A + i * lda;
-    float* Ci = C + i * ldc;
-    int64_t j = 0;
-    for (; j + 32 <= N; j += 32) micro_kernel<kTransA, 2>(K, Ai, lda, B + j, ldb, Ci + j, ldc, accumulate);
-    if (j < N) micro_kernel<kTransA, 1>(K, Ai, lda, B + j, ldb, Ci + j, ldc, accumulate);
+  // Column blocks outside: a [K, 32] panel of B stays in L1 while the row blocks stream past it.
+  for (int64_t j = 0; j < N; j += 32) {
+    for (int64_t i = 0; i < M; i += 8) {
+      const float* Ai = kTransA ? A + i : A + i * lda;
+      if (j + 32 <= N)
+        micro_kernel<kTransA, 2>(K, Ai, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+      else
+        micro_kernel<kTransA, 1>(K, Ai, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+    }
   }
 }
 
