@@ -1,5 +1,6 @@
 // Plain references for attention.h and rope.h: the textbook formulas with the full [T, T] score
 // matrix, written for clarity and run in double by the tests.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
