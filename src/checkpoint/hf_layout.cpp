@@ -46,10 +46,10 @@ struct Builder {
 
 }  // namespace
 
-HfLayout hf_layout(const ModelConfig& c, ExpertLayout experts) {
+HfLayout hf_layout(const ModelConfig& c, ExpertLayout experts, const std::string& prefix) {
   Builder b(c);
   HfLayout& out = b.out;
-  out.prefix = hf_prefix(c.family);
+  out.prefix = prefix.empty() ? hf_prefix(c.family) : prefix;
   const int64_t H = c.hidden;
   auto add_plain = [&](const std::string& hf_name, Shape shape, const std::string& stacked_name, int64_t at) {
     HfTensor t{hf_name, std::move(shape), {}};
@@ -119,6 +119,23 @@ HfLayout hf_layout(const ModelConfig& c, ExpertLayout experts) {
     }
   }
   return out;
+}
+
+DetectedHfLayout detect_hf_layout(const std::vector<std::string>& names, const ModelConfig& c) {
+  DetectedHfLayout d{"", c.moe() ? default_expert_layout(c.family) : ExpertLayout::Fused};
+  for (const std::string& n : names) {
+    auto at = n.find("layers.0.");
+    if (d.prefix.empty() && at != std::string::npos && n.rfind("mtp.", 0) != 0) d.prefix = n.substr(0, at);
+    if (n.find(".mlp.experts.gate_up_proj") != std::string::npos) d.experts = ExpertLayout::Fused;
+    else if (n.find(".mlp.experts.0.gate_proj.weight") != std::string::npos) d.experts = ExpertLayout::PerExpert;
+  }
+  if (d.prefix.empty())
+    throw std::invalid_argument("no decoder layer tensors (\"...layers.0.*\") found: not a Qwen3-Next / Qwen3.5 checkpoint");
+  return d;
+}
+
+bool is_skipped_hf_tensor(const std::string& name) {
+  return name.rfind("mtp.", 0) == 0 || name.rfind("model.visual.", 0) == 0 || name.rfind("visual.", 0) == 0;
 }
 
 HfLayout unscanned_layout(const ModelConfig& c) {

@@ -47,7 +47,19 @@ struct HfLayout {
 
 std::string hf_prefix(model::Family f);
 ExpertLayout default_expert_layout(model::Family f);
-HfLayout hf_layout(const model::ModelConfig& c, ExpertLayout experts);
+// `prefix` empty: the family's usual one (Qwen3_5MoeForCausalLM writes "model." for Qwen3.5 too).
+HfLayout hf_layout(const model::ModelConfig& c, ExpertLayout experts, const std::string& prefix = "");
+
+// What a set of HF tensor names says about their layout: the prefix of the decoder tensors and how the routed
+// experts are stored. Throws std::invalid_argument when the names hold no decoder layers.
+struct DetectedHfLayout {
+  std::string prefix;
+  ExpertLayout experts;
+};
+DetectedHfLayout detect_hf_layout(const std::vector<std::string>& names, const model::ModelConfig& c);
+// Tensors of a real checkpoint that are not part of the text decoder and are skipped with a note: the
+// multi-token-prediction head (mtp.*) and the vision tower (model.visual.*).
+bool is_skipped_hf_tensor(const std::string& name);
 
 // Per-layer ("unscanned") native names: "layers.{i}.<per-layer name>" with per-layer shapes, plus the globals,
 // against the same stacked tensors.

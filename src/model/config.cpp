@@ -190,6 +190,16 @@ ModelConfig config_from_hf_json(const json& root, const std::string& src) {
   c.hidden = get<int64_t>(j, "hidden_size", src);
   c.layers = get<int64_t>(j, "num_hidden_layers", src);
   c.cycle = get_or<int64_t>(j, "full_attention_interval", 4);
+  // transformers builds layer_types from full_attention_interval and writes only layer_types back: recover the
+  // cycle from the first full-attention layer.
+  if (!j.contains("full_attention_interval") && j.contains("layer_types") && j.at("layer_types").is_array()) {
+    const auto& lt = j.at("layer_types");
+    for (size_t i = 0; i < lt.size(); ++i)
+      if (lt[i].is_string() && lt[i].get<std::string>() == "full_attention") {
+        c.cycle = static_cast<int64_t>(i) + 1;
+        break;
+      }
+  }
   c.q_heads = get<int64_t>(j, "num_attention_heads", src);
   c.kv_heads = get<int64_t>(j, "num_key_value_heads", src);
   c.head_dim = get_or<int64_t>(j, "head_dim", c.q_heads ? c.hidden / c.q_heads : 0);
