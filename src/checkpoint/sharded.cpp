@@ -237,7 +237,8 @@ void ShardedWriter::commit() {
       try {
         shards_[s]->commit();
       } catch (...) {
-        for (size_t r = 0; r < s; ++r) std::filesystem::remove(dir_ / shard_names_[r]);
+        std::error_code ignored;  // best effort: the first error is the one to report
+        for (size_t r = 0; r < s; ++r) std::filesystem::remove(dir_ / shard_names_[r], ignored);
         throw;
       }
     }
