@@ -1,3 +1,5 @@
+#include "kernels/lm_head.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -6,8 +8,6 @@
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
-
-#include "kernels/lm_head.h"
 
 namespace hs::kernels {
 namespace {
@@ -110,8 +110,8 @@ TEST(LmHead, ReferenceBackwardMatchesFiniteDifferences) {
   std::vector<double> dx(N * H), dW(V * H);
   reference::lm_head_xent<double>(x.data(), W.data(), targets.data(), N, H, V, gs, dx.data(), dW.data());
   auto loss = [&] {
-    return gs * reference::lm_head_xent<double>(x.data(), W.data(), targets.data(), N, H, V, gs, nullptr, nullptr)
-                    .loss_sum;
+    return gs *
+           reference::lm_head_xent<double>(x.data(), W.data(), targets.data(), N, H, V, gs, nullptr, nullptr).loss_sum;
   };
   auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* name) {
     const double eps = 1e-6;
@@ -142,8 +142,7 @@ void check_workspace() {
     MemoryAccountant real, plan(true);
     lm_head_xent<T>(x.data(), W.data(), targets.data(), N, H, V, 1.0f, dx.data(), dW.data(), real, chunk);
     lm_head_xent<T>(x.data(), W.data(), targets.data(), N, H, V, 1.0f, dx.data(), dW.data(), plan, chunk);
-    const size_t expected =
-        size_t(chunk * V) * (4 + (std::is_same_v<T, float> ? 0 : sizeof(T))) + size_t(chunk) * 4;
+    const size_t expected = size_t(chunk * V) * (4 + (std::is_same_v<T, float> ? 0 : sizeof(T))) + size_t(chunk) * 4;
     EXPECT_EQ(real.peak(MemCategory::Workspace), expected) << N;
     EXPECT_EQ(plan.peak_total(), real.peak_total()) << N;
     EXPECT_EQ(plan.allocations(), real.allocations()) << N;
@@ -168,7 +167,8 @@ TEST(LmHead, AllTargetsIgnoredGivesNothing) {
   const std::vector<int32_t> targets(N, -100);
   std::vector<float> dx(N * H, 1.0f), dW(V * H, 1.0f);
   MemoryAccountant mem;
-  const XentResult r = lm_head_xent<float>(x.data(), W.data(), targets.data(), N, H, V, 1.0f, dx.data(), dW.data(), mem);
+  const XentResult r =
+      lm_head_xent<float>(x.data(), W.data(), targets.data(), N, H, V, 1.0f, dx.data(), dW.data(), mem);
   EXPECT_EQ(r.count, 0);
   EXPECT_EQ(r.loss_sum, 0.0);
   for (float v : dx) EXPECT_EQ(v, 1.0f);

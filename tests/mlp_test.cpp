@@ -1,3 +1,5 @@
+#include "kernels/mlp.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -5,8 +7,6 @@
 #include <random>
 #include <type_traits>
 #include <vector>
-
-#include "kernels/mlp.h"
 
 namespace hs::kernels {
 namespace {

@@ -1,3 +1,5 @@
+#include "kernels/moe.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,7 +11,6 @@
 #include <vector>
 
 #include "kernels/matmul.h"
-#include "kernels/moe.h"
 
 namespace hs::kernels {
 namespace {
@@ -100,12 +101,17 @@ Problem make_problem(const MoeShape& s, uint32_t seed) {
 struct Grads {
   std::vector<float> dx, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate;
   explicit Grads(const MoeShape& s)
-      : dx(s.tokens * s.hidden), router(s.experts * s.hidden), gate_up(s.experts * 2 * s.expert_inter * s.hidden),
-        down(s.experts * s.hidden * s.expert_inter), shared_gate(s.shared_inter * s.hidden),
-        shared_up(s.shared_inter * s.hidden), shared_down(s.hidden * s.shared_inter), shared_expert_gate(s.hidden) {}
+      : dx(s.tokens * s.hidden),
+        router(s.experts * s.hidden),
+        gate_up(s.experts * 2 * s.expert_inter * s.hidden),
+        down(s.experts * s.hidden * s.expert_inter),
+        shared_gate(s.shared_inter * s.hidden),
+        shared_up(s.shared_inter * s.hidden),
+        shared_down(s.hidden * s.shared_inter),
+        shared_expert_gate(s.hidden) {}
   MoeGrads view() {
-    return {router.data(), gate_up.data(), down.data(), shared_gate.data(), shared_up.data(), shared_down.data(),
-            shared_expert_gate.data()};
+    return {router.data(),      gate_up.data(),           down.data(), shared_gate.data(), shared_up.data(),
+            shared_down.data(), shared_expert_gate.data()};
   }
 };
 
@@ -113,11 +119,21 @@ template <typename T>
 struct FastRun {
   std::vector<T> x, router, gate_up, down, shared_gate, shared_up, shared_down;
   explicit FastRun(const Problem& p)
-      : x(cast<T>(p.x)), router(cast<T>(p.router)), gate_up(cast<T>(p.gate_up)), down(cast<T>(p.down)),
-        shared_gate(cast<T>(p.shared_gate)), shared_up(cast<T>(p.shared_up)), shared_down(cast<T>(p.shared_down)) {}
+      : x(cast<T>(p.x)),
+        router(cast<T>(p.router)),
+        gate_up(cast<T>(p.gate_up)),
+        down(cast<T>(p.down)),
+        shared_gate(cast<T>(p.shared_gate)),
+        shared_up(cast<T>(p.shared_up)),
+        shared_down(cast<T>(p.shared_down)) {}
   MoeWeights<T> weights(const Problem& p) const {
-    return {router.data(),    gate_up.data(),   down.data(), shared_gate.data(),
-            shared_up.data(), shared_down.data(), p.shared_expert_gate.data()};
+    return {router.data(),
+            gate_up.data(),
+            down.data(),
+            shared_gate.data(),
+            shared_up.data(),
+            shared_down.data(),
+            p.shared_expert_gate.data()};
   }
 };
 
@@ -126,15 +142,28 @@ struct ReferenceRun {
   std::vector<double> y, dx, g_router, g_gate_up, g_down, g_shared_gate, g_shared_up, g_shared_down, g_seg;
   RouterStats stats;
   explicit ReferenceRun(const Problem& p)
-      : x(widen(p.x)), router(widen(p.router)), gate_up(widen(p.gate_up)), down(widen(p.down)),
-        shared_gate(widen(p.shared_gate)), shared_up(widen(p.shared_up)), shared_down(widen(p.shared_down)),
-        shared_expert_gate(widen(p.shared_expert_gate)), dy(widen(p.dy)), aux(widen(p.aux)), y(p.x.size()),
-        dx(p.x.size()), g_router(p.router.size()), g_gate_up(p.gate_up.size()), g_down(p.down.size()),
-        g_shared_gate(p.shared_gate.size()), g_shared_up(p.shared_up.size()), g_shared_down(p.shared_down.size()),
+      : x(widen(p.x)),
+        router(widen(p.router)),
+        gate_up(widen(p.gate_up)),
+        down(widen(p.down)),
+        shared_gate(widen(p.shared_gate)),
+        shared_up(widen(p.shared_up)),
+        shared_down(widen(p.shared_down)),
+        shared_expert_gate(widen(p.shared_expert_gate)),
+        dy(widen(p.dy)),
+        aux(widen(p.aux)),
+        y(p.x.size()),
+        dx(p.x.size()),
+        g_router(p.router.size()),
+        g_gate_up(p.gate_up.size()),
+        g_down(p.down.size()),
+        g_shared_gate(p.shared_gate.size()),
+        g_shared_up(p.shared_up.size()),
+        g_shared_down(p.shared_down.size()),
         g_seg(p.shared_expert_gate.size()) {}
   reference::MoeParams<double> params() const {
-    return {router.data(),    gate_up.data(),     down.data(), shared_gate.data(),
-            shared_up.data(), shared_down.data(), shared_expert_gate.data()};
+    return {router.data(),      gate_up.data(),           down.data(), shared_gate.data(), shared_up.data(),
+            shared_down.data(), shared_expert_gate.data()};
   }
   reference::MoeParamGrads<double> grads() {
     return {g_router.data(),    g_gate_up.data(),     g_down.data(), g_shared_gate.data(),
@@ -165,7 +194,7 @@ void check_against_reference(const MoeShape& s, uint32_t seed, double tol) {
   EXPECT_LT(rel_rms(yf, ref.y), tol) << "y";
   EXPECT_EQ(stats.rows, s.tokens);
   EXPECT_EQ(stats.expert_counts, ref.stats.expert_counts);  // same selections, exactly
-  for (int64_t e = 0; e < s.experts; ++e)  // fp32 softmax of fp32 logits vs double: ~1e-6 relative
+  for (int64_t e = 0; e < s.experts; ++e)                   // fp32 softmax of fp32 logits vs double: ~1e-6 relative
     EXPECT_NEAR(stats.prob_sums[e], ref.stats.prob_sums[e], 1e-5 * s.tokens) << e;
 
   Grads g(s);
@@ -369,6 +398,22 @@ TEST(Moe, InferenceKeepsNoActivations) {
   EXPECT_EQ(y, y_train);
   EXPECT_EQ(a.expert_counts, b.expert_counts);
   EXPECT_EQ(a.prob_sums, b.prob_sums);
+}
+
+// A layer can see no tokens (e.g. an empty micro-batch shard): nothing to do, nothing touched.
+TEST(Moe, EmptyBatch) {
+  const MoeShape s{0, 16, 4, 2, 8, 8, true};
+  Problem p = make_problem<float>(s, 900);
+  FastRun<float> fast(p);
+  MemoryAccountant mem;
+  MoeSaved saved;
+  const RouterStats st = moe_forward<float>(s, fast.x.data(), fast.weights(p), nullptr, &saved, mem);
+  EXPECT_EQ(st.rows, 0);
+  EXPECT_EQ(st.expert_counts, std::vector<double>(4, 0.0));
+  Grads g(s);
+  moe_backward<float>(s, fast.x.data(), fast.weights(p), saved, nullptr, p.aux.data(), nullptr, g.view(), mem);
+  for (float v : g.router) EXPECT_EQ(v, 0.0f);
+  for (float v : g.shared_expert_gate) EXPECT_EQ(v, 0.0f);
 }
 
 // Two layers, E = 3, N = 6 rows: counts (5, 3, 4), prob sums (2.7, 1.4, 1.9) in total;

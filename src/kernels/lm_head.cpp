@@ -17,9 +17,8 @@ int64_t default_xent_chunk(int64_t vocab) {
 }
 
 template <typename T>
-XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden,
-                        int64_t vocab, float grad_scale, float* dx, float* dW, MemoryAccountant& mem,
-                        int64_t chunk) {
+XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
+                        float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk) {
   constexpr bool kF32 = std::is_same_v<T, float>;
   const bool backward = dx != nullptr;
   const int64_t c = std::max<int64_t>(1, std::min(tokens, chunk > 0 ? chunk : default_xent_chunk(vocab)));
@@ -78,14 +77,14 @@ XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t 
       ++res.count;
     }
     if (!backward) continue;
-    matmul(G, W, dx + start * hidden, m, hidden, vocab, false, false, true);    // dx += G W
+    matmul(G, W, dx + start * hidden, m, hidden, vocab, false, false, true);         // dx += G W
     if (dW) matmul(G, x + start * hidden, dW, vocab, hidden, m, true, false, true);  // dW += G^T x
   }
   return res;
 }
 
-template XentResult lm_head_xent<float>(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t,
-                                        float, float*, float*, MemoryAccountant&, int64_t);
+template XentResult lm_head_xent<float>(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
+                                        float*, float*, MemoryAccountant&, int64_t);
 template XentResult lm_head_xent<bf16>(const bf16*, const bf16*, const int32_t*, int64_t, int64_t, int64_t, float,
                                        float*, float*, MemoryAccountant&, int64_t);
 

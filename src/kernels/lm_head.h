@@ -25,15 +25,14 @@ int64_t default_xent_chunk(int64_t vocab);
 // chunk x V fp32 logits, plus chunk x V in T for the logits' gradient when T is bf16 and dx != nullptr,
 // plus chunk floats; nothing else, whatever N is. Throws std::out_of_range for a target >= V.
 template <typename T>
-XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden,
-                        int64_t vocab, float grad_scale, float* dx, float* dW, MemoryAccountant& mem,
-                        int64_t chunk = 0);
+XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
+                        float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk = 0);
 
 namespace reference {
 // The naive version: all logits at once, in S (float or double). Accumulates dx, dW when given.
 template <typename S>
-XentResult lm_head_xent(const S* x, const S* W, const int32_t* targets, int64_t tokens, int64_t hidden,
-                        int64_t vocab, S grad_scale, S* dx, S* dW);
+XentResult lm_head_xent(const S* x, const S* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
+                        S grad_scale, S* dx, S* dW);
 }  // namespace reference
 
 }  // namespace hs::kernels

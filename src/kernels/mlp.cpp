@@ -99,7 +99,7 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   const T* gu = saved.gate_up.as<T>();
   detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
   matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
-  matmul(dyt, w_down, dact.as<float>(), tokens, inter, hidden, false, false);    // dact = dy W_down
+  matmul(dyt, w_down, dact.as<float>(), tokens, inter, hidden, false, false);   // dact = dy W_down
   T* dgu = d_gate_up.as<T>();
   detail::swiglu_grad_rows(tokens, inter, gu, dact.as<float>(), nullptr, dgu, row_dot);
   matmul(dgu, w_gate, dx, tokens, hidden, inter, false, false, true, {2 * inter, 0, 0});
@@ -108,13 +108,13 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   matmul(dgu + inter, x, dw_up, inter, hidden, tokens, true, false, true, {2 * inter, 0, 0});
 }
 
-#define HS_INSTANTIATE_SWIGLU(T)                                                                                 \
-  template void swiglu_forward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*, T*,        \
-                                  SwigluSaved*, MemoryAccountant&);                                             \
-  template void swiglu_backward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,           \
-                                   const SwigluSaved&, const float*, float*, float*, float*, float*,            \
-                                   MemoryAccountant&, float*);                                                  \
-  template void detail::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                       \
+#define HS_INSTANTIATE_SWIGLU(T)                                                                                       \
+  template void swiglu_forward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*, T*, SwigluSaved*, \
+                                  MemoryAccountant&);                                                                  \
+  template void swiglu_backward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,                  \
+                                   const SwigluSaved&, const float*, float*, float*, float*, float*,                   \
+                                   MemoryAccountant&, float*);                                                         \
+  template void detail::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                              \
   template void detail::swiglu_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, float*);
 HS_INSTANTIATE_SWIGLU(float)
 HS_INSTANTIATE_SWIGLU(bf16)

@@ -67,9 +67,8 @@ void copy_rows_padded(const T* src, int64_t rows, int64_t padded, int64_t cols, 
 template <typename T, typename TC>
 void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K, bool trans_b,
                  const TailScratch& tail) {
-  for_each_bulk_piece(n, [&](int64_t row, int64_t rows) {
-    matmul(A + row * K, B, C + row * N, rows, N, K, false, trans_b);
-  });
+  for_each_bulk_piece(
+      n, [&](int64_t row, int64_t rows) { matmul(A + row * K, B, C + row * N, rows, N, K, false, trans_b); });
   const int64_t r = n % kRowBlock;
   if (r == 0) return;
   const int64_t m = padded_tail(r), row = n - r;
@@ -82,11 +81,9 @@ void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K,
 
 // C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows (zero padding adds 0).
 template <typename T>
-void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N,
-                        const TailScratch& tail) {
-  for_each_bulk_piece(n, [&](int64_t row, int64_t rows) {
-    matmul(A + row * M, B + row * N, C, M, N, rows, true, false, true);
-  });
+void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N, const TailScratch& tail) {
+  for_each_bulk_piece(
+      n, [&](int64_t row, int64_t rows) { matmul(A + row * M, B + row * N, C, M, N, rows, true, false, true); });
   const int64_t r = n % kRowBlock;
   if (r == 0) return;
   const int64_t m = padded_tail(r), row = n - r;
@@ -96,8 +93,8 @@ void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, 
 }
 
 void check_shape(const MoeShape& s) {
-  if (s.tokens < 0 || s.hidden <= 0 || s.experts <= 0 || s.top_k < 1 || s.top_k > s.experts ||
-      s.expert_inter <= 0 || s.shared_inter <= 0)
+  if (s.tokens < 0 || s.hidden <= 0 || s.experts <= 0 || s.top_k < 1 || s.top_k > s.experts || s.expert_inter <= 0 ||
+      s.shared_inter <= 0)
     throw std::invalid_argument("moe: bad shape (tokens " + std::to_string(s.tokens) + ", experts " +
                                 std::to_string(s.experts) + ", top_k " + std::to_string(s.top_k) + ")");
   if (s.tokens * s.top_k > std::numeric_limits<int32_t>::max())
@@ -197,7 +194,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 
     for (int64_t t = 0; t < N; ++t)
       for (int64_t e = 0; e < E; ++e) stats.prob_sums[static_cast<size_t>(e)] += p[t * E + e];
-    for (int64_t e = 0; e < E; ++e) stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
+    for (int64_t e = 0; e < E; ++e)
+      stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
 
     T* gu = gate_up.as<T>();
     float* sum = acc.as<float>();
@@ -336,7 +334,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
         }
         detail::swiglu_act_rows(n, I, gu_e, wr, actw.as<T>());
-        rows_reduce_matmul(rin, actw.as<T>(), g.down + e * H * I, n, H, I, tail);  // dW_down += dy^T (w act)
+        rows_reduce_matmul(rin, actw.as<T>(), g.down + e * H * I, n, H, I, tail);      // dW_down += dy^T (w act)
         rows_matmul(rin, w.down + e * H * I, dact.as<float>(), n, I, H, false, tail);  // dact = dy W_down
         detail::swiglu_grad_rows(n, I, gu_e, dact.as<float>(), wr, dgu.as<T>(), rd);
         for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
@@ -361,7 +359,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   const auto ne = static_cast<size_t>(N * E);
   Buffer dlogits = mem.allocate_n<float>(ne, MemCategory::Workspace, "moe.dlogits");
   Buffer dlogits_cast;
-  if constexpr (!std::is_same_v<T, float>) dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
+  if constexpr (!std::is_same_v<T, float>)
+    dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
   if (!real) return;
   const float* probs = sv.probs.as<float>();
   const int32_t* idx = sv.topk_index.as<int32_t>();
@@ -398,7 +397,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     convert(dl, dlogits_cast.as<T>(), ne);
     dlt = dlogits_cast.as<T>();
   }
-  matmul(dlt, x, g.router, E, H, N, true, false, true);   // dW_router += dlogits^T x
+  matmul(dlt, x, g.router, E, H, N, true, false, true);    // dW_router += dlogits^T x
   matmul(dlt, w.router, dx, N, H, E, false, false, true);  // dx += dlogits W_router
 }
 
@@ -408,9 +407,8 @@ double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts
   double rows = 0.0;
   for (const RouterStats& l : layers) {
     if (l.expert_counts.size() != E || l.prob_sums.size() != E)
-      throw std::invalid_argument("load_balance_loss: router statistics for " +
-                                  std::to_string(l.expert_counts.size()) + " experts, expected " +
-                                  std::to_string(experts));
+      throw std::invalid_argument("load_balance_loss: router statistics for " + std::to_string(l.expert_counts.size()) +
+                                  " experts, expected " + std::to_string(experts));
     for (size_t e = 0; e < E; ++e) {
       counts[e] += l.expert_counts[e];
       probs[e] += l.prob_sums[e];
@@ -433,7 +431,7 @@ template RouterStats moe_forward<bf16>(const MoeShape&, const bf16*, const MoeWe
                                        MemoryAccountant&);
 template void moe_backward<float>(const MoeShape&, const float*, const MoeWeights<float>&, const MoeSaved&,
                                   const float*, const float*, float*, const MoeGrads&, MemoryAccountant&);
-template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&,
-                                 const float*, const float*, float*, const MoeGrads&, MemoryAccountant&);
+template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&, const float*,
+                                 const float*, float*, const MoeGrads&, MemoryAccountant&);
 
 }  // namespace hs::kernels

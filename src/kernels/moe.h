@@ -71,9 +71,8 @@ RouterStats moe_forward(const MoeShape& shape, const T* x, const MoeWeights<T>& 
 // (already multiplied by its coefficient), or nullptr. The router gets gradient only through the
 // selected (renormalised) probabilities and aux_dprob. Accumulates into dx and every gradient.
 template <typename T>
-void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, const MoeSaved& saved,
-                  const float* dy, const float* aux_dprob, float* dx, const MoeGrads& grads,
-                  MemoryAccountant& mem);
+void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, const MoeSaved& saved, const float* dy,
+                  const float* aux_dprob, float* dx, const MoeGrads& grads, MemoryAccountant& mem);
 
 // transformers' load_balancing_loss_func over all MoE layers (rows stacked, N = total rows, no padding
 // mask): aux = E * sum_e (sum_layers counts[e] / N) * (sum_layers prob_sums[e] / N). If dprob_sums !=

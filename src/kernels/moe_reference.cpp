@@ -39,8 +39,8 @@ void mlp_token_forward(int64_t H, int64_t I, const S* x, const S* wg, const S* w
 
 // Backward of mlp_token_forward for upstream dout[H]; accumulates dx, dwg, dwu, dwd.
 template <typename S>
-void mlp_token_backward(int64_t H, int64_t I, const S* x, const S* wg, const S* wu, const S* wd, const S* dout,
-                        S* dx, S* dwg, S* dwu, S* dwd) {
+void mlp_token_backward(int64_t H, int64_t I, const S* x, const S* wg, const S* wu, const S* wd, const S* dout, S* dx,
+                        S* dwg, S* dwu, S* dwd) {
   for (int64_t i = 0; i < I; ++i) {
     const S g = dot(wg + i * H, x, H), u = dot(wu + i * H, x, H);
     const S sg = sigmoid(g), a = g * sg * u;
@@ -77,9 +77,8 @@ TokenRouting<S> route_token(const MoeShape& s, const S* x, const S* router) {
   for (S& v : r.p) v /= sum;
   std::vector<int64_t> order(E);
   std::iota(order.begin(), order.end(), int64_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return r.p[static_cast<size_t>(a)] > r.p[static_cast<size_t>(b)];
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return r.p[static_cast<size_t>(a)] > r.p[static_cast<size_t>(b)]; });
   r.chosen.assign(order.begin(), order.begin() + s.top_k);
   S total = 0;
   for (int64_t e : r.chosen) {
@@ -112,8 +111,8 @@ template <typename S>
 void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const S* x, const S* w_gate, const S* w_up,
                      const S* w_down, const S* dy, S* dx, S* dw_gate, S* dw_up, S* dw_down) {
   for (int64_t t = 0; t < tokens; ++t)
-    mlp_token_backward(hidden, inter, x + t * hidden, w_gate, w_up, w_down, dy + t * hidden, dx + t * hidden,
-                       dw_gate, dw_up, dw_down);
+    mlp_token_backward(hidden, inter, x + t * hidden, w_gate, w_up, w_down, dy + t * hidden, dx + t * hidden, dw_gate,
+                       dw_up, dw_down);
 }
 
 template <typename S>
@@ -129,7 +128,8 @@ RouterStats moe_forward(const MoeShape& s, const S* x, const MoeParams<S>& w, S*
     S* yt = y + t * H;
     const TokenRouting<S> r = route_token(s, xt, w.router);
     for (int64_t e : r.chosen) stats.expert_counts[static_cast<size_t>(e)] += 1;
-    for (int64_t e = 0; e < E; ++e) stats.prob_sums[static_cast<size_t>(e)] += static_cast<double>(r.p[static_cast<size_t>(e)]);
+    for (int64_t e = 0; e < E; ++e)
+      stats.prob_sums[static_cast<size_t>(e)] += static_cast<double>(r.p[static_cast<size_t>(e)]);
     const std::vector<S> m = dense_mask(s, r);
     std::fill_n(yt, H, S(0));
     for (int64_t e = 0; e < E; ++e) {
@@ -163,8 +163,8 @@ void moe_backward(const MoeShape& s, const S* x, const MoeParams<S>& w, const S*
       mlp_token_forward(H, I, xt, gate, gate + I * H, w.down + e * H * I, h.data());
       dm[static_cast<size_t>(e)] = dot(dyt, h.data(), H);
       for (size_t j = 0; j < Hs; ++j) dout[j] = m[static_cast<size_t>(e)] * dyt[j];
-      mlp_token_backward(H, I, xt, gate, gate + I * H, w.down + e * H * I, dout.data(), dxt, dgate,
-                         dgate + I * H, g.down + e * H * I);
+      mlp_token_backward(H, I, xt, gate, gate + I * H, w.down + e * H * I, dout.data(), dxt, dgate, dgate + I * H,
+                         g.down + e * H * I);
     }
     mlp_token_forward(H, s.shared_inter, xt, w.shared_gate, w.shared_up, w.shared_down, h.data());
     const S sg = sigmoid(dot(xt, w.shared_expert_gate, H));
@@ -200,8 +200,8 @@ void moe_backward(const MoeShape& s, const S* x, const MoeParams<S>& w, const S*
 }
 
 template <typename S>
-XentResult lm_head_xent(const S* x, const S* W, const int32_t* targets, int64_t tokens, int64_t hidden,
-                        int64_t vocab, S grad_scale, S* dx, S* dW) {
+XentResult lm_head_xent(const S* x, const S* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
+                        S grad_scale, S* dx, S* dW) {
   XentResult res;
   std::vector<S> logits(static_cast<size_t>(vocab));
   for (int64_t t = 0; t < tokens; ++t) {
@@ -228,13 +228,13 @@ XentResult lm_head_xent(const S* x, const S* W, const int32_t* targets, int64_t 
   return res;
 }
 
-#define HS_INSTANTIATE_REFERENCE(S)                                                                             \
-  template void swiglu_forward<S>(int64_t, int64_t, int64_t, const S*, const S*, const S*, const S*, S*);      \
-  template void swiglu_backward<S>(int64_t, int64_t, int64_t, const S*, const S*, const S*, const S*, const S*, \
-                                   S*, S*, S*, S*);                                                             \
-  template RouterStats moe_forward<S>(const MoeShape&, const S*, const MoeParams<S>&, S*);                     \
-  template void moe_backward<S>(const MoeShape&, const S*, const MoeParams<S>&, const S*, const S*, S*,        \
-                                const MoeParamGrads<S>&);                                                       \
+#define HS_INSTANTIATE_REFERENCE(S)                                                                                 \
+  template void swiglu_forward<S>(int64_t, int64_t, int64_t, const S*, const S*, const S*, const S*, S*);           \
+  template void swiglu_backward<S>(int64_t, int64_t, int64_t, const S*, const S*, const S*, const S*, const S*, S*, \
+                                   S*, S*, S*);                                                                     \
+  template RouterStats moe_forward<S>(const MoeShape&, const S*, const MoeParams<S>&, S*);                          \
+  template void moe_backward<S>(const MoeShape&, const S*, const MoeParams<S>&, const S*, const S*, S*,             \
+                                const MoeParamGrads<S>&);                                                           \
   template XentResult lm_head_xent<S>(const S*, const S*, const int32_t*, int64_t, int64_t, int64_t, S, S*, S*);
 HS_INSTANTIATE_REFERENCE(float)
 HS_INSTANTIATE_REFERENCE(double)
