@@ -1,0 +1,123 @@
+#include "kernels/mlp.h"
+
+#include <type_traits>
+
+#include "kernels/common.h"
+#include "kernels/matmul.h"
+
+namespace hs::kernels {
+namespace {
+
+// Below this many elements an OpenMP region costs more than the loop (the MoE calls these per expert).
+constexpr int64_t kMinParallelWork = int64_t{1} << 14;
+
+}  // namespace
+
+namespace detail {
+
+template <typename T>
+void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
+#pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    const float s = scale ? scale[r] : 1.0f;
+    T* a = act + r * inter;
+#pragma omp simd
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gi = to_f32(g[i]);
+      a[i] = from_f32<T>(s * gi * sigmoid_simd(gi) * to_f32(u[i]));
+    }
+  }
+}
+
+template <typename T>
+void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
+                      T* d_gate_up, float* row_dot) {
+#pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * 2 * inter;
+    const T* u = g + inter;
+    const float* da = dact + r * inter;
+    T* dg = d_gate_up + r * 2 * inter;
+    T* du = dg + inter;
+    const float s = scale ? scale[r] : 1.0f;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < inter; ++i) {
+      const float gi = to_f32(g[i]), ui = to_f32(u[i]);
+      const float sg = sigmoid_simd(gi);
+      const float silu = gi * sg;
+      dot += da[i] * silu * ui;
+      // silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+      dg[i] = from_f32<T>(s * da[i] * ui * sg * (1.0f + gi * (1.0f - sg)));
+      du[i] = from_f32<T>(s * da[i] * silu);
+    }
+    if (row_dot) row_dot[r] = dot;
+  }
+}
+
+}  // namespace detail
+
+template <typename T>
+void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
+                    const T* w_down, T* y, SwigluSaved* saved, MemoryAccountant& mem) {
+  Buffer gate_up = mem.allocate_n<T>(static_cast<size_t>(tokens * 2 * inter),
+                                     saved ? MemCategory::Activations : MemCategory::Workspace, "swiglu.gate_up");
+  Buffer act = mem.allocate_n<T>(static_cast<size_t>(tokens * inter), MemCategory::Workspace, "swiglu.act");
+  if (!mem.planning()) {
+    T* gu = gate_up.as<T>();
+    // Gate and up land side by side in one [tokens, 2I] block (ldc = 2I), the layout the MoE uses too.
+    matmul(x, w_gate, gu, tokens, inter, hidden, false, true, false, {0, 0, 2 * inter});
+    matmul(x, w_up, gu + inter, tokens, inter, hidden, false, true, false, {0, 0, 2 * inter});
+    detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
+    matmul(act.as<T>(), w_down, y, tokens, hidden, inter, false, true);
+  }
+  if (saved) saved->gate_up = std::move(gate_up);
+}
+
+template <typename T>
+void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
+                     const T* w_down, const SwigluSaved& saved, const float* dy, float* dx, float* dw_gate,
+                     float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot) {
+  const auto n_th = static_cast<size_t>(tokens * hidden), n_ti = static_cast<size_t>(tokens * inter);
+  // The products run in T, so a bf16 model multiplies bf16 gradients (as PyTorch autograd does).
+  Buffer dy_cast;
+  if constexpr (!std::is_same_v<T, float>) dy_cast = mem.allocate_n<T>(n_th, MemCategory::Workspace, "swiglu.dy");
+  Buffer act = mem.allocate_n<T>(n_ti, MemCategory::Workspace, "swiglu.act");
+  Buffer dact = mem.allocate_n<float>(n_ti, MemCategory::Workspace, "swiglu.dact");
+  Buffer d_gate_up = mem.allocate_n<T>(2 * n_ti, MemCategory::Workspace, "swiglu.d_gate_up");
+  if (mem.planning()) return;
+
+  const T* dyt;
+  if constexpr (std::is_same_v<T, float>) {
+    dyt = dy;
+  } else {
+    convert(dy, dy_cast.as<T>(), n_th);
+    dyt = dy_cast.as<T>();
+  }
+  const T* gu = saved.gate_up.as<T>();
+  detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
+  matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
+  matmul(dyt, w_down, dact.as<float>(), tokens, inter, hidden, false, false);   // dact = dy W_down
+  T* dgu = d_gate_up.as<T>();
+  detail::swiglu_grad_rows(tokens, inter, gu, dact.as<float>(), nullptr, dgu, row_dot);
+  matmul(dgu, w_gate, dx, tokens, hidden, inter, false, false, true, {2 * inter, 0, 0});
+  matmul(dgu + inter, w_up, dx, tokens, hidden, inter, false, false, true, {2 * inter, 0, 0});
+  matmul(dgu, x, dw_gate, inter, hidden, tokens, true, false, true, {2 * inter, 0, 0});
+  matmul(dgu + inter, x, dw_up, inter, hidden, tokens, true, false, true, {2 * inter, 0, 0});
+}
+
+#define HS_INSTANTIATE_SWIGLU(T)                                                                                       \
+  template void swiglu_forward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*, T*, SwigluSaved*, \
+                                  MemoryAccountant&);                                                                  \
+  template void swiglu_backward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,                  \
+                                   const SwigluSaved&, const float*, float*, float*, float*, float*,                   \
+                                   MemoryAccountant&, float*);                                                         \
+  template void detail::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                              \
+  template void detail::swiglu_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, float*);
+HS_INSTANTIATE_SWIGLU(float)
+HS_INSTANTIATE_SWIGLU(bf16)
+#undef HS_INSTANTIATE_SWIGLU
+
+}  // namespace hs::kernels

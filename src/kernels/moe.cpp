@@ -1,0 +1,437 @@
+#include "kernels/moe.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "kernels/common.h"
+#include "kernels/matmul.h"
+
+namespace hs::kernels {
+namespace {
+
+// Below this many elements an OpenMP region costs more than the loop (several loops run per expert).
+constexpr int64_t kMinParallelWork = int64_t{1} << 14;
+
+// Products over an expert's rows have a data-dependent row count n. oneDNN caches one primitive per
+// shape and creating one costs ~0.6 ms, so the row counts issued must come from a small fixed set or
+// every step would create new primitives and the cache would grow without bound. The bulk is split into
+// pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock); the last n % kRowBlock rows are
+// copied into a scratch padded with zero rows to a power of two in [kMinTail, kRowBlock]. One padded
+// call beats splitting the tail further: every call streams the expert's whole weight matrix.
+constexpr int64_t kRowBlock = 256;
+constexpr int64_t kMinTail = 16;
+
+int64_t padded_tail(int64_t r) {
+  int64_t m = kMinTail;
+  while (m < r) m *= 2;
+  return m;
+}
+
+template <typename F>
+void for_each_bulk_piece(int64_t n, F&& f) {
+  const auto blocks = static_cast<uint64_t>(n / kRowBlock);
+  int64_t row = 0;
+  for (int j = std::bit_width(blocks) - 1; j >= 0; --j)
+    if ((blocks >> j) & 1u) {
+      f(row, kRowBlock << j);
+      row += kRowBlock << j;
+    }
+}
+
+// Scratch for the padded tail: [kRowBlock, width] each, width >= every column count used.
+struct TailScratch {
+  Buffer a, b, c;
+};
+template <typename T>
+TailScratch tail_scratch(int64_t width, bool two_inputs, MemoryAccountant& mem) {
+  const auto n = static_cast<size_t>(kRowBlock * width);
+  TailScratch s;
+  s.a = mem.allocate_n<T>(n, MemCategory::Workspace, "moe.tail_a");
+  if (two_inputs) s.b = mem.allocate_n<T>(n, MemCategory::Workspace, "moe.tail_b");
+  s.c = mem.allocate_n<float>(n, MemCategory::Workspace, "moe.tail_c");
+  return s;
+}
+
+template <typename T>
+void copy_rows_padded(const T* src, int64_t rows, int64_t padded, int64_t cols, T* dst) {
+  std::copy_n(src, rows * cols, dst);
+  std::fill_n(dst + rows * cols, (padded - rows) * cols, T{});
+}
+
+// C[n, N] = A[n, K] op(B); op(B) = B^T for B stored [N, K] (trans_b), else B stored [K, N].
+template <typename T, typename TC>
+void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K, bool trans_b,
+                 const TailScratch& tail) {
+  for_each_bulk_piece(
+      n, [&](int64_t row, int64_t rows) { matmul(A + row * K, B, C + row * N, rows, N, K, false, trans_b); });
+  const int64_t r = n % kRowBlock;
+  if (r == 0) return;
+  const int64_t m = padded_tail(r), row = n - r;
+  T* ta = tail.a.as<T>();
+  TC* tc = tail.c.as<TC>();
+  copy_rows_padded(A + row * K, r, m, K, ta);
+  matmul(ta, B, tc, m, N, K, false, trans_b);
+  std::copy_n(tc, r * N, C + row * N);
+}
+
+// C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows (zero padding adds 0).
+template <typename T>
+void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N, const TailScratch& tail) {
+  for_each_bulk_piece(
+      n, [&](int64_t row, int64_t rows) { matmul(A + row * M, B + row * N, C, M, N, rows, true, false, true); });
+  const int64_t r = n % kRowBlock;
+  if (r == 0) return;
+  const int64_t m = padded_tail(r), row = n - r;
+  copy_rows_padded(A + row * M, r, m, M, tail.a.as<T>());
+  copy_rows_padded(B + row * N, r, m, N, tail.b.as<T>());
+  matmul(tail.a.as<T>(), tail.b.as<T>(), C, M, N, m, true, false, true);
+}
+
+void check_shape(const MoeShape& s) {
+  if (s.tokens < 0 || s.hidden <= 0 || s.experts <= 0 || s.top_k < 1 || s.top_k > s.experts || s.expert_inter <= 0 ||
+      s.shared_inter <= 0)
+    throw std::invalid_argument("moe: bad shape (tokens " + std::to_string(s.tokens) + ", experts " +
+                                std::to_string(s.experts) + ", top_k " + std::to_string(s.top_k) + ")");
+  if (s.tokens * s.top_k > std::numeric_limits<int32_t>::max())
+    throw std::invalid_argument("moe: tokens * top_k must fit in int32");
+}
+
+// In place: router logits -> softmax probabilities (fp32, per row), then the top-k. A NaN probability
+// orders as -inf, so k distinct experts are always selected (and the NaN still reaches the loss).
+void route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight) {
+#pragma omp parallel for schedule(static) if (tokens * E > kMinParallelWork)
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* p = probs + t * E;
+    float mx = p[0];
+    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, p[e]);
+    float s = 0.0f;
+    for (int64_t e = 0; e < E; ++e) {
+      p[e] = std::exp(p[e] - mx);
+      s += p[e];
+    }
+    for (int64_t e = 0; e < E; ++e) p[e] /= s;
+    // k passes, each taking the largest entry strictly after the previous pick in the order
+    // (probability descending, index ascending): ties go to the lower index.
+    float prev_v = std::numeric_limits<float>::infinity();
+    int64_t prev_i = -1;
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      float best_v = 0.0f;
+      for (int64_t e = 0; e < E; ++e) {
+        const float v = std::isnan(p[e]) ? -std::numeric_limits<float>::infinity() : p[e];
+        const bool after_prev = v < prev_v || (v == prev_v && e > prev_i);
+        if (after_prev && (best < 0 || v > best_v)) {
+          best = e;
+          best_v = v;
+        }
+      }
+      index[t * k + j] = static_cast<int32_t>(best);
+      weight[t * k + j] = p[best];
+      sum += p[best];
+      prev_v = best_v;
+      prev_i = best;
+    }
+    if (norm)
+      for (int64_t j = 0; j < k; ++j) weight[t * k + j] /= sum;
+  }
+}
+
+}  // namespace
+
+template <typename T>
+RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T* y, MoeSaved* saved,
+                        MemoryAccountant& mem) {
+  check_shape(s);
+  const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
+  const auto nk = static_cast<size_t>(N * k);
+  const MemCategory keep = saved ? MemCategory::Activations : MemCategory::Workspace;
+  Buffer probs = mem.allocate_n<float>(static_cast<size_t>(N * E), keep, "moe.probs");
+  Buffer topk_index = mem.allocate_n<int32_t>(nk, keep, "moe.topk_index");
+  Buffer topk_weight = mem.allocate_n<float>(nk, keep, "moe.topk_weight");
+  Buffer offset = mem.allocate_n<int64_t>(static_cast<size_t>(E + 1), keep, "moe.expert_offset");
+  Buffer row_slot = mem.allocate_n<int32_t>(nk, keep, "moe.row_slot");
+  Buffer gate_up = mem.allocate_n<T>(nk * static_cast<size_t>(2 * I), keep, "moe.gate_up");
+  Buffer shared_scale = mem.allocate_n<float>(static_cast<size_t>(N), keep, "moe.shared_scale");
+
+  const auto nh = static_cast<size_t>(N * H);
+  Buffer shared_out = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_out");
+  swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
+                 saved ? &saved->shared : nullptr, mem);
+  Buffer acc = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.routed_sum", true);
+  // Per-expert scratch: an expert gets at most one slot per token, so N rows bound every group.
+  Buffer xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
+  Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
+  Buffer ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
+  TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), false, mem);
+
+  RouterStats stats;
+  stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
+  stats.prob_sums.assign(static_cast<size_t>(E), 0.0);
+  stats.rows = N;
+  if (!mem.planning()) {
+    float* p = probs.as<float>();
+    int32_t* idx = topk_index.as<int32_t>();
+    float* wts = topk_weight.as<float>();
+    int64_t* off = offset.as<int64_t>();
+    int32_t* slots = row_slot.as<int32_t>();
+    matmul(x, w.router, p, N, E, H, false, true);  // fp32 logits
+    route(N, E, k, s.norm_topk_prob, p, idx, wts);
+
+    // Counting sort of the (token, slot) pairs by expert; tokens stay ascending within an expert.
+    // off[e] serves as expert e's cursor, which leaves it at the old off[e + 1]; shift back after.
+    std::fill_n(off, E + 1, int64_t{0});
+    for (size_t i = 0; i < nk; ++i) ++off[idx[i] + 1];
+    for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+    for (size_t i = 0; i < nk; ++i) slots[off[idx[i]]++] = static_cast<int32_t>(i);
+    for (int64_t e = E; e > 0; --e) off[e] = off[e - 1];
+    off[0] = 0;
+
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t e = 0; e < E; ++e) stats.prob_sums[static_cast<size_t>(e)] += p[t * E + e];
+    for (int64_t e = 0; e < E; ++e)
+      stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
+
+    T* gu = gate_up.as<T>();
+    float* sum = acc.as<float>();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = off[e], n = off[e + 1] - off[e];
+      if (n == 0) continue;
+      const int32_t* rows = slots + r0;
+      T* xg = xe.as<T>();
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+      for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
+      T* gu_e = gu + r0 * 2 * I;
+      rows_matmul(xg, w.gate_up + e * 2 * I * H, gu_e, n, 2 * I, H, true, tail);
+      detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+      rows_matmul(act.as<T>(), w.down + e * H * I, ye.as<float>(), n, H, I, true, tail);
+      const float* yg = ye.as<float>();
+      // Each token appears once per expert, so rows never collide; experts add in index order like
+      // transformers' index_add_ loop.
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+      for (int64_t r = 0; r < n; ++r) {
+        const float wt = wts[rows[r]];
+        float* dst = sum + (rows[r] / k) * H;
+        const float* src = yg + r * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) dst[h] += wt * src[h];
+      }
+    }
+
+    const T* sh = shared_out.as<T>();
+    float* scale = shared_scale.as<float>();
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+    for (int64_t t = 0; t < N; ++t) {
+      const T* xt = x + t * H;
+      float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * w.shared_expert_gate[h];
+      const float sg = sigmoidf(z);
+      scale[t] = sg;
+      const float* st = sum + t * H;
+      const T* sht = sh + t * H;
+      T* yt = y + t * H;
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) yt[h] = from_f32<T>(st[h] + sg * to_f32(sht[h]));
+    }
+  }
+  if (saved) {
+    saved->probs = std::move(probs);
+    saved->topk_index = std::move(topk_index);
+    saved->topk_weight = std::move(topk_weight);
+    saved->expert_offset = std::move(offset);
+    saved->row_slot = std::move(row_slot);
+    saved->gate_up = std::move(gate_up);
+    saved->shared_scale = std::move(shared_scale);
+  }
+  return stats;
+}
+
+template <typename T>
+void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const MoeSaved& sv, const float* dy,
+                  const float* aux_dprob, float* dx, const MoeGrads& g, MemoryAccountant& mem) {
+  check_shape(s);
+  const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
+  const auto nh = static_cast<size_t>(N * H);
+  const bool real = !mem.planning();
+
+  // Shared expert: y_s = sig(z) S(x), z = x . w_sg. Its MLP sees dy * sig; dL/dz = sig (1 - sig) <dy, S>
+  // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
+  {
+    Buffer dy_shared = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.shared_dy");
+    Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
+    const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
+    if (real) {
+      float* d = dy_shared.as<float>();
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+      for (int64_t t = 0; t < N; ++t)
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) d[t * H + h] = scale[t] * dy[t * H + h];
+    }
+    swiglu_backward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
+                    dy_shared.as<float>(), dx, g.shared_gate, g.shared_up, g.shared_down, mem, dz.as<float>());
+    if (real) {
+      float* dzt = dz.as<float>();
+      for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+      for (int64_t t = 0; t < N; ++t)
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) dx[t * H + h] += dzt[t] * w.shared_expert_gate[h];
+      // d w_sg[h] += sum_t dz[t] x[t, h], column blocks so each thread owns its outputs.
+      constexpr int64_t kCols = 64;
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+      for (int64_t h0 = 0; h0 < H; h0 += kCols) {
+        const int64_t hn = std::min(kCols, H - h0);
+        float col[kCols] = {};
+        for (int64_t t = 0; t < N; ++t) {
+          const T* xt = x + t * H + h0;
+#pragma omp simd
+          for (int64_t j = 0; j < hn; ++j) col[j] += dzt[t] * to_f32(xt[j]);
+        }
+        for (int64_t j = 0; j < hn; ++j) g.shared_expert_gate[h0 + j] += col[j];
+      }
+    }
+  }
+
+  // Routed experts, one group at a time. dL/dw for each slot = <dy[t], expert_out> = <dact, act> with
+  // dact computed from the unweighted dy (no division by a possibly tiny w).
+  const auto nk = static_cast<size_t>(N * k);
+  Buffer dweight = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.dweight");
+  {
+    Buffer wrow = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_weight");
+    Buffer rdot = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_dot");
+    Buffer rows_in = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_dy_x");  // dy rows, then x rows
+    Buffer actw = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_wact");
+    Buffer dact = mem.allocate_n<float>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_dact");
+    Buffer dgu = mem.allocate_n<T>(static_cast<size_t>(N * 2 * I), MemCategory::Workspace, "moe.expert_dgate_up");
+    Buffer dxe = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_dx");
+    TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), true, mem);
+    if (real) {
+      const int64_t* off = sv.expert_offset.as<int64_t>();
+      const int32_t* slots = sv.row_slot.as<int32_t>();
+      const float* wts = sv.topk_weight.as<float>();
+      const T* gu = sv.gate_up.as<T>();
+      float* dw = dweight.as<float>();
+      float* wr = wrow.as<float>();
+      float* rd = rdot.as<float>();
+      T* rin = rows_in.as<T>();
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        const int32_t* rows = slots + r0;
+        const T* gu_e = gu + r0 * 2 * I;
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+        for (int64_t r = 0; r < n; ++r) {
+          wr[r] = wts[rows[r]];
+          const float* src = dy + (rows[r] / k) * H;
+          T* dst = rin + r * H;
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+        }
+        detail::swiglu_act_rows(n, I, gu_e, wr, actw.as<T>());
+        rows_reduce_matmul(rin, actw.as<T>(), g.down + e * H * I, n, H, I, tail);      // dW_down += dy^T (w act)
+        rows_matmul(rin, w.down + e * H * I, dact.as<float>(), n, I, H, false, tail);  // dact = dy W_down
+        detail::swiglu_grad_rows(n, I, gu_e, dact.as<float>(), wr, dgu.as<T>(), rd);
+        for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+        for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, rin + r * H);
+        rows_reduce_matmul(dgu.as<T>(), rin, g.gate_up + e * 2 * I * H, n, 2 * I, H, tail);
+        rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false, tail);
+        const float* dxg = dxe.as<float>();
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+        for (int64_t r = 0; r < n; ++r) {
+          float* dst = dx + (rows[r] / k) * H;
+          const float* src = dxg + r * H;
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+        }
+      }
+    }
+  }
+
+  // Router: slot weights -> selected probabilities (through the renormalisation) plus the aux term on
+  // every probability -> logits through the softmax.
+  const auto ne = static_cast<size_t>(N * E);
+  Buffer dlogits = mem.allocate_n<float>(ne, MemCategory::Workspace, "moe.dlogits");
+  Buffer dlogits_cast;
+  if constexpr (!std::is_same_v<T, float>)
+    dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
+  if (!real) return;
+  const float* probs = sv.probs.as<float>();
+  const int32_t* idx = sv.topk_index.as<int32_t>();
+  const float* wts = sv.topk_weight.as<float>();
+  const float* dw = dweight.as<float>();
+  float* dl = dlogits.as<float>();
+#pragma omp parallel for schedule(static) if (N * E > kMinParallelWork)
+  for (int64_t t = 0; t < N; ++t) {
+    const float* p = probs + t * E;
+    float* d = dl + t * E;
+    for (int64_t e = 0; e < E; ++e) d[e] = aux_dprob ? aux_dprob[e] : 0.0f;
+    const int32_t* it = idx + t * k;
+    const float* wt = wts + t * k;
+    const float* dwt = dw + t * k;
+    if (s.norm_topk_prob) {
+      // w_j = p_j / S, S = sum of the selected p: dp_j = (dw_j - sum_i dw_i w_i) / S
+      float sum = 0.0f, dot = 0.0f;
+      for (int64_t j = 0; j < k; ++j) {
+        sum += p[it[j]];
+        dot += dwt[j] * wt[j];
+      }
+      for (int64_t j = 0; j < k; ++j) d[it[j]] += (dwt[j] - dot) / sum;
+    } else {
+      for (int64_t j = 0; j < k; ++j) d[it[j]] += dwt[j];
+    }
+    float pd = 0.0f;
+    for (int64_t e = 0; e < E; ++e) pd += p[e] * d[e];
+    for (int64_t e = 0; e < E; ++e) d[e] = p[e] * (d[e] - pd);
+  }
+  const T* dlt;
+  if constexpr (std::is_same_v<T, float>) {
+    dlt = dl;
+  } else {
+    convert(dl, dlogits_cast.as<T>(), ne);
+    dlt = dlogits_cast.as<T>();
+  }
+  matmul(dlt, x, g.router, E, H, N, true, false, true);    // dW_router += dlogits^T x
+  matmul(dlt, w.router, dx, N, H, E, false, false, true);  // dx += dlogits W_router
+}
+
+double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts, std::vector<float>* dprob_sums) {
+  const auto E = static_cast<size_t>(experts);
+  std::vector<double> counts(E, 0.0), probs(E, 0.0);
+  double rows = 0.0;
+  for (const RouterStats& l : layers) {
+    if (l.expert_counts.size() != E || l.prob_sums.size() != E)
+      throw std::invalid_argument("load_balance_loss: router statistics for " + std::to_string(l.expert_counts.size()) +
+                                  " experts, expected " + std::to_string(experts));
+    for (size_t e = 0; e < E; ++e) {
+      counts[e] += l.expert_counts[e];
+      probs[e] += l.prob_sums[e];
+    }
+    rows += static_cast<double>(l.rows);
+  }
+  if (dprob_sums) dprob_sums->assign(E, 0.0f);
+  if (rows == 0.0) return 0.0;
+  double aux = 0.0;
+  for (size_t e = 0; e < E; ++e) aux += (counts[e] / rows) * (probs[e] / rows);
+  if (dprob_sums)
+    for (size_t e = 0; e < E; ++e)
+      (*dprob_sums)[e] = static_cast<float>(static_cast<double>(experts) * counts[e] / (rows * rows));
+  return static_cast<double>(experts) * aux;
+}
+
+template RouterStats moe_forward<float>(const MoeShape&, const float*, const MoeWeights<float>&, float*, MoeSaved*,
+                                        MemoryAccountant&);
+template RouterStats moe_forward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, bf16*, MoeSaved*,
+                                       MemoryAccountant&);
+template void moe_backward<float>(const MoeShape&, const float*, const MoeWeights<float>&, const MoeSaved&,
+                                  const float*, const float*, float*, const MoeGrads&, MemoryAccountant&);
+template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&, const float*,
+                                 const float*, float*, const MoeGrads&, MemoryAccountant&);
+
+}  // namespace hs::kernels

@@ -1,0 +1,103 @@
+// The sparse mixture-of-experts feed-forward block of Qwen3-Next / Qwen3.5-MoE, forward and backward,
+// and the transformers load-balance (auxiliary) loss.
+//
+// Routing: logits = x W_router^T in fp32, p = softmax(logits) in fp32, the k largest p per token,
+// descending, ties to the LOWER expert index (a deterministic rule; torch.topk on the CPU returns tied
+// values in an unspecified order, e.g. indices [2, 4, 1] for [1, 3, 3, 2, 3]), and the k weights divided
+// by their sum when norm_topk_prob (Qwen3.5 always, Qwen3-Next by config).
+// y = sum_{selected e} w_e expert_e(x) + sigmoid(x . shared_expert_gate) shared(x), each expert a
+// SwiGLU MLP (kernels/mlp.h). Tokens are grouped by expert (counting sort, tokens ascending within an
+// expert): gather rows, one matmul per expert over its rows, scatter-add back; never a dense
+// tokens x experts computation.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/memory.h"
+#include "kernels/mlp.h"
+
+namespace hs::kernels {
+
+struct MoeShape {
+  int64_t tokens, hidden, experts, top_k, expert_inter, shared_inter;
+  bool norm_topk_prob = true;
+};
+
+// Matrices in T (the compute dtype), Hugging Face [out, in] layouts.
+template <typename T>
+struct MoeWeights {
+  const T* router;                  // [E, H]
+  const T* gate_up;                 // [E, 2I, H]: rows 0..I-1 gate, I..2I-1 up (the fused Qwen3.5 layout)
+  const T* down;                    // [E, H, I]
+  const T* shared_gate;             // [Is, H]
+  const T* shared_up;               // [Is, H]
+  const T* shared_down;             // [H, Is]
+  const float* shared_expert_gate;  // [H]
+};
+
+// fp32 gradients with the shapes of MoeWeights; backward accumulates into each.
+struct MoeGrads {
+  float *router, *gate_up, *down, *shared_gate, *shared_up, *shared_down, *shared_expert_gate;
+};
+
+// Per-layer router statistics (values, no side effects): expert_counts[e] = number of (token, slot)
+// selections of expert e; prob_sums[e] = sum over tokens of p[e]; rows = tokens.
+struct RouterStats {
+  std::vector<double> expert_counts, prob_sums;
+  int64_t rows = 0;
+};
+
+// What backward needs, all MemCategory::Activations. Sizes depend on the shape only: the grouped
+// buffers have tokens * top_k rows whatever the routing.
+struct MoeSaved {
+  Buffer probs;          // [tokens, E] fp32 softmax of the router logits
+  Buffer topk_index;     // [tokens, k] int32, descending probability, ties to the lower index
+  Buffer topk_weight;    // [tokens, k] fp32 routing weights (renormalised when norm_topk_prob)
+  Buffer expert_offset;  // [E + 1] int64: expert e owns grouped rows [offset[e], offset[e + 1])
+  Buffer row_slot;       // [tokens * k] int32: grouped row -> flat slot t * k + s
+  Buffer gate_up;        // [tokens * k, 2I] T: grouped gate | up pre-activations
+  Buffer shared_scale;   // [tokens] fp32: sigmoid(x . shared_expert_gate)
+  SwigluSaved shared;    // the shared expert's own saved tensors
+};
+
+// x, y [tokens, hidden]. saved == nullptr: inference. In planning mode it makes the same allocations
+// and returns zero statistics (of the right sizes) without touching data.
+template <typename T>
+RouterStats moe_forward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, T* y, MoeSaved* saved,
+                        MemoryAccountant& mem);
+
+// dy [tokens, hidden] fp32. aux_dprob [E] = d(total loss) / d(prob_sums[e]) from the load-balance term
+// (already multiplied by its coefficient), or nullptr. The router gets gradient only through the
+// selected (renormalised) probabilities and aux_dprob. Accumulates into dx and every gradient.
+template <typename T>
+void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, const MoeSaved& saved, const float* dy,
+                  const float* aux_dprob, float* dx, const MoeGrads& grads, MemoryAccountant& mem);
+
+// transformers' load_balancing_loss_func over all MoE layers (rows stacked, N = total rows, no padding
+// mask): aux = E * sum_e (sum_layers counts[e] / N) * (sum_layers prob_sums[e] / N). If dprob_sums !=
+// nullptr it receives [E] d aux / d prob_sums[e] (the counts carry no gradient), the same vector for
+// every layer; multiply by the aux coefficient to get moe_backward's aux_dprob.
+double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts, std::vector<float>* dprob_sums);
+
+namespace reference {
+// All parameters in S (float or double) so finite differences can perturb every one of them.
+template <typename S>
+struct MoeParams {
+  const S *router, *gate_up, *down, *shared_gate, *shared_up, *shared_down, *shared_expert_gate;
+};
+template <typename S>
+struct MoeParamGrads {
+  S *router, *gate_up, *down, *shared_gate, *shared_up, *shared_down, *shared_expert_gate;
+};
+// Dense oracle: every expert runs on every token and the unselected ones are masked out; the top-k
+// is a stable sort by descending probability (the same tie rule, written differently).
+template <typename S>
+RouterStats moe_forward(const MoeShape& shape, const S* x, const MoeParams<S>& w, S* y);
+// Accumulates (+=) like the fast kernel.
+template <typename S>
+void moe_backward(const MoeShape& shape, const S* x, const MoeParams<S>& w, const S* dy, const S* aux_dprob, S* dx,
+                  const MoeParamGrads<S>& grads);
+}  // namespace reference
+
+}  // namespace hs::kernels

@@ -1,0 +1,179 @@
+#include "kernels/mlp.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+namespace hs::kernels {
+namespace {
+
+std::vector<float> randn(size_t n, float scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+template <typename T>
+std::vector<T> cast(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
+  return out;
+}
+
+template <typename T>
+std::vector<double> widen(const std::vector<T>& v) {
+  std::vector<double> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = to_f32(v[i]);
+  return out;
+}
+
+// ||a - b|| / ||b||: the relative-RMS error used throughout (flash-linear-attention style).
+template <typename A>
+double rel_rms(const std::vector<A>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    const double d = static_cast<double>(to_f32(a[i])) - b[i];
+    num += d * d;
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+template <typename T>
+void check_against_reference(int64_t N, int64_t H, int64_t I, double tol, uint32_t seed) {
+  const auto x = cast<T>(randn(N * H, 1.0f, seed));
+  const auto wg = cast<T>(randn(I * H, 1.0f / std::sqrt(float(H)), seed + 1));
+  const auto wu = cast<T>(randn(I * H, 1.0f / std::sqrt(float(H)), seed + 2));
+  const auto wd = cast<T>(randn(H * I, 1.0f / std::sqrt(float(I)), seed + 3));
+  const auto dy = randn(N * H, 1.0f, seed + 4);
+
+  MemoryAccountant mem;
+  SwigluSaved saved;
+  std::vector<T> y(N * H);
+  swiglu_forward<T>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), y.data(), &saved, mem);
+
+  // The reference sees exactly the T values the kernel saw, widened to double.
+  const auto xd = widen(x), wgd = widen(wg), wud = widen(wu), wdd = widen(wd), dyd = widen(dy);
+  std::vector<double> yr(N * H);
+  reference::swiglu_forward<double>(N, H, I, xd.data(), wgd.data(), wud.data(), wdd.data(), yr.data());
+  EXPECT_LT(rel_rms(y, yr), tol) << "y";
+
+  // Gradients start from random values: backward must add to them, not overwrite.
+  const auto dx0 = randn(N * H, 1.0f, seed + 5), dwg0 = randn(I * H, 1.0f, seed + 6),
+             dwu0 = randn(I * H, 1.0f, seed + 7), dwd0 = randn(H * I, 1.0f, seed + 8);
+  auto dx = dx0, dwg = dwg0, dwu = dwu0, dwd = dwd0;
+  std::vector<float> row_dot(N);
+  swiglu_backward<T>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), saved, dy.data(), dx.data(), dwg.data(),
+                     dwu.data(), dwd.data(), mem, row_dot.data());
+  std::vector<double> dxr(N * H), dwgr(I * H), dwur(I * H), dwdr(H * I);
+  reference::swiglu_backward<double>(N, H, I, xd.data(), wgd.data(), wud.data(), wdd.data(), dyd.data(), dxr.data(),
+                                     dwgr.data(), dwur.data(), dwdr.data());
+  auto sub = [](std::vector<float> a, const std::vector<float>& b) {
+    for (size_t i = 0; i < a.size(); ++i) a[i] -= b[i];
+    return a;
+  };
+  EXPECT_LT(rel_rms(sub(dx, dx0), dxr), tol) << "dx";
+  EXPECT_LT(rel_rms(sub(dwg, dwg0), dwgr), tol) << "dw_gate";
+  EXPECT_LT(rel_rms(sub(dwu, dwu0), dwur), tol) << "dw_up";
+  EXPECT_LT(rel_rms(sub(dwd, dwd0), dwdr), tol) << "dw_down";
+  std::vector<double> dot_r(N, 0.0);
+  for (int64_t t = 0; t < N; ++t)
+    for (int64_t h = 0; h < H; ++h) dot_r[t] += dyd[t * H + h] * yr[t * H + h];
+  EXPECT_LT(rel_rms(row_dot, dot_r), tol) << "row_dot";
+}
+
+// fp32: oneDNN's fp32 products differ from the double reference by accumulation order only
+// (~1e-7 relative per product over K <= 48 terms); 1e-5 relative RMS keeps a wide margin while any
+// indexing or layout error is O(1).
+TEST(SwigluMlp, MatchesReferenceF32) { check_against_reference<float>(33, 48, 40, 1e-5, 10); }
+
+// bf16: the pre-activations, silu * up, y, dy and the pre-activation gradients are each rounded to bf16
+// (unit round-off 2^-9 ~ 2e-3), a handful of independent roundings per value: ~0.5% relative RMS;
+// 2e-2 leaves margin, still far below the O(1) of a wrong result.
+TEST(SwigluMlp, MatchesReferenceBf16) { check_against_reference<bf16>(33, 48, 40, 2e-2, 20); }
+
+// Central differences in double on the reference (eps 1e-6: truncation ~eps^2 ~ 1e-12, cancellation
+// ~1e-16 / eps ~ 1e-10 for an O(1) loss), against a 1e-6 relative tolerance.
+TEST(SwigluMlp, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t N = 3, H = 5, I = 4;
+  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  auto x = to_d(randn(N * H, 1.0f, 1)), wg = to_d(randn(I * H, 0.5f, 2)), wu = to_d(randn(I * H, 0.5f, 3)),
+       wd = to_d(randn(H * I, 0.5f, 4)), dy = to_d(randn(N * H, 1.0f, 5));
+  std::vector<double> dx(N * H), dwg(I * H), dwu(I * H), dwd(H * I), y(N * H);
+  reference::swiglu_backward<double>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), dy.data(), dx.data(),
+                                     dwg.data(), dwu.data(), dwd.data());
+  auto loss = [&] {
+    reference::swiglu_forward<double>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), y.data());
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += dy[i] * y[i];
+    return l;
+  };
+  auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* name) {
+    const double eps = 1e-6;
+    for (size_t i = 0; i < p.size(); ++i) {
+      const double v = p[i];
+      p[i] = v + eps;
+      const double lp = loss();
+      p[i] = v - eps;
+      const double lm = loss();
+      p[i] = v;
+      const double fd = (lp - lm) / (2 * eps);
+      ASSERT_NEAR(grad[i], fd, 1e-6 * (1 + std::abs(fd))) << name << "[" << i << "]";
+    }
+  };
+  check(x, dx, "x");
+  check(wg, dwg, "w_gate");
+  check(wu, dwu, "w_up");
+  check(wd, dwd, "w_down");
+}
+
+// The planner runs the same code over shapes: every allocation, and so every peak, must agree.
+template <typename T>
+void check_planning() {
+  const int64_t N = 17, H = 24, I = 20;
+  const auto x = cast<T>(randn(N * H, 1.0f, 7)), w = cast<T>(randn(I * H, 0.2f, 8));
+  const auto dy = randn(N * H, 1.0f, 9);
+  std::vector<float> dx(N * H), dw(I * H * 3);
+  std::vector<T> y(N * H);
+  auto run = [&](MemoryAccountant& mem) {
+    SwigluSaved saved;
+    swiglu_forward<T>(N, H, I, x.data(), w.data(), w.data(), w.data(), y.data(), &saved, mem);
+    swiglu_backward<T>(N, H, I, x.data(), w.data(), w.data(), w.data(), saved, dy.data(), dx.data(), dw.data(),
+                       dw.data() + I * H, dw.data() + 2 * I * H, mem);
+  };
+  MemoryAccountant real, plan(true);
+  run(real);
+  run(plan);
+  EXPECT_EQ(plan.peak_total(), real.peak_total());
+  EXPECT_EQ(plan.allocations(), real.allocations());
+  for (size_t c = 0; c < kNumMemCategories; ++c)
+    EXPECT_EQ(plan.peak(MemCategory(c)), real.peak(MemCategory(c))) << category_name(MemCategory(c));
+  EXPECT_EQ(real.peak(MemCategory::Activations), size_t(N * 2 * I) * sizeof(T));
+  EXPECT_EQ(real.live_total(), 0u);
+}
+TEST(SwigluMlp, PlannedPeakEqualsMeasured) {
+  check_planning<float>();
+  check_planning<bf16>();
+}
+
+TEST(SwigluMlp, InferenceKeepsNoActivations) {
+  const int64_t N = 4, H = 8, I = 6;
+  const auto x = randn(N * H, 1.0f, 1), w = randn(I * H, 0.3f, 2);
+  std::vector<float> y(N * H), y_train(N * H);
+  MemoryAccountant mem;
+  swiglu_forward<float>(N, H, I, x.data(), w.data(), w.data(), w.data(), y.data(), nullptr, mem);
+  EXPECT_EQ(mem.peak(MemCategory::Activations), 0u);
+  EXPECT_EQ(mem.live_total(), 0u);
+  SwigluSaved saved;
+  swiglu_forward<float>(N, H, I, x.data(), w.data(), w.data(), w.data(), y_train.data(), &saved, mem);
+  EXPECT_EQ(y, y_train);
+}
+
+}  // namespace
+}  // namespace hs::kernels

@@ -1,0 +1,509 @@
+#include "kernels/moe.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/matmul.h"
+
+namespace hs::kernels {
+namespace {
+
+std::vector<float> randn(size_t n, float scale, std::mt19937& rng) {
+  std::normal_distribution<float> nd(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = nd(rng);
+  return v;
+}
+
+template <typename T>
+std::vector<T> cast(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
+  return out;
+}
+
+// Values representable in T, kept as float (what both the kernel and the reference will see).
+template <typename T>
+std::vector<float> round_to(std::vector<float> v) {
+  for (float& x : v) x = to_f32(from_f32<T>(x));
+  return v;
+}
+
+std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+double rel_rms(const std::vector<float>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The smallest gap, over tokens, between the k-th and (k+1)-th largest router logit.
+double routing_margin(const MoeShape& s, const float* x, const float* router, int64_t t) {
+  if (s.top_k == s.experts) return INFINITY;
+  std::vector<double> l(static_cast<size_t>(s.experts), 0.0);
+  for (int64_t e = 0; e < s.experts; ++e)
+    for (int64_t h = 0; h < s.hidden; ++h)
+      l[static_cast<size_t>(e)] += double(x[t * s.hidden + h]) * router[e * s.hidden + h];
+  std::sort(l.begin(), l.end(), std::greater<>());
+  return l[static_cast<size_t>(s.top_k - 1)] - l[static_cast<size_t>(s.top_k)];
+}
+
+// Top-k is piecewise constant in the logits: a comparison against another implementation (or a
+// finite difference) is only meaningful if every token's selected set is unambiguous. Each token's
+// input is redrawn until its k-th and (k+1)-th logits differ by kMargin, which is orders of magnitude
+// above both the fp32-vs-double logit error (~1e-6) and the FD perturbation's effect (~1e-6).
+constexpr double kMargin = 0.1;
+
+// All values rounded to T and kept as float: weights, input, upstream gradients.
+struct Problem {
+  MoeShape s;
+  std::vector<float> x, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate, dy, aux;
+};
+
+template <typename T>
+Problem make_problem(const MoeShape& s, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int64_t N = s.tokens, H = s.hidden, E = s.experts, I = s.expert_inter, Is = s.shared_inter;
+  const float sh = 1.0f / std::sqrt(float(H));
+  Problem p;
+  p.s = s;
+  p.router = round_to<T>(randn(E * H, 2.0f * sh, rng));  // logits ~ N(0, 4): clearly unequal probabilities
+  p.x.resize(N * H);
+  for (int64_t t = 0; t < N; ++t) {
+    for (int tries = 0;; ++tries) {
+      if (tries > 1000) throw std::runtime_error("no well-separated routing found");
+      const auto row = round_to<T>(randn(H, 1.0f, rng));
+      std::copy(row.begin(), row.end(), p.x.begin() + t * H);
+      if (routing_margin(s, p.x.data(), p.router.data(), t) >= kMargin) break;
+    }
+  }
+  p.gate_up = round_to<T>(randn(E * 2 * I * H, sh, rng));
+  p.down = round_to<T>(randn(E * H * I, 1.0f / std::sqrt(float(I)), rng));
+  p.shared_gate = round_to<T>(randn(Is * H, sh, rng));
+  p.shared_up = round_to<T>(randn(Is * H, sh, rng));
+  p.shared_down = round_to<T>(randn(H * Is, 1.0f / std::sqrt(float(Is)), rng));
+  p.shared_expert_gate = randn(H, sh, rng);  // fp32 in both
+  p.dy = randn(N * H, 1.0f, rng);
+  p.aux = randn(E, 0.1f, rng);
+  return p;
+}
+
+struct Grads {
+  std::vector<float> dx, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate;
+  explicit Grads(const MoeShape& s)
+      : dx(s.tokens * s.hidden),
+        router(s.experts * s.hidden),
+        gate_up(s.experts * 2 * s.expert_inter * s.hidden),
+        down(s.experts * s.hidden * s.expert_inter),
+        shared_gate(s.shared_inter * s.hidden),
+        shared_up(s.shared_inter * s.hidden),
+        shared_down(s.hidden * s.shared_inter),
+        shared_expert_gate(s.hidden) {}
+  MoeGrads view() {
+    return {router.data(),      gate_up.data(),           down.data(), shared_gate.data(), shared_up.data(),
+            shared_down.data(), shared_expert_gate.data()};
+  }
+};
+
+template <typename T>
+struct FastRun {
+  std::vector<T> x, router, gate_up, down, shared_gate, shared_up, shared_down;
+  explicit FastRun(const Problem& p)
+      : x(cast<T>(p.x)),
+        router(cast<T>(p.router)),
+        gate_up(cast<T>(p.gate_up)),
+        down(cast<T>(p.down)),
+        shared_gate(cast<T>(p.shared_gate)),
+        shared_up(cast<T>(p.shared_up)),
+        shared_down(cast<T>(p.shared_down)) {}
+  MoeWeights<T> weights(const Problem& p) const {
+    return {router.data(),
+            gate_up.data(),
+            down.data(),
+            shared_gate.data(),
+            shared_up.data(),
+            shared_down.data(),
+            p.shared_expert_gate.data()};
+  }
+};
+
+struct ReferenceRun {
+  std::vector<double> x, router, gate_up, down, shared_gate, shared_up, shared_down, shared_expert_gate, dy, aux;
+  std::vector<double> y, dx, g_router, g_gate_up, g_down, g_shared_gate, g_shared_up, g_shared_down, g_seg;
+  RouterStats stats;
+  explicit ReferenceRun(const Problem& p)
+      : x(widen(p.x)),
+        router(widen(p.router)),
+        gate_up(widen(p.gate_up)),
+        down(widen(p.down)),
+        shared_gate(widen(p.shared_gate)),
+        shared_up(widen(p.shared_up)),
+        shared_down(widen(p.shared_down)),
+        shared_expert_gate(widen(p.shared_expert_gate)),
+        dy(widen(p.dy)),
+        aux(widen(p.aux)),
+        y(p.x.size()),
+        dx(p.x.size()),
+        g_router(p.router.size()),
+        g_gate_up(p.gate_up.size()),
+        g_down(p.down.size()),
+        g_shared_gate(p.shared_gate.size()),
+        g_shared_up(p.shared_up.size()),
+        g_shared_down(p.shared_down.size()),
+        g_seg(p.shared_expert_gate.size()) {}
+  reference::MoeParams<double> params() const {
+    return {router.data(),      gate_up.data(),           down.data(), shared_gate.data(), shared_up.data(),
+            shared_down.data(), shared_expert_gate.data()};
+  }
+  reference::MoeParamGrads<double> grads() {
+    return {g_router.data(),    g_gate_up.data(),     g_down.data(), g_shared_gate.data(),
+            g_shared_up.data(), g_shared_down.data(), g_seg.data()};
+  }
+  void run(const MoeShape& s, bool with_aux) {
+    stats = reference::moe_forward<double>(s, x.data(), params(), y.data());
+    reference::moe_backward<double>(s, x.data(), params(), dy.data(), with_aux ? aux.data() : nullptr, dx.data(),
+                                    grads());
+  }
+};
+
+template <typename T>
+void check_against_reference(const MoeShape& s, uint32_t seed, double tol) {
+  SCOPED_TRACE("tokens " + std::to_string(s.tokens) + " experts " + std::to_string(s.experts) + " top_k " +
+               std::to_string(s.top_k) + " norm " + std::to_string(s.norm_topk_prob));
+  const Problem p = make_problem<T>(s, seed);
+  ReferenceRun ref(p);
+  ref.run(s, true);
+
+  FastRun<T> fast(p);
+  MemoryAccountant mem;
+  MoeSaved saved;
+  std::vector<T> y(p.x.size());
+  const RouterStats stats = moe_forward<T>(s, fast.x.data(), fast.weights(p), y.data(), &saved, mem);
+  std::vector<float> yf(y.size());
+  for (size_t i = 0; i < y.size(); ++i) yf[i] = to_f32(y[i]);
+  EXPECT_LT(rel_rms(yf, ref.y), tol) << "y";
+  EXPECT_EQ(stats.rows, s.tokens);
+  EXPECT_EQ(stats.expert_counts, ref.stats.expert_counts);  // same selections, exactly
+  for (int64_t e = 0; e < s.experts; ++e)                   // fp32 softmax of fp32 logits vs double: ~1e-6 relative
+    EXPECT_NEAR(stats.prob_sums[e], ref.stats.prob_sums[e], 1e-5 * s.tokens) << e;
+
+  Grads g(s);
+  moe_backward<T>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), p.aux.data(), g.dx.data(), g.view(), mem);
+  EXPECT_LT(rel_rms(g.dx, ref.dx), tol) << "dx";
+  EXPECT_LT(rel_rms(g.router, ref.g_router), tol) << "router";
+  EXPECT_LT(rel_rms(g.gate_up, ref.g_gate_up), tol) << "gate_up";
+  EXPECT_LT(rel_rms(g.down, ref.g_down), tol) << "down";
+  EXPECT_LT(rel_rms(g.shared_gate, ref.g_shared_gate), tol) << "shared_gate";
+  EXPECT_LT(rel_rms(g.shared_up, ref.g_shared_up), tol) << "shared_up";
+  EXPECT_LT(rel_rms(g.shared_down, ref.g_shared_down), tol) << "shared_down";
+  EXPECT_LT(rel_rms(g.shared_expert_gate, ref.g_seg), tol) << "shared_expert_gate";
+}
+
+const std::vector<MoeShape>& shapes() {
+  static const std::vector<MoeShape> v = {
+      {37, 32, 6, 2, 24, 20, true},
+      {19, 24, 5, 3, 16, 12, false},  // no renormalisation (Qwen3-Next with norm_topk_prob = false)
+      {7, 16, 12, 2, 8, 8, true},     // more experts than slots: several empty groups
+      {9, 16, 3, 3, 8, 8, true},      // k = E: every expert on every token
+  };
+  return v;
+}
+
+// fp32: oneDNN fp32 products vs double, accumulation order only (~1e-7 relative per value, measured
+// ~3e-7 relative RMS); 1e-5 keeps a wide margin while a wrong index, weight or layout is O(1).
+TEST(Moe, MatchesDenseReferenceF32) {
+  uint32_t seed = 100;
+  for (const MoeShape& s : shapes()) check_against_reference<float>(s, seed++, 1e-5);
+}
+
+// bf16: pre-activations, silu * up, y, the gathered dy, the pre-activation gradients and the router
+// logits' gradient are each rounded to bf16 (2^-9 ~ 2e-3), a few roundings per value: measured
+// ~3-6e-3 relative RMS; 2e-2 leaves margin and is still far from an O(1) error.
+TEST(Moe, MatchesDenseReferenceBf16) {
+  uint32_t seed = 200;
+  for (const MoeShape& s : shapes()) check_against_reference<bf16>(s, seed++, 2e-2);
+}
+
+// Groups above 256 rows go through the bulk pieces (256 * 2^j rows) and a zero-padded tail: ~733 rows
+// per expert (512 + 221 -> 256 padded) and, with k = E, 1100 rows each (1024 + 76 -> 128 padded).
+TEST(Moe, LargeGroupsSplitIntoRowPieces) {
+  check_against_reference<float>({1100, 16, 3, 2, 16, 8, true}, 300, 1e-5);
+  check_against_reference<float>({1100, 16, 2, 2, 16, 8, true}, 301, 1e-5);
+  check_against_reference<bf16>({1100, 16, 3, 2, 16, 8, true}, 302, 2e-2);
+}
+
+// oneDNN creates a primitive per shape (~0.6 ms each, cached for the process): per-expert row counts
+// must come from a fixed set, not from the data. Six different routings of 300 tokens over 4 experts
+// (groups of ~150, some over 256 rows) may only use row counts 16, 32, 64, 128 and 256 in each of the
+// 6 expert products, plus 9 fixed-shape products (router 1 + 2, shared expert 2 + 4): at most 39 new
+// primitives, where unbucketed counts would add ~6 routings x 4 experts x 6 products ~ 140.
+TEST(Moe, RowCountsComeFromAFixedSet) {
+  const MoeShape s{300, 16, 4, 2, 8, 8, true};
+  const int64_t before = matmul_primitives_created();
+  for (uint32_t seed = 0; seed < 6; ++seed) {
+    const Problem p = make_problem<float>(s, 400 + seed);
+    FastRun<float> fast(p);
+    MemoryAccountant mem;
+    MoeSaved saved;
+    std::vector<float> y(p.x.size());
+    moe_forward<float>(s, fast.x.data(), fast.weights(p), y.data(), &saved, mem);
+    Grads g(s);
+    moe_backward<float>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), nullptr, g.dx.data(), g.view(), mem);
+  }
+  EXPECT_LE(matmul_primitives_created() - before, 5 * 6 + 9);
+}
+
+// The reference's backward against central differences in double, for every input and parameter,
+// of L = <dy, y> + <aux_dprob, prob_sums> (the aux path included). eps = 1e-6 moves a logit by ~1e-6,
+// far below the 0.1 selection margin, so the top-k set is constant across each difference.
+// Truncation ~eps^2 ~ 1e-12 and cancellation ~1e-16 / eps ~ 1e-10 against a 1e-6 relative tolerance.
+void check_reference_fd(const MoeShape& s, uint32_t seed) {
+  Problem p = make_problem<float>(s, seed);
+  ReferenceRun ref(p);
+  ref.run(s, true);
+  auto loss = [&] {
+    std::vector<double> y(ref.x.size());
+    const RouterStats st = reference::moe_forward<double>(s, ref.x.data(), ref.params(), y.data());
+    double l = 0;
+    for (size_t i = 0; i < y.size(); ++i) l += ref.dy[i] * y[i];
+    for (size_t e = 0; e < st.prob_sums.size(); ++e) l += ref.aux[e] * st.prob_sums[e];
+    return l;
+  };
+  auto check = [&](std::vector<double>& v, const std::vector<double>& grad, const char* name) {
+    const double eps = 1e-6;
+    for (size_t i = 0; i < v.size(); ++i) {
+      const double keep = v[i];
+      v[i] = keep + eps;
+      const double lp = loss();
+      v[i] = keep - eps;
+      const double lm = loss();
+      v[i] = keep;
+      const double fd = (lp - lm) / (2 * eps);
+      ASSERT_NEAR(grad[i], fd, 1e-6 * (1 + std::abs(fd))) << name << "[" << i << "]";
+    }
+  };
+  check(ref.x, ref.dx, "x");
+  check(ref.router, ref.g_router, "router");
+  check(ref.gate_up, ref.g_gate_up, "gate_up");
+  check(ref.down, ref.g_down, "down");
+  check(ref.shared_gate, ref.g_shared_gate, "shared_gate");
+  check(ref.shared_up, ref.g_shared_up, "shared_up");
+  check(ref.shared_down, ref.g_shared_down, "shared_down");
+  check(ref.shared_expert_gate, ref.g_seg, "shared_expert_gate");
+}
+TEST(Moe, ReferenceBackwardMatchesFiniteDifferences) {
+  check_reference_fd({5, 6, 4, 2, 3, 4, true}, 500);
+  check_reference_fd({5, 6, 4, 2, 3, 4, false}, 501);
+}
+
+// Router logits planted through one-hot inputs (x[t] = e_t, router[e][t] = logit[t][e]), with exact
+// ties. The rule: descending probability, ties to the lower expert index.
+template <typename T>
+void check_ties() {
+  const std::vector<std::vector<float>> logits = {{1, 3, 3, 2, 3}, {0, 0, 0, 0, 0}, {0, 1, 0, 1, 0}};
+  const int64_t N = 3, E = 5, H = N;
+  const std::vector<std::vector<int32_t>> expected = {{1, 2, 4}, {0, 1, 2}, {1, 3, 0}};
+  std::vector<float> x(N * H, 0.0f), router(E * H, 0.0f);
+  for (int64_t t = 0; t < N; ++t) {
+    x[t * H + t] = 1.0f;
+    for (int64_t e = 0; e < E; ++e) router[e * H + t] = logits[t][e];
+  }
+  for (int64_t k : {2, 3}) {
+    const MoeShape s{N, H, E, k, 4, 4, true};
+    std::mt19937 rng(7);
+    Problem p;
+    p.s = s;
+    p.x = x;
+    p.router = router;
+    p.gate_up = round_to<T>(randn(E * 8 * H, 0.5f, rng));
+    p.down = round_to<T>(randn(E * H * 4, 0.5f, rng));
+    p.shared_gate = p.shared_up = p.shared_down = round_to<T>(randn(4 * H, 0.5f, rng));
+    p.shared_expert_gate = randn(H, 0.5f, rng);
+    FastRun<T> fast(p);
+    MemoryAccountant mem;
+    MoeSaved saved;
+    std::vector<T> y(N * H);
+    const RouterStats stats = moe_forward<T>(s, fast.x.data(), fast.weights(p), y.data(), &saved, mem);
+    const int32_t* idx = saved.topk_index.as<int32_t>();
+    std::vector<double> counts(E, 0.0);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t j = 0; j < k; ++j) {
+        EXPECT_EQ(idx[t * k + j], expected[t][j]) << "token " << t << " slot " << j << " k " << k;
+        counts[expected[t][j]] += 1;
+      }
+    EXPECT_EQ(stats.expert_counts, counts);
+    ReferenceRun ref(p);
+    std::vector<double> yr(N * H);
+    EXPECT_EQ(reference::moe_forward<double>(s, ref.x.data(), ref.params(), yr.data()).expert_counts, counts);
+  }
+}
+TEST(Moe, TopKTiesGoToLowerIndex) {
+  check_ties<float>();
+  check_ties<bf16>();
+}
+
+// The planner runs the same code with null data: every allocation and every peak must agree, and the
+// saved tensors are exactly the documented ones.
+template <typename T>
+void check_planning() {
+  const MoeShape s{29, 16, 5, 2, 12, 8, true};
+  const Problem p = make_problem<T>(s, 600);
+  FastRun<T> fast(p);
+  auto run = [&](MemoryAccountant& mem) {
+    MoeSaved saved;
+    std::vector<T> y(p.x.size());
+    moe_forward<T>(s, fast.x.data(), fast.weights(p), y.data(), &saved, mem);
+    Grads g(s);
+    moe_backward<T>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), p.aux.data(), g.dx.data(), g.view(), mem);
+  };
+  MemoryAccountant real, plan(true);
+  run(real);
+  run(plan);
+  EXPECT_EQ(plan.peak_total(), real.peak_total());
+  EXPECT_EQ(plan.allocations(), real.allocations());
+  for (size_t c = 0; c < kNumMemCategories; ++c)
+    EXPECT_EQ(plan.peak(MemCategory(c)), real.peak(MemCategory(c))) << category_name(MemCategory(c));
+  const size_t N = size_t(s.tokens), E = size_t(s.experts), nk = N * size_t(s.top_k);
+  const size_t saved_bytes = N * E * 4 + nk * 4 * 3 + (E + 1) * 8 + nk * size_t(2 * s.expert_inter) * sizeof(T) +
+                             N * 4 + N * size_t(2 * s.shared_inter) * sizeof(T);
+  EXPECT_EQ(real.peak(MemCategory::Activations), saved_bytes);
+  EXPECT_EQ(real.live_total(), 0u);
+}
+TEST(Moe, PlannedPeakEqualsMeasured) {
+  check_planning<float>();
+  check_planning<bf16>();
+}
+
+TEST(Moe, InferenceKeepsNoActivations) {
+  const MoeShape s{11, 16, 4, 2, 8, 8, true};
+  const Problem p = make_problem<float>(s, 700);
+  FastRun<float> fast(p);
+  std::vector<float> y(p.x.size()), y_train(p.x.size());
+  MemoryAccountant mem;
+  const RouterStats a = moe_forward<float>(s, fast.x.data(), fast.weights(p), y.data(), nullptr, mem);
+  EXPECT_EQ(mem.peak(MemCategory::Activations), 0u);
+  MoeSaved saved;
+  const RouterStats b = moe_forward<float>(s, fast.x.data(), fast.weights(p), y_train.data(), &saved, mem);
+  EXPECT_EQ(y, y_train);
+  EXPECT_EQ(a.expert_counts, b.expert_counts);
+  EXPECT_EQ(a.prob_sums, b.prob_sums);
+}
+
+// A layer can see no tokens (e.g. an empty micro-batch shard): nothing to do, nothing touched.
+TEST(Moe, EmptyBatch) {
+  const MoeShape s{0, 16, 4, 2, 8, 8, true};
+  Problem p = make_problem<float>(s, 900);
+  FastRun<float> fast(p);
+  MemoryAccountant mem;
+  MoeSaved saved;
+  const RouterStats st = moe_forward<float>(s, fast.x.data(), fast.weights(p), nullptr, &saved, mem);
+  EXPECT_EQ(st.rows, 0);
+  EXPECT_EQ(st.expert_counts, std::vector<double>(4, 0.0));
+  Grads g(s);
+  moe_backward<float>(s, fast.x.data(), fast.weights(p), saved, nullptr, p.aux.data(), nullptr, g.view(), mem);
+  for (float v : g.router) EXPECT_EQ(v, 0.0f);
+  for (float v : g.shared_expert_gate) EXPECT_EQ(v, 0.0f);
+}
+
+// Two layers, E = 3, N = 6 rows: counts (5, 3, 4), prob sums (2.7, 1.4, 1.9) in total;
+// aux = 3 * (5 * 2.7 + 3 * 1.4 + 4 * 1.9) / 36 = 3 * 25.3 / 36, d aux / d prob_sums = 3 * counts / 36.
+TEST(LoadBalance, MatchesHandComputation) {
+  std::vector<RouterStats> layers = {{{3, 1, 2}, {1.5, 0.5, 1.0}, 3}, {{2, 2, 2}, {1.2, 0.9, 0.9}, 3}};
+  std::vector<float> d;
+  EXPECT_NEAR(load_balance_loss(layers, 3, &d), 3 * 25.3 / 36, 1e-12);
+  ASSERT_EQ(d.size(), 3u);
+  EXPECT_FLOAT_EQ(d[0], 15.0f / 36);
+  EXPECT_FLOAT_EQ(d[1], 9.0f / 36);
+  EXPECT_FLOAT_EQ(d[2], 12.0f / 36);
+  EXPECT_EQ(load_balance_loss({}, 3, &d), 0.0);
+  EXPECT_THROW(load_balance_loss(layers, 4, nullptr), std::invalid_argument);
+}
+
+// The same planted logits given to transformers 5.24's load_balancing_loss_func (Qwen3-Next and
+// Qwen3.5-MoE, identical): `f((l1, l2), num_experts=4, top_k=2)` returned 1.982121467590332 in fp32
+// (1.982121473835761 in float64); tolerance 1e-6 covers its fp32 arithmetic.
+TEST(LoadBalance, MatchesTransformersOnPlantedLogits) {
+  const std::vector<std::vector<float>> l1 = {
+      {2.0f, -1.0f, 0.5f, 0.0f}, {0.1f, 1.5f, -0.5f, 0.7f}, {-1.0f, 0.2f, 2.2f, 0.9f}, {0.3f, 0.0f, -0.2f, 1.8f}};
+  const std::vector<std::vector<float>> l2 = {
+      {1.0f, 0.0f, -1.0f, 0.4f}, {-0.3f, 2.0f, 0.6f, -1.2f}, {0.8f, 0.5f, 0.1f, -0.6f}, {0.0f, -0.7f, 1.3f, 0.2f}};
+  const int64_t N = 4, E = 4, H = N;
+  std::vector<RouterStats> layers;
+  for (const auto& logits : {l1, l2}) {
+    std::vector<float> x(N * H, 0.0f), router(E * H);
+    for (int64_t t = 0; t < N; ++t) {
+      x[t * H + t] = 1.0f;
+      for (int64_t e = 0; e < E; ++e) router[e * H + t] = logits[t][e];
+    }
+    const MoeShape s{N, H, E, 2, 4, 4, true};
+    std::mt19937 rng(8);
+    Problem p;
+    p.s = s;
+    p.x = x;
+    p.router = router;
+    p.gate_up = randn(E * 8 * H, 0.5f, rng);
+    p.down = randn(E * H * 4, 0.5f, rng);
+    p.shared_gate = p.shared_up = p.shared_down = randn(4 * H, 0.5f, rng);
+    p.shared_expert_gate = randn(H, 0.5f, rng);
+    FastRun<float> fast(p);
+    MemoryAccountant mem;
+    std::vector<float> y(N * H);
+    layers.push_back(moe_forward<float>(s, fast.x.data(), fast.weights(p), y.data(), nullptr, mem));
+  }
+  EXPECT_NEAR(load_balance_loss(layers, E, nullptr), 1.982121473835761, 1e-6);
+}
+
+// End to end through the aux path only: aux(router) = load_balance_loss(stats(moe_forward)) with the
+// counts frozen (well-separated logits, see kMargin). The reference backward with dy = 0 and
+// aux_dprob = d aux / d prob_sums must match central differences in the router weights (tolerance as
+// in the FD test above), and the fast kernel's router gradient must match the reference (fp32, 1e-5).
+TEST(LoadBalance, RouterGradientThroughAuxMatchesFiniteDifferences) {
+  const MoeShape s{9, 8, 5, 2, 4, 4, true};
+  Problem p = make_problem<float>(s, 800);
+  std::fill(p.dy.begin(), p.dy.end(), 0.0f);
+  ReferenceRun ref(p);
+  std::vector<double> y(ref.x.size());
+  std::vector<float> dprob;
+  load_balance_loss({reference::moe_forward<double>(s, ref.x.data(), ref.params(), y.data())}, s.experts, &dprob);
+  ref.aux.assign(dprob.begin(), dprob.end());
+  ref.run(s, true);
+  auto aux = [&] {
+    return load_balance_loss({reference::moe_forward<double>(s, ref.x.data(), ref.params(), y.data())}, s.experts,
+                             nullptr);
+  };
+  const double eps = 1e-6;
+  for (size_t i = 0; i < ref.router.size(); ++i) {
+    const double keep = ref.router[i];
+    ref.router[i] = keep + eps;
+    const double ap = aux();
+    ref.router[i] = keep - eps;
+    const double am = aux();
+    ref.router[i] = keep;
+    const double fd = (ap - am) / (2 * eps);
+    ASSERT_NEAR(ref.g_router[i], fd, 1e-6 * (1 + std::abs(fd))) << i;
+  }
+
+  FastRun<float> fast(p);
+  MemoryAccountant mem;
+  MoeSaved saved;
+  std::vector<float> yf(p.x.size());
+  moe_forward<float>(s, fast.x.data(), fast.weights(p), yf.data(), &saved, mem);
+  Grads g(s);
+  moe_backward<float>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), dprob.data(), g.dx.data(), g.view(), mem);
+  EXPECT_LT(rel_rms(g.router, ref.g_router), 1e-5);
+  EXPECT_LT(rel_rms(g.dx, ref.dx), 1e-5);
+  for (float v : g.gate_up) EXPECT_EQ(v, 0.0f);  // dy = 0: nothing reaches the experts
+}
+
+}  // namespace
+}  // namespace hs::kernels
