@@ -1,0 +1,124 @@
+#include "kernels/conv.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+namespace hs::kernels {
+namespace {
+
+// Channels per task: a few cache lines of each row, small enough that the per-task weights, gradient
+// window and dw accumulators live on the stack.
+constexpr int64_t kChanBlock = 64;
+// Time steps per forward task (forward outputs are independent, so time is split too).
+constexpr int64_t kTimeBlock = 256;
+
+void check_width(int64_t width) {
+  if (width < 1 || width > kMaxConvWidth)
+    throw std::invalid_argument("causal_conv_silu: width " + std::to_string(width) + " is outside [1, " +
+                                std::to_string(kMaxConvWidth) + "]");
+}
+
+// wt[j][c] = w[c0 + c, j]: tap-major so the channel loops read contiguous weights.
+void transpose_weights(const float* w, int64_t c0, int64_t nc, int64_t width, float (*wt)[kChanBlock]) {
+  for (int64_t j = 0; j < width; ++j)
+    for (int64_t c = 0; c < nc; ++c) wt[j][c] = w[(c0 + c) * width + j];
+}
+
+// pre[c] = sum_j wt[j][c] * x[b, t-width+1+j, c0+c] over the taps that fall at or after t = 0.
+template <typename T>
+void preactivation(const T* xb, int64_t t, int64_t channels, int64_t c0, int64_t nc, int64_t width,
+                   const float (*wt)[kChanBlock], float* pre) {
+  std::fill(pre, pre + nc, 0.0f);
+  for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
+    const T* xs = xb + (t - width + 1 + j) * channels + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) pre[c] += wt[j][c] * to_f32(xs[c]);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
+                              int64_t width) {
+  check_width(width);
+  const int64_t ncb = (channels + kChanBlock - 1) / kChanBlock, ntb = (seq + kTimeBlock - 1) / kTimeBlock;
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t cb = 0; cb < ncb; ++cb)
+      for (int64_t tb = 0; tb < ntb; ++tb) {
+        const int64_t c0 = cb * kChanBlock, nc = std::min(kChanBlock, channels - c0);
+        const int64_t t0 = tb * kTimeBlock, t1 = std::min(seq, t0 + kTimeBlock);
+        float wt[kMaxConvWidth][kChanBlock];
+        float pre[kChanBlock];
+        transpose_weights(w, c0, nc, width, wt);
+        const T* xb = x + b * seq * channels;
+        for (int64_t t = t0; t < t1; ++t) {
+          preactivation(xb, t, channels, c0, nc, width, wt, pre);
+          T* yt = y + (b * seq + t) * channels + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) yt[c] = from_f32<T>(siluf(pre[c]));
+        }
+      }
+}
+
+// Per channel block, time runs backwards so that dx[t] = sum_j w[j] * dpre[t + width-1 - j] is complete
+// when t is reached: the last width-1 values of dpre wait in a ring indexed by t mod width (slots of
+// steps past the end stay zero). The block owns its channels for all (b, t), so dw needs no reduction
+// across threads.
+template <typename T>
+void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
+                               int64_t seq, int64_t channels, int64_t width) {
+  check_width(width);
+  const int64_t ncb = (channels + kChanBlock - 1) / kChanBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t cb = 0; cb < ncb; ++cb) {
+    const int64_t c0 = cb * kChanBlock, nc = std::min(kChanBlock, channels - c0);
+    float wt[kMaxConvWidth][kChanBlock];
+    float ring[kMaxConvWidth][kChanBlock];
+    float dwacc[kMaxConvWidth][kChanBlock] = {};
+    float pre[kChanBlock], gx[kChanBlock];
+    transpose_weights(w, c0, nc, width, wt);
+    for (int64_t b = 0; b < batch; ++b) {
+      const T* xb = x + b * seq * channels;
+      for (int64_t j = 0; j < width; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
+      for (int64_t t = seq - 1; t >= 0; --t) {
+        preactivation(xb, t, channels, c0, nc, width, wt, pre);
+        const float* dyt = dy + (b * seq + t) * channels + c0;
+        float* dpre = ring[t % width];
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) {
+          const float s = sigmoidf(pre[c]);
+          dpre[c] = dyt[c] * (s * (1.0f + pre[c] * (1.0f - s)));
+        }
+        std::fill(gx, gx + nc, 0.0f);
+        for (int64_t j = 0; j < width; ++j) {
+          const float* d = ring[(t + width - 1 - j) % width];
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) gx[c] += wt[j][c] * d[c];
+        }
+        float* dxt = dx + (b * seq + t) * channels + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+        for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
+          const T* xs = xb + (t - width + 1 + j) * channels + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) dwacc[j][c] += dpre[c] * to_f32(xs[c]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t j = 0; j < width; ++j) dw[(c0 + c) * width + j] += dwacc[j][c];
+  }
+}
+
+#define HS_CONV(T)                                                                                        \
+  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t); \
+  template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t,  \
+                                             int64_t, int64_t, int64_t);
+HS_CONV(float)
+HS_CONV(bf16)
+#undef HS_CONV
+
+}  // namespace hs::kernels
