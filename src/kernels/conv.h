@@ -6,9 +6,9 @@
 
 namespace hs::kernels {
 
-// Widest kernel the fast path supports (it keeps per-block weights and a window of gradients in
-// registers / on the stack); the models use 4.
-inline constexpr int64_t kMaxConvWidth = 16;
+// Widest kernel supported (each task keeps its weights and a window of gradients on the stack); the
+// models use 4.
+inline constexpr int64_t kMaxConvWidth = 8;
 
 // x and y are [batch, seq, channels] (channels fastest), w is [channels, width] with w[c, width-1]
 // multiplying the current token, zeros before t = 0, no bias:
