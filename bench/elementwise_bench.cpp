@@ -63,7 +63,8 @@ void BM_RmsNormForwardBf16(benchmark::State& state) {
   const auto w = random_vec<float>(kHidden, 2);
   std::vector<bf16> y(x.size());
   std::vector<float> rstd(kTokens);
-  run(state, x.size() * 4, [&] { rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), kTokens, kHidden, 1e-6f); });
+  run(state, x.size() * 4,
+      [&] { rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), kTokens, kHidden, 1e-6f); });
 }
 
 void BM_RmsNormBackwardBf16(benchmark::State& state) {
@@ -108,8 +109,9 @@ void BM_CausalConvBackwardBf16(benchmark::State& state) {
   const auto x = random_vec<bf16>(kTokens * kConvDim, 1);
   const auto w = random_vec<float>(kConvDim * kWidth, 2), dy = random_vec<float>(x.size(), 3);
   std::vector<float> dx(x.size()), dw(kConvDim * kWidth);
-  run(state, x.size() * (2 + 4 + 8),
-      [&] { causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), 1, kTokens, kConvDim, kWidth); });
+  run(state, x.size() * (2 + 4 + 8), [&] {
+    causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), 1, kTokens, kConvDim, kWidth);
+  });
 }
 
 void BM_GdnGatesBackwardBf16(benchmark::State& state) {
@@ -141,7 +143,8 @@ void BM_AdamWUpdateF32(benchmark::State& state) {
   const auto g = random_vec<float>(n, 2);
   std::vector<float> m(n), v(n);
   int64_t step = 0;
-  run(state, n * (4 + 4 + 8 + 8), [&] { adamw_update(w.data(), g.data(), m.data(), v.data(), n, AdamWParams{}, ++step); });
+  run(state, n * (4 + 4 + 8 + 8),
+      [&] { adamw_update(w.data(), g.data(), m.data(), v.data(), n, AdamWParams{}, ++step); });
 }
 
 BENCHMARK(BM_RmsNormForwardBf16)->Unit(benchmark::kMillisecond)->UseRealTime();

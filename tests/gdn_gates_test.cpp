@@ -116,11 +116,11 @@ TEST(GdnGates, HeadGradientsIndependentOfThreadCount) {
   std::vector<float> db1(n), da1(n), dA1(heads), ddt1(heads), db3(n), da3(n), dA3(heads), ddt3(heads);
   const int prev = omp_get_max_threads();
   omp_set_num_threads(1);
-  gdn_gates_backward(b.data(), a.data(), A_log.data(), dt_bias.data(), dbeta.data(), dg.data(), db1.data(),
-                     da1.data(), dA1.data(), ddt1.data(), rows, heads);
+  gdn_gates_backward(b.data(), a.data(), A_log.data(), dt_bias.data(), dbeta.data(), dg.data(), db1.data(), da1.data(),
+                     dA1.data(), ddt1.data(), rows, heads);
   omp_set_num_threads(3);
-  gdn_gates_backward(b.data(), a.data(), A_log.data(), dt_bias.data(), dbeta.data(), dg.data(), db3.data(),
-                     da3.data(), dA3.data(), ddt3.data(), rows, heads);
+  gdn_gates_backward(b.data(), a.data(), A_log.data(), dt_bias.data(), dbeta.data(), dg.data(), db3.data(), da3.data(),
+                     dA3.data(), ddt3.data(), rows, heads);
   omp_set_num_threads(prev);
   EXPECT_EQ(0, std::memcmp(dA1.data(), dA3.data(), heads * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(ddt1.data(), ddt3.data(), heads * sizeof(float)));

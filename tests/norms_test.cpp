@@ -145,8 +145,10 @@ TEST(RmsNorm, WeightGradientIndependentOfThreadCount) {
   std::vector<bf16> y(rows * dim);
   rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
   std::vector<float> dx1(rows * dim), dw1(dim), dx3(rows * dim), dw3(dim);
-  with_threads(1, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, dim); });
-  with_threads(3, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx3.data(), dw3.data(), rows, dim); });
+  with_threads(
+      1, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, dim); });
+  with_threads(
+      3, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx3.data(), dw3.data(), rows, dim); });
   EXPECT_EQ(0, std::memcmp(dx1.data(), dx3.data(), dx1.size() * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(dw1.data(), dw3.data(), dw1.size() * sizeof(float)));
 }

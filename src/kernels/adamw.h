@@ -30,8 +30,7 @@ void scale_inplace(float* x, int64_t n, float s);
 namespace reference {
 template <typename TW, typename P>
 void adamw_update(TW* w, const P* grad, P* m, P* v, int64_t n, const AdamWParams& p, int64_t step);
-template <typename P>
-double sum_squares(const P* x, int64_t n);
+template <typename P> double sum_squares(const P* x, int64_t n);
 }  // namespace reference
 
 }  // namespace hs::kernels

@@ -13,7 +13,7 @@ namespace {
 // exp that vectorises (std::exp is a libm call that blocks vectorisation without -ffast-math):
 // x = n ln2 + r by Cody-Waite with n rounded by the 1.5 * 2^23 trick, Cephes' polynomial for e^r,
 // 2^n built in the exponent bits. Within ~1 ulp of exp on [-87, 88]; inputs are clamped there, which
-// keeps sigmoid exact to fp32 (1 above 87, < 1e-38 below -88). NaN stays NaN.
+// leaves sigmoid correct to fp32 precision (1 above 87, < 1e-38 below -88). NaN stays NaN.
 inline float exp_vec(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.44269504088896341f + 12582912.0f;
@@ -53,8 +53,10 @@ constexpr int64_t kPrefetchAhead = 8;
 inline void prefetch_span(const void* p, int64_t bytes, bool for_write) {
   const char* c = static_cast<const char*>(p);
   for (int64_t o = 0; o < bytes; o += 64) {
-    if (for_write) __builtin_prefetch(c + o, 1);
-    else __builtin_prefetch(c + o, 0);
+    if (for_write)
+      __builtin_prefetch(c + o, 1);
+    else
+      __builtin_prefetch(c + o, 0);
   }
 }
 
@@ -168,10 +170,10 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
   }
 }
 
-#define HS_CONV(T)                                                                                        \
-  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t); \
-  template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t,  \
-                                             int64_t, int64_t, int64_t);
+#define HS_CONV(T)                                                                                                   \
+  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t);         \
+  template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t, int64_t, \
+                                             int64_t, int64_t);
 HS_CONV(float)
 HS_CONV(bf16)
 #undef HS_CONV

@@ -17,8 +17,10 @@ namespace {
 
 template <typename T> double ld(T x) { return static_cast<double>(to_f32(x)); }
 template <typename T> T st(double x) {
-  if constexpr (std::is_same_v<T, double>) return x;
-  else return from_f32<T>(static_cast<float>(x));
+  if constexpr (std::is_same_v<T, double>)
+    return x;
+  else
+    return from_f32<T>(static_cast<float>(x));
 }
 
 double sigmoid(double x) { return 1.0 / (1.0 + std::exp(-x)); }
@@ -95,8 +97,7 @@ void rmsnorm_backward(const T* x, const P* w, const P* rstd, const P* dy, P* dx,
 }
 
 template <typename T, typename P>
-void gated_rmsnorm_forward(const T* x, const T* z, const P* w, T* y, P* rstd, int64_t rows, int64_t dim,
-                           double eps) {
+void gated_rmsnorm_forward(const T* x, const T* z, const P* w, T* y, P* rstd, int64_t rows, int64_t dim, double eps) {
   for (int64_t r = 0; r < rows; ++r) {
     double ss = 0;
     for (int64_t c = 0; c < dim; ++c) ss += ld(x[r * dim + c]) * ld(x[r * dim + c]);
@@ -157,8 +158,7 @@ void l2norm_backward(const T* x, const P* rstd, const P* dy, P* dx, int64_t rows
 
 namespace {
 template <typename T, typename P>
-double conv_pre(const T* x, const P* w, int64_t b, int64_t t, int64_t c, int64_t seq, int64_t channels,
-                int64_t width) {
+double conv_pre(const T* x, const P* w, int64_t b, int64_t t, int64_t c, int64_t seq, int64_t channels, int64_t width) {
   double acc = 0;
   for (int64_t j = 0; j < width; ++j) {
     const int64_t ts = t - width + 1 + j;
@@ -180,7 +180,8 @@ void causal_conv_silu_forward(const T* x, const P* w, T* y, int64_t batch, int64
 template <typename T, typename P>
 void causal_conv_silu_backward(const T* x, const P* w, const P* dy, P* dx, P* dw, int64_t batch, int64_t seq,
                                int64_t channels, int64_t width) {
-  std::vector<double> dx_acc(static_cast<size_t>(batch * seq * channels)), dw_acc(static_cast<size_t>(channels * width));
+  std::vector<double> dx_acc(static_cast<size_t>(batch * seq * channels)),
+      dw_acc(static_cast<size_t>(channels * width));
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t t = 0; t < seq; ++t)
       for (int64_t c = 0; c < channels; ++c) {
@@ -214,8 +215,8 @@ void gdn_gates_forward(const T* b, const T* a, const P* A_log, const P* dt_bias,
 
 // dbeta/db = beta (1 - beta); dg/da = dg/ddt_bias = -exp(A_log) sigmoid(a + dt_bias); dg/dA_log = g.
 template <typename T, typename P>
-void gdn_gates_backward(const T* b, const T* a, const P* A_log, const P* dt_bias, const P* dbeta, const P* dg,
-                        P* db, P* da, P* dA_log, P* ddt_bias, int64_t rows, int64_t heads) {
+void gdn_gates_backward(const T* b, const T* a, const P* A_log, const P* dt_bias, const P* dbeta, const P* dg, P* db,
+                        P* da, P* dA_log, P* ddt_bias, int64_t rows, int64_t heads) {
   std::vector<double> dA_acc(static_cast<size_t>(heads)), ddt_acc(static_cast<size_t>(heads));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t h = 0; h < heads; ++h) {
@@ -252,8 +253,7 @@ void adamw_update(TW* w, const P* grad, P* m, P* v, int64_t n, const AdamWParams
   }
 }
 
-template <typename P>
-double sum_squares(const P* x, int64_t n) {
+template <typename P> double sum_squares(const P* x, int64_t n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
   return s;
@@ -261,20 +261,20 @@ double sum_squares(const P* x, int64_t n) {
 
 // ---- instantiations ----
 
-#define HS_REF_TP(T, P)                                                                                         \
-  template void rmsnorm_forward<T, P>(const T*, const P*, T*, P*, int64_t, int64_t, double);                    \
-  template void rmsnorm_backward<T, P>(const T*, const P*, const P*, const P*, P*, P*, int64_t, int64_t);       \
-  template void gated_rmsnorm_forward<T, P>(const T*, const T*, const P*, T*, P*, int64_t, int64_t, double);    \
-  template void gated_rmsnorm_backward<T, P>(const T*, const T*, const P*, const P*, const P*, P*, P*, P*,      \
-                                             int64_t, int64_t);                                                 \
-  template void l2norm_forward<T, P>(const T*, T*, P*, int64_t, int64_t, double, double);                       \
-  template void l2norm_backward<T, P>(const T*, const P*, const P*, P*, int64_t, int64_t, double);              \
-  template void causal_conv_silu_forward<T, P>(const T*, const P*, T*, int64_t, int64_t, int64_t, int64_t);     \
-  template void causal_conv_silu_backward<T, P>(const T*, const P*, const P*, P*, P*, int64_t, int64_t,         \
-                                                int64_t, int64_t);                                              \
-  template void gdn_gates_forward<T, P>(const T*, const T*, const P*, const P*, P*, P*, int64_t, int64_t);      \
-  template void gdn_gates_backward<T, P>(const T*, const T*, const P*, const P*, const P*, const P*, P*, P*,    \
-                                         P*, P*, int64_t, int64_t);                                             \
+#define HS_REF_TP(T, P)                                                                                              \
+  template void rmsnorm_forward<T, P>(const T*, const P*, T*, P*, int64_t, int64_t, double);                         \
+  template void rmsnorm_backward<T, P>(const T*, const P*, const P*, const P*, P*, P*, int64_t, int64_t);            \
+  template void gated_rmsnorm_forward<T, P>(const T*, const T*, const P*, T*, P*, int64_t, int64_t, double);         \
+  template void gated_rmsnorm_backward<T, P>(const T*, const T*, const P*, const P*, const P*, P*, P*, P*, int64_t,  \
+                                             int64_t);                                                               \
+  template void l2norm_forward<T, P>(const T*, T*, P*, int64_t, int64_t, double, double);                            \
+  template void l2norm_backward<T, P>(const T*, const P*, const P*, P*, int64_t, int64_t, double);                   \
+  template void causal_conv_silu_forward<T, P>(const T*, const P*, T*, int64_t, int64_t, int64_t, int64_t);          \
+  template void causal_conv_silu_backward<T, P>(const T*, const P*, const P*, P*, P*, int64_t, int64_t, int64_t,     \
+                                                int64_t);                                                            \
+  template void gdn_gates_forward<T, P>(const T*, const T*, const P*, const P*, P*, P*, int64_t, int64_t);           \
+  template void gdn_gates_backward<T, P>(const T*, const T*, const P*, const P*, const P*, const P*, P*, P*, P*, P*, \
+                                         int64_t, int64_t);                                                          \
   template void adamw_update<T, P>(T*, const P*, P*, P*, int64_t, const AdamWParams&, int64_t);
 
 HS_REF_TP(float, float)

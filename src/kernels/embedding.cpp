@@ -39,8 +39,7 @@ void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t v
   }
 }
 
-void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim,
-                        float* dtable) {
+void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim, float* dtable) {
   check_ids(ids, n, vocab);
   const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
 #pragma omp parallel for schedule(static)

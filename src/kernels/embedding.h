@@ -16,8 +16,7 @@ void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t v
 // dtable[ids[i], :] += dout[i, :]. Columns are partitioned over threads and every thread visits the
 // tokens in order, so repeated ids accumulate in the same order for any thread count (bit-identical
 // results, no atomics). Ids are checked as in the forward.
-void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim,
-                        float* dtable);
+void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim, float* dtable);
 
 namespace reference {
 // Instantiated for (TW, TA) in {float, bf16}^2 and (double, double).

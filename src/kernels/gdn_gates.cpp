@@ -44,11 +44,11 @@ void gdn_gates_backward(const T* b, const T* a, const float* A_log, const float*
   }
 }
 
-#define HS_GATES(T)                                                                                           \
-  template void gdn_gates_forward<T>(const T*, const T*, const float*, const float*, float*, float*, int64_t,  \
-                                     int64_t);                                                                \
-  template void gdn_gates_backward<T>(const T*, const T*, const float*, const float*, const float*,           \
-                                      const float*, float*, float*, float*, float*, int64_t, int64_t);
+#define HS_GATES(T)                                                                                               \
+  template void gdn_gates_forward<T>(const T*, const T*, const float*, const float*, float*, float*, int64_t,     \
+                                     int64_t);                                                                    \
+  template void gdn_gates_backward<T>(const T*, const T*, const float*, const float*, const float*, const float*, \
+                                      float*, float*, float*, float*, int64_t, int64_t);
 HS_GATES(float)
 HS_GATES(bf16)
 #undef HS_GATES

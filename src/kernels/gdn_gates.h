@@ -24,8 +24,8 @@ template <typename T, typename P>
 void gdn_gates_forward(const T* b, const T* a, const P* A_log, const P* dt_bias, P* beta, P* g, int64_t rows,
                        int64_t heads);
 template <typename T, typename P>
-void gdn_gates_backward(const T* b, const T* a, const P* A_log, const P* dt_bias, const P* dbeta, const P* dg,
-                        P* db, P* da, P* dA_log, P* ddt_bias, int64_t rows, int64_t heads);
+void gdn_gates_backward(const T* b, const T* a, const P* A_log, const P* dt_bias, const P* dbeta, const P* dg, P* db,
+                        P* da, P* dA_log, P* ddt_bias, int64_t rows, int64_t heads);
 }  // namespace reference
 
 }  // namespace hs::kernels

@@ -11,7 +11,7 @@ namespace {
 // exp that vectorises (std::exp is a libm call that blocks vectorisation without -ffast-math):
 // x = n ln2 + r by Cody-Waite with n rounded by the 1.5 * 2^23 trick, Cephes' polynomial for e^r,
 // 2^n built in the exponent bits. Within ~1 ulp of exp on [-87, 88]; inputs are clamped there, which
-// keeps sigmoid exact to fp32 (1 above 87, < 1e-38 below -88). NaN stays NaN.
+// leaves sigmoid correct to fp32 precision (1 above 87, < 1e-38 below -88). NaN stays NaN.
 inline float exp_vec(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.44269504088896341f + 12582912.0f;
@@ -96,7 +96,8 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
 #pragma omp simd
     for (int64_t c = 0; c < dim; ++c) dxr[c] += rs * (dyr[c] * (1.0f + w[c]) - to_f32(xr[c]) * k);
   }
-  reduce_columns(dw, rows, dim, [&](int64_t r, int64_t c) { return dy[r * dim + c] * to_f32(x[r * dim + c]) * rstd[r]; });
+  reduce_columns(dw, rows, dim,
+                 [&](int64_t r, int64_t c) { return dy[r * dim + c] * to_f32(x[r * dim + c]) * rstd[r]; });
 }
 
 template <typename T>
@@ -179,14 +180,14 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
   }
 }
 
-#define HS_NORMS(T)                                                                                            \
-  template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);               \
+#define HS_NORMS(T)                                                                                              \
+  template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
-                                    int64_t);                                                                  \
+                                    int64_t);                                                                    \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \
-  template void gated_rmsnorm_backward<T>(const T*, const T*, const float*, const float*, const float*, float*, \
-                                          float*, float*, int64_t, int64_t);                                   \
-  template void l2norm_forward<T>(const T*, T*, float*, int64_t, int64_t, float, float);                        \
+  template void gated_rmsnorm_backward<T>(const T*, const T*, const float*, const float*, const float*, float*,  \
+                                          float*, float*, int64_t, int64_t);                                     \
+  template void l2norm_forward<T>(const T*, T*, float*, int64_t, int64_t, float, float);                         \
   template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float);
 HS_NORMS(float)
 HS_NORMS(bf16)

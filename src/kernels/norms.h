@@ -34,8 +34,7 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale);
 template <typename T>
-void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim,
-                     float scale);
+void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale);
 
 // Plain references, math in double. T is the activation storage type and P the type of parameters,
 // rstd and gradients: instantiated for (float, float), (bf16, float) and (double, double).
@@ -45,8 +44,7 @@ void rmsnorm_forward(const T* x, const P* w, T* y, P* rstd, int64_t rows, int64_
 template <typename T, typename P>
 void rmsnorm_backward(const T* x, const P* w, const P* rstd, const P* dy, P* dx, P* dw, int64_t rows, int64_t dim);
 template <typename T, typename P>
-void gated_rmsnorm_forward(const T* x, const T* z, const P* w, T* y, P* rstd, int64_t rows, int64_t dim,
-                           double eps);
+void gated_rmsnorm_forward(const T* x, const T* z, const P* w, T* y, P* rstd, int64_t rows, int64_t dim, double eps);
 template <typename T, typename P>
 void gated_rmsnorm_backward(const T* x, const T* z, const P* w, const P* rstd, const P* dy, P* dx, P* dz, P* dw,
                             int64_t rows, int64_t dim);
