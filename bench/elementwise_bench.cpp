@@ -47,8 +47,7 @@ struct Copy {
 
 // Reports the kernel's time per iteration; `vs_copy` compares the fastest kernel run with the fastest
 // copy run, interleaved with it, which the load of a shared machine disturbs least.
-template <typename F>
-void run(benchmark::State& state, size_t bytes, F f) {
+template <typename F> void run(benchmark::State& state, size_t bytes, F f) {
   Copy copy(bytes);
   double best = 1e30, best_copy = 1e30;
   for (auto _ : state) {
