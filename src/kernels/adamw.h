@@ -1,0 +1,36 @@
+// AdamW (decoupled weight decay, bias-corrected, PyTorch torch.optim.AdamW semantics) and the two
+// reductions global grad-norm clipping needs.
+#pragma once
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace hs::kernels {
+
+struct AdamWParams {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+};
+
+// One step (step is 1-based) in fp32, in PyTorch's operation order:
+//   w *= 1 - lr*wd;  m = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g^2;
+//   w -= (lr / (1-beta1^step)) * m / (sqrt(v) / sqrt(1-beta2^step) + eps),
+// i.e. w <- w - lr * (mhat / (sqrt(vhat) + eps) + wd * w). With TW = bf16 the result is rounded to
+// nearest even once per step. Throws std::invalid_argument if step < 1.
+template <typename TW>
+void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
+
+// sum(x^2) in double. The array is cut into blocks whose bounds depend only on n, each block is summed
+// by one thread, and the block sums are added in order: the same bits for any thread count.
+double sum_squares(const float* x, int64_t n);
+
+// x *= s.
+void scale_inplace(float* x, int64_t n, float s);
+
+// Plain references, math in double: (TW, P) in {(float, float), (bf16, float), (double, double)}.
+namespace reference {
+template <typename TW, typename P>
+void adamw_update(TW* w, const P* grad, P* m, P* v, int64_t n, const AdamWParams& p, int64_t step);
+template <typename P> double sum_squares(const P* x, int64_t n);
+}  // namespace reference
+
+}  // namespace hs::kernels

@@ -1,0 +1,181 @@
+#include "kernels/conv.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace hs::kernels {
+namespace {
+
+// exp that vectorises (std::exp is a libm call that blocks vectorisation without -ffast-math):
+// x = n ln2 + r by Cody-Waite with n rounded by the 1.5 * 2^23 trick, Cephes' polynomial for e^r,
+// 2^n built in the exponent bits. Within ~1 ulp of exp on [-87, 88]; inputs are clamped there, which
+// leaves sigmoid correct to fp32 precision (1 above 87, < 1e-38 below -88). NaN stays NaN.
+inline float exp_vec(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f + 12582912.0f;
+  const float n = t - 12582912.0f;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  uint32_t bits;
+  std::memcpy(&bits, &t, 4);
+  bits = (bits - 0x4B400000u + 127u) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return (p * r * r + r + 1.0f) * scale;
+}
+inline float sigmoid_vec(float x) { return 1.0f / (1.0f + exp_vec(-x)); }
+inline float silu_vec(float x) { return x * sigmoid_vec(x); }
+
+// Channels per task: an equal share per thread in whole cache lines, at least 64 and at most
+// kMaxChanBlock. Wide blocks read long contiguous runs of each row (much faster than 64 channels at a
+// row pitch of 16 KB); the cap keeps the per-task weights, gradient window and dw sums on the stack.
+// Every channel's arithmetic is the same whatever the block, so results do not depend on it.
+constexpr int64_t kMaxChanBlock = 512;
+int64_t channel_block(int64_t channels) {
+  const int64_t share = (channels + omp_get_max_threads() - 1) / omp_get_max_threads();
+  return std::clamp<int64_t>((share + 15) / 16 * 16, 64, kMaxChanBlock);
+}
+// Time steps per forward task (forward outputs are independent, so time is split too).
+constexpr int64_t kTimeBlock = 256;
+
+// Consecutive time steps of a channel block are a row pitch apart, too far for the hardware
+// prefetchers, so the rows kPrefetchAhead steps ahead are requested by hand.
+constexpr int64_t kPrefetchAhead = 8;
+inline void prefetch_span(const void* p, int64_t bytes, bool for_write) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) {
+    if (for_write)
+      __builtin_prefetch(c + o, 1);
+    else
+      __builtin_prefetch(c + o, 0);
+  }
+}
+
+void check_width(int64_t width) {
+  if (width < 1 || width > kMaxConvWidth)
+    throw std::invalid_argument("causal_conv_silu: width " + std::to_string(width) + " is outside [1, " +
+                                std::to_string(kMaxConvWidth) + "]");
+}
+
+// wt[j][c] = w[c0 + c, j]: tap-major so the channel loops read contiguous weights.
+void transpose_weights(const float* w, int64_t c0, int64_t nc, int64_t width, float (*wt)[kMaxChanBlock]) {
+  for (int64_t j = 0; j < width; ++j)
+    for (int64_t c = 0; c < nc; ++c) wt[j][c] = w[(c0 + c) * width + j];
+}
+
+// pre[c] = sum_j wt[j][c] * x[b, t-width+1+j, c0+c] over the taps that fall at or after t = 0.
+template <typename T>
+void preactivation(const T* xb, int64_t t, int64_t channels, int64_t c0, int64_t nc, int64_t width,
+                   const float (*wt)[kMaxChanBlock], float* pre) {
+  std::fill(pre, pre + nc, 0.0f);
+  for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
+    const T* xs = xb + (t - width + 1 + j) * channels + c0;
+#pragma omp simd
+    for (int64_t c = 0; c < nc; ++c) pre[c] += wt[j][c] * to_f32(xs[c]);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
+                              int64_t width) {
+  check_width(width);
+  const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
+  const int64_t ntb = (seq + kTimeBlock - 1) / kTimeBlock;
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t cb = 0; cb < ncb; ++cb)
+      for (int64_t tb = 0; tb < ntb; ++tb) {
+        const int64_t c0 = cb * block, nc = std::min(block, channels - c0);
+        const int64_t t0 = tb * kTimeBlock, t1 = std::min(seq, t0 + kTimeBlock);
+        float wt[kMaxConvWidth][kMaxChanBlock];
+        float pre[kMaxChanBlock];
+        transpose_weights(w, c0, nc, width, wt);
+        const T* xb = x + b * seq * channels;
+        for (int64_t t = t0; t < t1; ++t) {
+          if (t + kPrefetchAhead < seq) {
+            prefetch_span(xb + (t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, false);
+            prefetch_span(y + (b * seq + t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, true);
+          }
+          preactivation(xb, t, channels, c0, nc, width, wt, pre);
+          T* yt = y + (b * seq + t) * channels + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) yt[c] = from_f32<T>(silu_vec(pre[c]));
+        }
+      }
+}
+
+// Per channel block, time runs backwards so that dx[t] = sum_j w[j] * dpre[t + width-1 - j] is complete
+// when t is reached: the last width-1 values of dpre wait in a ring indexed by t mod width (slots of
+// steps past the end stay zero). The block owns its channels for all (b, t), so dw needs no reduction
+// across threads.
+template <typename T>
+void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
+                               int64_t seq, int64_t channels, int64_t width) {
+  check_width(width);
+  const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
+#pragma omp parallel for schedule(static)
+  for (int64_t cb = 0; cb < ncb; ++cb) {
+    const int64_t c0 = cb * block, nc = std::min(block, channels - c0);
+    float wt[kMaxConvWidth][kMaxChanBlock];
+    float ring[kMaxConvWidth][kMaxChanBlock];
+    float dwacc[kMaxConvWidth][kMaxChanBlock] = {};
+    float pre[kMaxChanBlock], gx[kMaxChanBlock];
+    transpose_weights(w, c0, nc, width, wt);
+    for (int64_t b = 0; b < batch; ++b) {
+      const T* xb = x + b * seq * channels;
+      for (int64_t j = 0; j < width; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
+      for (int64_t t = seq - 1; t >= 0; --t) {
+        if (const int64_t ta = t - kPrefetchAhead; ta >= 0) {
+          if (ta - width + 1 >= 0) prefetch_span(xb + (ta - width + 1) * channels + c0, nc * int64_t{sizeof(T)}, false);
+          prefetch_span(dy + (b * seq + ta) * channels + c0, nc * 4, false);
+          prefetch_span(dx + (b * seq + ta) * channels + c0, nc * 4, true);
+        }
+        preactivation(xb, t, channels, c0, nc, width, wt, pre);
+        const float* dyt = dy + (b * seq + t) * channels + c0;
+        float* dpre = ring[t % width];
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) {
+          const float s = sigmoid_vec(pre[c]);
+          dpre[c] = dyt[c] * (s * (1.0f + pre[c] * (1.0f - s)));
+        }
+        std::fill(gx, gx + nc, 0.0f);
+        for (int64_t j = 0; j < width; ++j) {
+          const float* d = ring[(t + width - 1 - j) % width];
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) gx[c] += wt[j][c] * d[c];
+        }
+        float* dxt = dx + (b * seq + t) * channels + c0;
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+        for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
+          const T* xs = xb + (t - width + 1 + j) * channels + c0;
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) dwacc[j][c] += dpre[c] * to_f32(xs[c]);
+        }
+      }
+    }
+    for (int64_t c = 0; c < nc; ++c)
+      for (int64_t j = 0; j < width; ++j) dw[(c0 + c) * width + j] += dwacc[j][c];
+  }
+}
+
+#define HS_CONV(T)                                                                                                   \
+  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t);         \
+  template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t, int64_t, \
+                                             int64_t, int64_t);
+HS_CONV(float)
+HS_CONV(bf16)
+#undef HS_CONV
+
+}  // namespace hs::kernels

@@ -1,0 +1,37 @@
+// Depthwise causal 1-D convolution followed by SiLU (the Gated DeltaNet short conv).
+#pragma once
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace hs::kernels {
+
+// Widest kernel supported (each task keeps its weights and a window of gradients on the stack); the
+// models use 4.
+inline constexpr int64_t kMaxConvWidth = 8;
+
+// x and y are [batch, seq, channels] (channels fastest), w is [channels, width] with w[c, width-1]
+// multiplying the current token, zeros before t = 0, no bias:
+//   y[b,t,c] = silu(sum_j w[c,j] * x[b, t-width+1+j, c]).
+// Throws std::invalid_argument if width is outside [1, kMaxConvWidth].
+template <typename T>
+void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
+                              int64_t width);
+
+// Recomputes the pre-activation from x and accumulates dx and dw. Channels are partitioned over
+// threads and each thread sums its dw over (batch, time) in order: bit-identical for any thread count.
+template <typename T>
+void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
+                               int64_t seq, int64_t channels, int64_t width);
+
+// Plain references, math in double: (T, P) in {(float, float), (bf16, float), (double, double)}.
+namespace reference {
+template <typename T, typename P>
+void causal_conv_silu_forward(const T* x, const P* w, T* y, int64_t batch, int64_t seq, int64_t channels,
+                              int64_t width);
+template <typename T, typename P>
+void causal_conv_silu_backward(const T* x, const P* w, const P* dy, P* dx, P* dw, int64_t batch, int64_t seq,
+                               int64_t channels, int64_t width);
+}  // namespace reference
+
+}  // namespace hs::kernels

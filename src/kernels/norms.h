@@ -1,0 +1,57 @@
+// Row normalisations: zero-centred RMSNorm, gated RMSNorm (Gated DeltaNet output) and L2 norm.
+//
+// Every forward writes rstd[row], the factor that multiplied x (before any weight, gate or scale):
+// rsqrt(mean(x^2) + eps) for the RMS norms and rsqrt(sum(x^2) + eps) for the L2 norm, computed in fp32
+// from the stored x. rstd may be nullptr when nothing will be differentiated. Backwards take the saved
+// rstd and the stored x, and accumulate (+=) into every gradient.
+//
+// Parameter gradients (dw) are reduced over rows by a second pass that partitions the columns across
+// threads, each summing its columns over rows in order: bit-identical for any thread count, no scratch.
+#pragma once
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace hs::kernels {
+
+// Zero-centred RMSNorm over the last dim: y = x * rstd * (1 + w), fp32 math, cast once at the end.
+template <typename T>
+void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps);
+template <typename T>
+void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
+                      int64_t rows, int64_t dim);
+
+// Gated RMSNorm: y = w * (x * rstd) * silu(z) with a plain weight (not 1 + w); rows = tokens * heads,
+// dim = dv, one weight [dim] shared by all rows.
+template <typename T>
+void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
+                           float eps);
+template <typename T>
+void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
+                            float* dz, float* dw, int64_t rows, int64_t dim);
+
+// L2 norm over the last dim: y = scale * x * rsqrt(sum(x^2) + eps) (a sum, not a mean).
+template <typename T>
+void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale);
+template <typename T>
+void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale);
+
+// Plain references, math in double. T is the activation storage type and P the type of parameters,
+// rstd and gradients: instantiated for (float, float), (bf16, float) and (double, double).
+namespace reference {
+template <typename T, typename P>
+void rmsnorm_forward(const T* x, const P* w, T* y, P* rstd, int64_t rows, int64_t dim, double eps);
+template <typename T, typename P>
+void rmsnorm_backward(const T* x, const P* w, const P* rstd, const P* dy, P* dx, P* dw, int64_t rows, int64_t dim);
+template <typename T, typename P>
+void gated_rmsnorm_forward(const T* x, const T* z, const P* w, T* y, P* rstd, int64_t rows, int64_t dim, double eps);
+template <typename T, typename P>
+void gated_rmsnorm_backward(const T* x, const T* z, const P* w, const P* rstd, const P* dy, P* dx, P* dz, P* dw,
+                            int64_t rows, int64_t dim);
+template <typename T, typename P>
+void l2norm_forward(const T* x, T* y, P* rstd, int64_t rows, int64_t dim, double eps, double scale);
+template <typename T, typename P>
+void l2norm_backward(const T* x, const P* rstd, const P* dy, P* dx, int64_t rows, int64_t dim, double scale);
+}  // namespace reference
+
+}  // namespace hs::kernels

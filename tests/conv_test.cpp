@@ -1,0 +1,159 @@
+// CausalConv: the depthwise causal conv + SiLU against its double-precision reference (fp32 and bf16
+// storage, several widths, shapes that cross the channel and time blocks), its backward against
+// finite differences, causality, and dw's independence of the thread count.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels/conv.h"
+
+namespace hs::kernels {
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+template <typename T> std::vector<T> cast(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
+  return out;
+}
+
+template <typename A, typename B>
+::testing::AssertionResult close(const std::vector<A>& got, const std::vector<B>& want, double rtol, double atol) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = static_cast<double>(to_f32(got[i])), w = static_cast<double>(to_f32(want[i]));
+    if (!(std::abs(g - w) <= atol + rtol * std::abs(w)))
+      return ::testing::AssertionFailure() << "element " << i << ": " << g << " vs " << w;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+struct Shape {
+  int64_t batch, seq, channels, width;
+  int64_t n() const { return batch * seq * channels; }
+};
+
+// fast (fp32 math) vs reference (double math) on the same stored inputs. Outputs and dx sum <= width
+// products (~1e-7 relative round-off), so rtol 1e-5 / atol 1e-6 is ample; dw sums batch*seq products
+// of O(1) terms, so its atol grows with sqrt(batch*seq). bf16 outputs may differ by one bf16 ulp
+// (2^-7 relative) where the two near-identical values round to neighbours.
+template <typename T> void matches_reference(Shape s) {
+  const auto x = cast<T>(randn(s.n(), 1));
+  const auto w = randn(s.channels * s.width, 2, 0.7f);
+  const auto dy = randn(s.n(), 3);
+  std::vector<T> y(s.n()), y_ref(s.n());
+  causal_conv_silu_forward(x.data(), w.data(), y.data(), s.batch, s.seq, s.channels, s.width);
+  reference::causal_conv_silu_forward(x.data(), w.data(), y_ref.data(), s.batch, s.seq, s.channels, s.width);
+  const bool is_bf16 = std::is_same_v<T, bf16>;
+  EXPECT_TRUE(close(y, y_ref, is_bf16 ? 1.0 / 128 : 1e-5, 1e-6)) << s.width;
+
+  // Non-zero initial gradients check that the backward accumulates.
+  std::vector<float> dx(s.n(), 0.25f), dx_ref(dx), dw(s.channels * s.width, -1.0f), dw_ref(dw);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), s.batch, s.seq, s.channels, s.width);
+  reference::causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx_ref.data(), dw_ref.data(), s.batch, s.seq,
+                                       s.channels, s.width);
+  EXPECT_TRUE(close(dx, dx_ref, 1e-5, 1e-6)) << s.width;
+  EXPECT_TRUE(close(dw, dw_ref, 1e-5, 1e-6 * std::sqrt(double(s.batch * s.seq)))) << s.width;
+}
+
+// With 2 threads 70 channels split into blocks of 64 + 6; seq 300 crosses the 256-step time block;
+// seq 2 < width puts every output inside the zero padding's reach.
+TEST(CausalConv, MatchesReferenceF32) {
+  for (int64_t width : {1, 3, 4}) matches_reference<float>({2, 37, 70, width});
+  matches_reference<float>({1, 300, 20, 4});
+  matches_reference<float>({3, 2, 5, 4});
+}
+TEST(CausalConv, MatchesReferenceBf16) {
+  for (int64_t width : {1, 3, 4}) matches_reference<bf16>({2, 37, 70, width});
+  matches_reference<bf16>({1, 300, 20, 4});
+  matches_reference<bf16>({3, 2, 5, 4});
+}
+
+// Central differences in double with h = 1e-6: truncation and round-off are both < 1e-8 here, so 1e-6
+// relative is a safe bound that a wrong tap or a dropped SiLU derivative exceeds by orders of magnitude.
+TEST(CausalConv, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t batch = 2, seq = 6, channels = 3, width = 4, n = batch * seq * channels;
+  auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  auto x = to_double(randn(n, 4)), w = to_double(randn(channels * width, 6, 0.7f));
+  const auto dy = to_double(randn(n, 5));
+  std::vector<double> y(n), dx(n), dw(channels * width);
+  auto loss = [&] {
+    reference::causal_conv_silu_forward(x.data(), w.data(), y.data(), batch, seq, channels, width);
+    double l = 0;
+    for (int64_t i = 0; i < n; ++i) l += dy[i] * y[i];
+    return l;
+  };
+  reference::causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), batch, seq, channels,
+                                       width);
+  const double h = 1e-6;
+  auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* what) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      const double save = p[i];
+      p[i] = save + h;
+      const double lp = loss();
+      p[i] = save - h;
+      const double lm = loss();
+      p[i] = save;
+      const double fd = (lp - lm) / (2 * h);
+      EXPECT_NEAR(grad[i], fd, 1e-6 * (1.0 + std::abs(fd))) << what << "[" << i << "]";
+    }
+  };
+  check(x, dx, "dx");
+  check(w, dw, "dw");
+}
+
+// Changing x at step t0 + 1 leaves every output at steps <= t0 bit-identical (and does change step t0 + 1),
+// in every batch row, on the fast kernel.
+TEST(CausalConv, OutputDoesNotSeeTheFuture) {
+  const int64_t batch = 2, seq = 40, channels = 70, width = 4, t0 = 17;
+  auto x = randn(batch * seq * channels, 7);
+  const auto w = randn(channels * width, 8);
+  std::vector<float> y(x.size()), y2(x.size());
+  causal_conv_silu_forward(x.data(), w.data(), y.data(), batch, seq, channels, width);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t c = 0; c < channels; ++c) x[(b * seq + t0 + 1) * channels + c] += 10.0f;
+  causal_conv_silu_forward(x.data(), w.data(), y2.data(), batch, seq, channels, width);
+  for (int64_t b = 0; b < batch; ++b) {
+    const size_t past = (b * seq + t0 + 1) * channels;
+    EXPECT_EQ(0, std::memcmp(y.data() + b * seq * channels, y2.data() + b * seq * channels,
+                             (t0 + 1) * channels * sizeof(float)));
+    EXPECT_NE(y[past], y2[past]);
+  }
+}
+
+TEST(CausalConv, WeightGradientIndependentOfThreadCount) {
+  const int64_t batch = 2, seq = 50, channels = 200, width = 4, n = batch * seq * channels;
+  const auto x = cast<bf16>(randn(n, 9));
+  const auto w = randn(channels * width, 10), dy = randn(n, 11);
+  std::vector<float> dx1(n), dw1(channels * width), dx3(n), dw3(channels * width);
+  const int prev = omp_get_max_threads();
+  omp_set_num_threads(1);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx1.data(), dw1.data(), batch, seq, channels, width);
+  omp_set_num_threads(3);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx3.data(), dw3.data(), batch, seq, channels, width);
+  omp_set_num_threads(prev);
+  EXPECT_EQ(0, std::memcmp(dx1.data(), dx3.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw3.data(), dw1.size() * sizeof(float)));
+}
+
+TEST(CausalConv, RejectsUnsupportedWidth) {
+  std::vector<float> x(4), w(kMaxConvWidth + 1), y(4);
+  EXPECT_THROW(causal_conv_silu_forward(x.data(), w.data(), y.data(), 1, 4, 1, kMaxConvWidth + 1),
+               std::invalid_argument);
+  EXPECT_THROW(causal_conv_silu_forward(x.data(), w.data(), y.data(), 1, 4, 1, 0), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace hs::kernels

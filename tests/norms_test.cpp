@@ -1,0 +1,283 @@
+// RmsNorm, GatedRmsNorm and L2Norm: fast kernels vs the double-precision references (fp32 and bf16
+// storage), the references' backwards vs central finite differences, and dw's independence of the
+// thread count.
+#include <gtest/gtest.h>
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "kernels/norms.h"
+
+namespace hs::kernels {
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed, float mean = 0.0f, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(mean, stddev);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+
+template <typename T> std::vector<T> cast(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
+  return out;
+}
+
+std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
+
+// |got - want| <= atol + rtol * |want| elementwise; reports the first offender.
+template <typename A, typename B>
+::testing::AssertionResult close(const std::vector<A>& got, const std::vector<B>& want, double rtol, double atol) {
+  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = static_cast<double>(to_f32(got[i])), w = static_cast<double>(to_f32(want[i]));
+    if (!(std::abs(g - w) <= atol + rtol * std::abs(w)))
+      return ::testing::AssertionFailure() << "element " << i << ": " << g << " vs " << w;
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Central differences of loss() with respect to each element of p, against the analytic grad. In double
+// with h = 1e-6 the truncation error (h^2/6 * f''') and round-off (1e-16 * |L| / h) are both below 1e-8
+// for these O(1) losses, so 1e-6 relative leaves margin while a wrong term is off by >= 1e-3.
+template <typename Loss>
+void check_fd(std::vector<double>& p, const std::vector<double>& grad, Loss loss, const char* what) {
+  const double h = 1e-6;
+  for (size_t i = 0; i < p.size(); ++i) {
+    const double save = p[i];
+    p[i] = save + h;
+    const double lp = loss();
+    p[i] = save - h;
+    const double lm = loss();
+    p[i] = save;
+    const double fd = (lp - lm) / (2 * h);
+    EXPECT_NEAR(grad[i], fd, 1e-6 * (1.0 + std::abs(fd))) << what << "[" << i << "]";
+  }
+}
+
+double dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Runs f with n OpenMP threads, then restores the previous setting.
+template <typename F> void with_threads(int n, F f) {
+  const int prev = omp_get_max_threads();
+  omp_set_num_threads(n);
+  f();
+  omp_set_num_threads(prev);
+}
+
+// Tolerances for fast (fp32 math) vs reference (double math) on identical stored inputs:
+// * fp32 outputs and all fp32 gradients: sums of <= 300 fp32 products round to ~1e-6 relative, so
+//   rtol 2e-5 plus atol 2e-5 (for outputs that cancel to near zero) is a safe bound; a wrong formula
+//   is off by O(1e-2) or more.
+// * bf16 outputs: both sides round a value that agrees to ~1e-6 to bf16, so they differ by at most one
+//   bf16 ulp, 2^-7 relative.
+constexpr double kF32Rtol = 2e-5, kF32Atol = 2e-5, kBf16Rtol = 1.0 / 128, kBf16Atol = 1e-6;
+
+template <typename T> constexpr double out_rtol() { return std::is_same_v<T, bf16> ? kBf16Rtol : kF32Rtol; }
+template <typename T> constexpr double out_atol() { return std::is_same_v<T, bf16> ? kBf16Atol : kF32Atol; }
+
+// ---------------- RmsNorm ----------------
+
+template <typename T> void rmsnorm_matches_reference(int64_t rows, int64_t dim) {
+  const float eps = 1e-6f;
+  const auto x = cast<T>(randn(rows * dim, 1, 0.3f, 2.0f));
+  const auto w = randn(dim, 2, 0.0f, 0.5f);
+  const auto dy = randn(rows * dim, 3);
+  std::vector<T> y(rows * dim), y_ref(rows * dim), y_norstd(rows * dim);
+  std::vector<float> rstd(rows), rstd_ref(rows);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
+  reference::rmsnorm_forward(x.data(), w.data(), y_ref.data(), rstd_ref.data(), rows, dim, eps);
+  EXPECT_TRUE(close(y, y_ref, out_rtol<T>(), out_atol<T>()));
+  EXPECT_TRUE(close(rstd, rstd_ref, kF32Rtol, 0.0));
+  rmsnorm_forward(x.data(), w.data(), y_norstd.data(), nullptr, rows, dim, eps);
+  EXPECT_EQ(0, std::memcmp(y.data(), y_norstd.data(), y.size() * sizeof(T)));
+
+  // Non-zero initial gradients check that the backward accumulates.
+  std::vector<float> dx(rows * dim, 0.5f), dx_ref(dx), dw(dim, -0.25f), dw_ref(dw);
+  rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, dim);
+  reference::rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx_ref.data(), dw_ref.data(), rows, dim);
+  EXPECT_TRUE(close(dx, dx_ref, kF32Rtol, kF32Atol));
+  // dw sums `rows` terms: atol scales with sqrt(rows).
+  EXPECT_TRUE(close(dw, dw_ref, kF32Rtol, kF32Atol * std::sqrt(double(rows))));
+}
+
+TEST(RmsNorm, MatchesReferenceF32) {
+  rmsnorm_matches_reference<float>(7, 67);
+  rmsnorm_matches_reference<float>(65, 300);
+}
+TEST(RmsNorm, MatchesReferenceBf16) {
+  rmsnorm_matches_reference<bf16>(7, 67);
+  rmsnorm_matches_reference<bf16>(65, 300);
+}
+
+TEST(RmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t rows = 3, dim = 5;
+  const double eps = 1e-6;
+  auto x = to_double(randn(rows * dim, 4, 0.2f));
+  auto w = to_double(randn(dim, 5, 0.0f, 0.5f));
+  const auto dy = to_double(randn(rows * dim, 6));
+  std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim), dw(dim);
+  auto loss = [&] {
+    reference::rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
+    return dot(dy, y);
+  };
+  loss();
+  reference::rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, dim);
+  check_fd(x, dx, loss, "dx");
+  check_fd(w, dw, loss, "dw");
+}
+
+TEST(RmsNorm, WeightGradientIndependentOfThreadCount) {
+  const int64_t rows = 129, dim = 100;
+  const auto x = cast<bf16>(randn(rows * dim, 7));
+  const auto w = randn(dim, 8);
+  const auto dy = randn(rows * dim, 9);
+  std::vector<float> rstd(rows);
+  std::vector<bf16> y(rows * dim);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  std::vector<float> dx1(rows * dim), dw1(dim), dx3(rows * dim), dw3(dim);
+  with_threads(
+      1, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, dim); });
+  with_threads(
+      3, [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx3.data(), dw3.data(), rows, dim); });
+  EXPECT_EQ(0, std::memcmp(dx1.data(), dx3.data(), dx1.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw3.data(), dw1.size() * sizeof(float)));
+}
+
+// ---------------- GatedRmsNorm ----------------
+
+template <typename T> void gated_matches_reference(int64_t rows, int64_t dim) {
+  const float eps = 1e-6f;
+  const auto x = cast<T>(randn(rows * dim, 11, -0.1f, 1.5f));
+  const auto z = cast<T>(randn(rows * dim, 12, 0.0f, 3.0f));
+  const auto w = randn(dim, 13, 1.0f, 0.3f);
+  const auto dy = randn(rows * dim, 14);
+  std::vector<T> y(rows * dim), y_ref(rows * dim);
+  std::vector<float> rstd(rows), rstd_ref(rows);
+  gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
+  reference::gated_rmsnorm_forward(x.data(), z.data(), w.data(), y_ref.data(), rstd_ref.data(), rows, dim, eps);
+  EXPECT_TRUE(close(y, y_ref, out_rtol<T>(), out_atol<T>()));
+  EXPECT_TRUE(close(rstd, rstd_ref, kF32Rtol, 0.0));
+
+  std::vector<float> dx(rows * dim, 0.5f), dx_ref(dx), dz(rows * dim, -1.0f), dz_ref(dz), dw(dim, 2.0f), dw_ref(dw);
+  gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx.data(), dz.data(), dw.data(), rows,
+                         dim);
+  reference::gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx_ref.data(), dz_ref.data(),
+                                    dw_ref.data(), rows, dim);
+  EXPECT_TRUE(close(dx, dx_ref, kF32Rtol, kF32Atol));
+  EXPECT_TRUE(close(dz, dz_ref, kF32Rtol, kF32Atol));
+  EXPECT_TRUE(close(dw, dw_ref, kF32Rtol, kF32Atol * std::sqrt(double(rows))));
+}
+
+TEST(GatedRmsNorm, MatchesReferenceF32) {
+  gated_matches_reference<float>(9, 33);
+  gated_matches_reference<float>(64, 128);
+}
+TEST(GatedRmsNorm, MatchesReferenceBf16) {
+  gated_matches_reference<bf16>(9, 33);
+  gated_matches_reference<bf16>(64, 128);
+}
+
+TEST(GatedRmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t rows = 3, dim = 6;
+  const double eps = 1e-6;
+  auto x = to_double(randn(rows * dim, 15));
+  auto z = to_double(randn(rows * dim, 16, 0.0f, 2.0f));
+  auto w = to_double(randn(dim, 17, 1.0f, 0.3f));
+  const auto dy = to_double(randn(rows * dim, 18));
+  std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim), dz(rows * dim), dw(dim);
+  auto loss = [&] {
+    reference::gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
+    return dot(dy, y);
+  };
+  loss();
+  reference::gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx.data(), dz.data(),
+                                    dw.data(), rows, dim);
+  check_fd(x, dx, loss, "dx");
+  check_fd(z, dz, loss, "dz");
+  check_fd(w, dw, loss, "dw");
+}
+
+TEST(GatedRmsNorm, WeightGradientIndependentOfThreadCount) {
+  const int64_t rows = 77, dim = 128;
+  const auto x = randn(rows * dim, 19), z = randn(rows * dim, 20), w = randn(dim, 21), dy = randn(rows * dim, 22);
+  std::vector<float> y(rows * dim), rstd(rows);
+  gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  std::vector<float> dx1(rows * dim), dz1(rows * dim), dw1(dim), dx3(rows * dim), dz3(rows * dim), dw3(dim);
+  with_threads(1, [&] {
+    gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dz1.data(), dw1.data(),
+                           rows, dim);
+  });
+  with_threads(3, [&] {
+    gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx3.data(), dz3.data(), dw3.data(),
+                           rows, dim);
+  });
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw3.data(), dw1.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dz1.data(), dz3.data(), dz1.size() * sizeof(float)));
+}
+
+// ---------------- L2Norm ----------------
+
+template <typename T> void l2norm_matches_reference(int64_t rows, int64_t dim, float scale) {
+  const float eps = 1e-6f;
+  const auto x = cast<T>(randn(rows * dim, 23, 0.1f, 0.7f));
+  const auto dy = randn(rows * dim, 24);
+  std::vector<T> y(rows * dim), y_ref(rows * dim);
+  std::vector<float> rstd(rows), rstd_ref(rows);
+  l2norm_forward(x.data(), y.data(), rstd.data(), rows, dim, eps, scale);
+  reference::l2norm_forward(x.data(), y_ref.data(), rstd_ref.data(), rows, dim, eps, scale);
+  EXPECT_TRUE(close(y, y_ref, out_rtol<T>(), out_atol<T>()));
+  EXPECT_TRUE(close(rstd, rstd_ref, kF32Rtol, 0.0));
+  std::vector<float> dx(rows * dim, 0.5f), dx_ref(dx);
+  l2norm_backward(x.data(), rstd.data(), dy.data(), dx.data(), rows, dim, scale);
+  reference::l2norm_backward(x.data(), rstd.data(), dy.data(), dx_ref.data(), rows, dim, scale);
+  EXPECT_TRUE(close(dx, dx_ref, kF32Rtol, kF32Atol));
+}
+
+TEST(L2Norm, MatchesReferenceF32) {
+  l2norm_matches_reference<float>(10, 37, 1.0f);
+  l2norm_matches_reference<float>(48, 128, 1.0f / std::sqrt(128.0f));
+}
+TEST(L2Norm, MatchesReferenceBf16) {
+  l2norm_matches_reference<bf16>(10, 37, 1.0f);
+  l2norm_matches_reference<bf16>(48, 128, 1.0f / std::sqrt(128.0f));
+}
+
+TEST(L2Norm, ReferenceBackwardMatchesFiniteDifferences) {
+  const int64_t rows = 4, dim = 5;
+  const double eps = 1e-6, scale = 0.37;
+  auto x = to_double(randn(rows * dim, 25));
+  const auto dy = to_double(randn(rows * dim, 26));
+  std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim);
+  auto loss = [&] {
+    reference::l2norm_forward(x.data(), y.data(), rstd.data(), rows, dim, eps, scale);
+    return dot(dy, y);
+  };
+  loss();
+  reference::l2norm_backward(x.data(), rstd.data(), dy.data(), dx.data(), rows, dim, scale);
+  check_fd(x, dx, loss, "dx");
+}
+
+// The norm uses a sum (not a mean) and the caller's eps: a unit-length row stays unit length and
+// an all-zero row gives rstd = eps^-1/2 and y = 0.
+TEST(L2Norm, SumSemantics) {
+  const std::vector<float> x = {0.6f, 0.8f, 0.0f, 0.0f, 0.0f, 0.0f};
+  std::vector<float> y(6), rstd(2);
+  l2norm_forward(x.data(), y.data(), rstd.data(), 2, 3, 1e-6f, 1.0f);
+  EXPECT_NEAR(y[0], 0.6f, 1e-6);
+  EXPECT_NEAR(y[1], 0.8f, 1e-6);
+  EXPECT_FLOAT_EQ(rstd[1], 1000.0f);
+  EXPECT_EQ(y[3], 0.0f);
+}
+
+}  // namespace
+}  // namespace hs::kernels
