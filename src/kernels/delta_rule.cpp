@@ -1,0 +1,676 @@
+// The chunked gated delta rule (WY form, chunk C = 64), forward and backward, in fp32.
+//
+// Per chunk, with G the chunk-local cumulative gate and S0 the state at chunk start (spec/model.md):
+//   D_ij = exp(G_i - G_j) (i >= j),  M = strictly_lower((beta K) K^T o D),  Tinv = (I + M)^-1,
+//   W = Tinv (beta exp(G) K),  U = Tinv (beta V),  Vn = U - W S0,
+//   O = (exp(G) Q) S0 + (Q K^T o D) Vn,  S1 = exp(G_last) S0 + (exp(G_last - G) K)^T Vn.
+// The backward needs each chunk's start state S0 and the gradient of its end state dS1 together, and the
+// two come from recurrences running in opposite directions, so one of them has to be kept for every chunk
+// of a head: a forward pass over the chunks keeps S0 (and W, Vn) for the one head a thread is working on,
+// then a reverse pass carries dS and produces every gradient.
+//
+// The matrices are 64x64, 64xd and dxd: each (batch, value head) runs on one OpenMP thread over its own
+// scratch with small register-blocked products (gemm below); feature dims are zero-padded to a multiple of
+// 16 so every vector loop is whole.
+#include "kernels/delta_rule.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace hs::kernels {
+namespace {
+
+constexpr int64_t C = kDeltaRuleChunk;
+constexpr int64_t kLanes = 16;  // one AVX-512 register of floats
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// exp(x) for x <= 0 in a form the compiler vectorises (the library expf is a scalar call): x = n ln2 + r
+// with |r| <= ln2/2 (n rounded by the 1.5 * 2^23 shift, whose low bits then hold n), a degree-7 Taylor
+// polynomial (truncation < 3e-9), and 2^n put in the exponent bits. Measured against double exp over every
+// float in [-87, 0]: at most 1.3 ulp. Below -87 (where 2^n would be denormal) it returns 0.
+inline float exp_nonpositive(float x) {
+  constexpr float kShift = 12582912.0f;
+  const float xc = std::min(std::max(x, -87.0f), 0.0f);
+  const float t = xc * 1.44269504f + kShift;
+  const float n = t - kShift;
+  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in a high and a low part
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kShift) + 127;
+  return x < -87.0f ? 0.0f : p * std::bit_cast<float>(e << 23);
+}
+
+// ---- Small dense products ---------------------------------------------------------------------------------
+
+// Structure of op(A) that lets a product skip known zeros: Lower (row i reads columns k <= i) or Upper
+// (k >= i). The skipped entries must be stored as zeros: blocks of rows read a superset.
+enum class Tri { None, Lower, Upper };
+
+constexpr int kMR = 4;  // rows of C per register block; every M here is a multiple of 16
+
+// Sixteen floats as one value: GCC and Clang keep it in a 512-bit register where there is one (auto-
+// vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere.
+using f32x16 = float __attribute__((vector_size(64)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+
+// Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
+// B streams row by row.
+template <int NV>
+inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B,
+                       int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
+  f32x16 acc[kMR][NV] = {};
+  for (int64_t k = kb; k < ke; ++k) {
+    const float* b = B + k * ldb;
+    f32x16 bv[NV];
+    for (int v = 0; v < NV; ++v) bv[v] = load16(b + 16 * v);
+    for (int r = 0; r < kMR; ++r) {
+      const float a = A[r * ars + k * aks];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * bv[v];
+    }
+  }
+  for (int r = 0; r < kMR; ++r)
+    for (int v = 0; v < NV; ++v) {
+      float* c = Cm + r * ldc + 16 * v;
+      store16(c, accumulate ? load16(c) + alpha * acc[r][v] : alpha * acc[r][v]);
+    }
+}
+
+// Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
+void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
+          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None) {
+  const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
+  for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+    const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
+    const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
+    const float* a = A + i0 * ars;
+    float* c = Cm + i0 * ldc;
+    int64_t j0 = 0;
+    for (; j0 + 64 <= N; j0 += 64) gemm_block<4>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate);
+    switch (N - j0) {
+      case 48: gemm_block<3>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
+      case 32: gemm_block<2>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
+      case 16: gemm_block<1>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
+      default: break;
+    }
+  }
+}
+
+// dst[cols, rows] = src[rows, cols]^T, rows and cols multiples of 16, through a 16x16 tile on the stack
+// (twice as fast as the plain strided loop).
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
+  for (int64_t i0 = 0; i0 < rows; i0 += kLanes)
+    for (int64_t j0 = 0; j0 < cols; j0 += kLanes) {
+      float tile[kLanes][kLanes];
+      for (int64_t i = 0; i < kLanes; ++i)
+        for (int64_t j = 0; j < kLanes; ++j) tile[j][i] = src[(i0 + i) * lds + j0 + j];
+      for (int64_t j = 0; j < kLanes; ++j)
+        for (int64_t i = 0; i < kLanes; ++i) dst[(j0 + j) * ldd + i0 + i] = tile[j][i];
+    }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// dst[i, :] = scale[i] * src[i, :] for C rows of width d (leading dimension d).
+void scale_rows(const float* scale, const float* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < C; ++i) {
+    const float s = scale[i];
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) dst[i * d + j] = s * src[i * d + j];
+  }
+}
+
+// ---- Chunk tiles ------------------------------------------------------------------------------------------
+
+// Rows [t0, t0 + n) of one head of a [B, T, H, d] tensor (row stride `stride`) into a zero-padded C x dp tile.
+template <typename S>
+void load_tile(const S* src, int64_t stride, int64_t n, int64_t d, float* dst, int64_t dp) {
+  for (int64_t i = 0; i < C; ++i) {
+    float* row = dst + i * dp;
+    int64_t j = 0;
+    if (i < n)
+      for (; j < d; ++j) row[j] = to_f32(src[i * stride + j]);
+    for (; j < dp; ++j) row[j] = 0.0f;
+  }
+}
+
+// Per-thread carving of one workspace block; with a null base it only counts (planning, sizing).
+class Carver {
+ public:
+  explicit Carver(float* base) : base_(base) {}
+  float* take(int64_t n) {
+    float* p = base_ ? base_ + used_ : nullptr;
+    used_ += round_up(n, kLanes);  // keeps every piece 64-byte aligned
+    return p;
+  }
+  int64_t used() const { return used_; }
+
+ private:
+  float* base_;
+  int64_t used_ = 0;
+};
+
+// What one chunk needs in both directions: inputs as fp32 tiles and the gate-derived factors.
+struct ChunkTiles {
+  int64_t dkp, dvp;
+  float *q, *k, *v, *kt, *beta, *G, *eG, *eKd, *D, *kkt, *tinv, *kbg, *bv, *qg, *kd, *qkt;
+  ChunkTiles(Carver& cv, int64_t dkp_, int64_t dvp_) : dkp(dkp_), dvp(dvp_) {
+    q = cv.take(C * dkp);
+    k = cv.take(C * dkp);
+    v = cv.take(C * dvp);
+    kt = cv.take(dkp * C);
+    beta = cv.take(C);
+    G = cv.take(C);
+    eG = cv.take(C);
+    eKd = cv.take(C);
+    D = cv.take(C * C);
+    kkt = cv.take(C * C);
+    tinv = cv.take(C * C);
+    kbg = cv.take(C * dkp);
+    bv = cv.take(C * dvp);
+    qg = cv.take(C * dkp);
+    kd = cv.take(C * dkp);
+    qkt = cv.take(C * C);
+  }
+
+  float gl() const { return G[C - 1]; }
+
+  // exp(G) and exp(G_last - G), the factors on the chunk-start state and on the keys written to the end state.
+  void state_decays() {
+    const float last = gl();
+#pragma omp simd
+    for (int64_t i = 0; i < C; ++i) {
+      eG[i] = exp_nonpositive(G[i]);
+      eKd[i] = exp_nonpositive(last - G[i]);
+    }
+  }
+
+  // D: lower triangle including the diagonal, zeros above.
+  void decay_matrix() {
+    for (int64_t i = 0; i < C; ++i) {
+      float* row = D + i * C;
+      const float gi = G[i];
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) row[j] = j <= i ? exp_nonpositive(gi - G[j]) : 0.0f;
+    }
+  }
+
+  // The WY operands: beta exp(G) K and beta V.
+  void wy_operands() {
+    for (int64_t i = 0; i < C; ++i) {
+      const float s = beta[i] * eG[i], b = beta[i];
+#pragma omp simd
+      for (int64_t j = 0; j < dkp; ++j) kbg[i * dkp + j] = s * k[i * dkp + j];
+#pragma omp simd
+      for (int64_t j = 0; j < dvp; ++j) bv[i * dvp + j] = b * v[i * dvp + j];
+    }
+  }
+};
+
+// Tinv = (I + M)^-1 for strictly lower M by forward substitution: row i = e_i - sum_{j<i} M_ij row j.
+void unit_lower_inverse(const float* M, float* Tinv) {
+  std::fill_n(Tinv, C * C, 0.0f);
+  for (int64_t i = 0; i < C; ++i) {
+    float* ti = Tinv + i * C;
+    ti[i] = 1.0f;
+    for (int64_t j = 0; j < i; ++j) {
+      const float m = M[i * C + j];
+      const float* tj = Tinv + j * C;
+#pragma omp simd
+      for (int64_t l = 0; l < C; ++l) ti[l] -= m * tj[l];
+    }
+  }
+}
+
+// Indexing of one (batch, value head) in the [B, T, H, d] inputs.
+struct HeadView {
+  const DeltaRuleShape& s;
+  int64_t b, h;
+  int64_t kh() const { return h / s.ratio(); }
+  int64_t qk_offset(int64_t t) const { return ((b * s.seq + t) * s.k_heads + kh()) * s.dk; }
+  int64_t qk_stride() const { return s.k_heads * s.dk; }
+  int64_t vo_offset(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
+  int64_t vo_stride() const { return s.v_heads * s.dv; }
+  int64_t gate_offset(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
+  int64_t head() const { return b * s.v_heads + h; }
+};
+
+void check_shape(const DeltaRuleShape& s) {
+  if (s.batch < 0 || s.seq < 0 || s.k_heads <= 0 || s.v_heads <= 0 || s.dk <= 0 || s.dv <= 0 ||
+      s.v_heads % s.k_heads != 0)
+    throw std::invalid_argument("delta_rule: bad shape (v_heads must be a multiple of k_heads, dims > 0)");
+}
+
+// Threads used: one (batch, value head) at a time each, so never more than there are heads.
+int64_t worker_count(const DeltaRuleShape& s) {
+  return std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), s.batch * s.v_heads));
+}
+
+// ---- Forward ----------------------------------------------------------------------------------------------
+
+struct ForwardScratch {
+  ChunkTiles t;
+  float *S, *W, *vn, *out;
+  ForwardScratch(Carver& cv, int64_t dkp, int64_t dvp) : t(cv, dkp, dvp) {
+    S = cv.take(dkp * dvp);
+    W = cv.take(C * dkp);
+    vn = cv.take(C * dvp);
+    out = cv.take(C * dvp);
+  }
+};
+
+// Loads chunk c of one head: q (unless null), k, v and beta; padded steps are zeros.
+template <typename T>
+void load_chunk(const HeadView& hv, int64_t c, const T* q, const T* k, const T* v, const float* beta, ChunkTiles& t) {
+  const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
+  if (q) load_tile(q + hv.qk_offset(t0), hv.qk_stride(), n, hv.s.dk, t.q, t.dkp);
+  load_tile(k + hv.qk_offset(t0), hv.qk_stride(), n, hv.s.dk, t.k, t.dkp);
+  load_tile(v + hv.vo_offset(t0), hv.vo_stride(), n, hv.s.dv, t.v, t.dvp);
+  for (int64_t i = 0; i < C; ++i) t.beta[i] = i < n ? beta[hv.gate_offset(t0 + i)] : 0.0f;
+}
+
+// The chunk's Vn = U - W S0 from Tinv and the state, then S advanced to the chunk end.
+void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, float* S) {
+  t.wy_operands();
+  gemm(C, t.dkp, C, t.tinv, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
+  gemm(C, t.dvp, C, t.tinv, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
+  gemm(C, t.dvp, t.dkp, W, t.dkp, false, S, t.dvp, vn, t.dvp, -1.0f, true);
+  scale_rows(t.eKd, t.k, t.kd, t.dkp);
+  const float decay = exp_nonpositive(t.gl());
+  const int64_t n = t.dkp * t.dvp;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) S[i] *= decay;
+  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S, t.dvp, 1.0f, true);
+}
+
+template <typename T>
+void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* g, T* o,
+                  float* tinv_out, float* gcum_out, ForwardScratch& w) {
+  ChunkTiles& t = w.t;
+  const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks();
+  std::fill_n(w.S, dkp * dvp, 0.0f);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
+    load_chunk(hv, c, q, k, v, beta, t);
+    float acc = 0.0f;
+    for (int64_t i = 0; i < C; ++i) t.G[i] = acc += i < n ? g[hv.gate_offset(t0 + i)] : 0.0f;
+    t.state_decays();
+    t.decay_matrix();
+
+    transpose(t.k, C, dkp, dkp, t.kt, C);
+    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+    float* M = t.qkt;  // scratch until Q K^T is formed below
+    for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) M[i * C + j] = j < i ? t.beta[i] * t.kkt[i * C + j] * t.D[i * C + j] : 0.0f;
+    unit_lower_inverse(M, t.tinv);
+    if (tinv_out) {
+      std::copy_n(t.tinv, C * C, tinv_out + c * C * C);
+      std::copy_n(t.G, C, gcum_out + t0);
+    }
+
+    // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
+    scale_rows(t.eG, t.q, t.qg, dkp);
+    gemm(C, dvp, dkp, t.qg, dkp, false, w.S, dvp, w.out, dvp);
+    chunk_values_and_state(t, w.W, w.vn, w.S);
+    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C);
+    for (int64_t i = 0; i < C * C; ++i) t.qkt[i] *= t.D[i];
+    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, true, Tri::Lower);
+
+    T* dst = o + hv.vo_offset(t0);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < hv.s.dv; ++j) dst[i * hv.vo_stride() + j] = from_f32<T>(w.out[i * dvp + j]);
+  }
+}
+
+// ---- Backward ---------------------------------------------------------------------------------------------
+
+struct BackwardScratch {
+  ChunkTiles t;
+  // Whole head: W and Vn of every chunk, and every chunk's start state.
+  float *W_all, *vn_all, *S_all;
+  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *dT, *X, *dM,
+      *dbv, *dkbg, *dbeta, *dG;
+  BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
+    W_all = cv.take(nchunks * C * dkp);
+    vn_all = cv.take(nchunks * C * dvp);
+    S_all = cv.take(nchunks * dkp * dvp);
+    dS = cv.take(dkp * dvp);
+    dSt = cv.take(dvp * dkp);
+    S0t = cv.take(dvp * dkp);
+    vnt = cv.take(dvp * C);
+    bvt = cv.take(dvp * C);
+    kbgt = cv.take(dkp * C);
+    tinvt = cv.take(C * C);
+    dO = cv.take(C * dvp);
+    dvn = cv.take(C * dvp);
+    dqg = cv.take(C * dkp);
+    dq = cv.take(C * dkp);
+    dk = cv.take(C * dkp);
+    dv = cv.take(C * dvp);
+    dP = cv.take(C * C);
+    dkd = cv.take(C * dkp);
+    dW = cv.take(C * dkp);
+    dT = cv.take(C * C);
+    X = cv.take(C * C);
+    dM = cv.take(C * C);
+    dbv = cv.take(C * dvp);
+    dkbg = cv.take(C * dkp);
+    dbeta = cv.take(C);
+    dG = cv.take(C);
+  }
+};
+
+// dG_i += rowsum_i(F) - colsum_i(F) for F = dX o X with X_ij = Y_ij exp(G_i - G_j): the gate enters X only
+// through the difference G_i - G_j.
+void decay_gate_grad(const float* F, float* dG) {
+  for (int64_t i = 0; i < C; ++i) {
+    float row = 0.0f;
+#pragma omp simd reduction(+ : row)
+    for (int64_t j = 0; j < C; ++j) row += F[i * C + j];
+    dG[i] += row;
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) dG[j] -= F[i * C + j];
+  }
+}
+
+// Gradients of one chunk given d_o and dS = the gradient of the chunk's end state; leaves dS as the
+// gradient of its start state. Tiles t hold the chunk's inputs and gate factors; W, vn, S0 come from the
+// forward pass over the head.
+void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const float* S0) {
+  ChunkTiles& t = w.t;
+  const int64_t dkp = t.dkp, dvp = t.dvp;
+  float* P = t.qkt;
+  float* dG = w.dG;
+  std::fill_n(dG, C, 0.0f);
+  std::fill_n(w.dbeta, C, 0.0f);
+
+  transpose(t.k, C, dkp, dkp, t.kt, C);
+  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C);
+  for (int64_t i = 0; i < C * C; ++i) P[i] *= t.D[i];
+  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+  scale_rows(t.eG, t.q, t.qg, dkp);
+  scale_rows(t.eKd, t.k, t.kd, dkp);
+  t.wy_operands();
+
+  // dVn = P^T dO + Kd dS1.
+  gemm(C, dvp, C, P, C, true, w.dO, dvp, w.dvn, dvp, 1.0f, false, Tri::Upper);
+  gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
+
+  // Through O = Qg S0: dQg = dO S0^T.
+  transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
+  gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
+  for (int64_t i = 0; i < C; ++i) {
+    dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
+    const float e = t.eG[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dkp; ++j) w.dq[i * dkp + j] = e * w.dqg[i * dkp + j];
+  }
+
+  // Through O += P Vn: dP = dO Vn^T (lower), then P = (Q K^T) o D.
+  transpose(vn, C, dvp, dvp, w.vnt, C);
+  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C);
+  for (int64_t i = 0; i < C * C; ++i) {
+    w.X[i] = w.dP[i] * P[i];  // zero above the diagonal, where P is
+    w.dP[i] *= t.D[i];
+  }
+  decay_gate_grad(w.X, dG);
+  gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
+  gemm(C, dkp, C, w.dP, C, true, t.q, dkp, w.dk, dkp, 1.0f, false, Tri::Upper);
+
+  // Through S1 = exp(G_last) S0 + Kd^T Vn with Kd = exp(G_last - G) K.
+  const float gl = t.gl(), decay = exp_nonpositive(gl);
+  transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
+  gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
+  float dgl = decay * dot(w.dS, S0, dkp * dvp);
+  for (int64_t i = 0; i < C; ++i) {
+    const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
+    dG[i] -= x;
+    dgl += x;
+    const float e = t.eKd[i];
+#pragma omp simd
+    for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += e * w.dkd[i * dkp + j];
+  }
+  dG[C - 1] += dgl;
+
+  // Through Vn = U - W S0: dW = -dVn S0^T; the state gradient moves to the chunk start.
+  gemm(C, dkp, dvp, w.dvn, dvp, false, w.S0t, dkp, w.dW, dkp, -1.0f);
+  const int64_t nS = dkp * dvp;
+#pragma omp simd
+  for (int64_t i = 0; i < nS; ++i) w.dS[i] *= decay;
+  gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
+  gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
+
+  // Through U = Tinv (beta V) and W = Tinv Kbg: dTinv = dU (beta V)^T + dW Kbg^T.
+  transpose(t.bv, C, dvp, dvp, w.bvt, C);
+  transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
+  gemm(C, C, dvp, w.dvn, dvp, false, w.bvt, C, w.dT, C);
+  gemm(C, C, dkp, w.dW, dkp, false, w.kbgt, C, w.dT, C, 1.0f, true);
+  gemm(C, dvp, C, t.tinv, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
+  gemm(C, dkp, C, t.tinv, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
+  for (int64_t i = 0; i < C; ++i) {
+    const float b = t.beta[i], e = t.eG[i];
+    const float* dbv = w.dbv + i * dvp;
+    const float* dkbg = w.dkbg + i * dkp;
+    w.dbeta[i] += dot(t.v + i * dvp, dbv, dvp) + e * dot(t.k + i * dkp, dkbg, dkp);
+    dG[i] += dot(t.kbg + i * dkp, dkbg, dkp);
+#pragma omp simd
+    for (int64_t j = 0; j < dvp; ++j) w.dv[i * dvp + j] = b * dbv[j];
+#pragma omp simd
+    for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += b * e * dkbg[j];
+  }
+
+  // Through Tinv = (I + M)^-1: dM = -Tinv^T dTinv Tinv^T, strictly lower; M = beta (K K^T) o D.
+  transpose(t.tinv, C, C, C, w.tinvt, C);
+  gemm(C, C, C, t.tinv, C, true, w.dT, C, w.X, C, 1.0f, false, Tri::Upper);
+  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f);
+  float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
+  float* F = w.X;
+  for (int64_t i = 0; i < C; ++i) {
+    const float b = t.beta[i];
+    float db = 0.0f;
+#pragma omp simd reduction(+ : db)
+    for (int64_t j = 0; j < C; ++j) {
+      const float dmd = j < i ? E[i * C + j] * t.D[i * C + j] : 0.0f;
+      db += dmd * t.kkt[i * C + j];
+      E[i * C + j] = b * dmd;
+      F[i * C + j] = b * dmd * t.kkt[i * C + j];
+    }
+    w.dbeta[i] += db;
+  }
+  decay_gate_grad(F, dG);
+  gemm(C, dkp, C, E, C, false, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Lower);
+  gemm(C, dkp, C, E, C, true, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Upper);
+
+  // G is the chunk-local cumulative sum of g.
+  for (int64_t i = C - 2; i >= 0; --i) dG[i] += dG[i + 1];
+}
+
+// Where one head's dq, dk rows go: the outputs (added to) or a per-value-head partial (assigned).
+struct GradTarget {
+  float *dq, *dk;
+  int64_t stride;
+  bool assign;
+};
+
+template <typename T>
+void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* tinv,
+                   const float* gcum, const float* d_o, const GradTarget& dqk, float* dv, float* dbeta, float* dg,
+                   BackwardScratch& w) {
+  ChunkTiles& t = w.t;
+  const DeltaRuleShape& s = hv.s;
+  const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = s.chunks();
+  auto load = [&](int64_t c, const T* q_or_null) {
+    load_chunk(hv, c, q_or_null, k, v, beta, t);
+    std::copy_n(gcum + c * C, C, t.G);
+    std::copy_n(tinv + c * C * C, C * C, t.tinv);
+    t.state_decays();
+  };
+
+  // Forward over the chunks: every chunk's start state, W and Vn.
+  float* S = w.dS;  // the running state; dS takes this buffer over afterwards
+  std::fill_n(S, dkp * dvp, 0.0f);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    load(c, nullptr);
+    std::copy_n(S, dkp * dvp, w.S_all + c * dkp * dvp);
+    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, S);
+  }
+
+  // Reverse over the chunks carrying dS (zero after the last token: the final state is not an output).
+  std::fill_n(w.dS, dkp * dvp, 0.0f);
+  for (int64_t c = nchunks - 1; c >= 0; --c) {
+    const int64_t t0 = c * C, n = std::min(C, s.seq - t0);
+    load_tile(d_o + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, w.dO, dvp);
+    load(c, q);
+    t.decay_matrix();
+    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, w.S_all + c * dkp * dvp);
+    for (int64_t i = 0; i < n; ++i) {
+      float* dqr = dqk.dq + (t0 + i) * dqk.stride;
+      float* dkr = dqk.dk + (t0 + i) * dqk.stride;
+      float* dvr = dv + hv.vo_offset(t0 + i);
+      for (int64_t j = 0; j < s.dk; ++j) {
+        dqr[j] = (dqk.assign ? 0.0f : dqr[j]) + w.dq[i * dkp + j];
+        dkr[j] = (dqk.assign ? 0.0f : dkr[j]) + w.dk[i * dkp + j];
+      }
+      for (int64_t j = 0; j < s.dv; ++j) dvr[j] += w.dv[i * dvp + j];
+      dbeta[hv.gate_offset(t0 + i)] += w.dbeta[i];
+      dg[hv.gate_offset(t0 + i)] += w.dG[i];
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem) {
+  check_shape(s);
+  const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks();
+  const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
+  if (saved) {
+    saved->tinv = mem.allocate_n<float>(heads * nchunks * C * C, MemCategory::Activations, "delta_rule.tinv");
+    saved->gcum = mem.allocate_n<float>(heads * nchunks * C, MemCategory::Activations, "delta_rule.gcum");
+  }
+  const int64_t workers = worker_count(s);
+  Carver sizing(nullptr);
+  ForwardScratch{sizing, dkp, dvp};
+  const int64_t per_thread = sizing.used();
+  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
+  if (mem.planning() || heads == 0) return;
+
+#pragma omp parallel num_threads(static_cast<int>(workers))
+  {
+    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
+    ForwardScratch w(cv, dkp, dvp);
+#pragma omp for schedule(static)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
+      float* tinv = saved ? saved->tinv.as<float>() + hh * nchunks * C * C : nullptr;
+      float* gcum = saved ? saved->gcum.as<float>() + hh * nchunks * C : nullptr;
+      forward_head(hv, q, k, v, beta, g, o, tinv, gcum, w);
+    }
+  }
+}
+
+template <typename T>
+void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                         const float* /*g: read back from saved.gcum*/, const DeltaRuleSaved& saved, const float* d_o,
+                         float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem) {
+  check_shape(s);
+  const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks(), r = s.ratio();
+  const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
+  if (!mem.planning() && heads > 0 &&
+      (saved.tinv.bytes() != sizeof(float) * heads * nchunks * C * C ||
+       saved.gcum.bytes() != sizeof(float) * heads * nchunks * C))
+    throw std::invalid_argument("delta_rule_backward: saved buffers do not match the shape");
+
+  // The r value heads of a key head all add into its dq, dk. With at least as many key heads as threads
+  // one thread runs all r of them in order and adds directly; otherwise each value head is a unit of work
+  // that assigns its own partial (every row written once, so no zeroing), summed afterwards in head order.
+  // Either way the contributions are added in the same order: the result does not depend on the threads.
+  const bool per_key_head = r == 1 || s.batch * s.k_heads >= omp_get_max_threads();
+  const int64_t units = per_key_head ? s.batch * s.k_heads : heads;
+  const int64_t heads_per_unit = per_key_head ? r : 1;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), units));
+  Carver sizing(nullptr);
+  BackwardScratch{sizing, dkp, dvp, nchunks};
+  const int64_t per_thread = sizing.used();
+  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.backward_scratch");
+  Buffer partial;
+  if (!per_key_head)
+    partial = mem.allocate_n<float>(2 * s.batch * s.seq * s.v_heads * s.dk, MemCategory::Workspace,
+                                    "delta_rule.dqk_partial");
+  if (mem.planning() || heads == 0) return;
+
+  const int64_t part_n = s.batch * s.seq * s.v_heads * s.dk;
+  float* part_q = partial.as<float>();
+  float* part_k = part_q ? part_q + part_n : nullptr;
+
+#pragma omp parallel num_threads(static_cast<int>(workers))
+  {
+    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
+    BackwardScratch w(cv, dkp, dvp, nchunks);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u)
+      for (int64_t j = 0; j < heads_per_unit; ++j) {
+        const int64_t hh = u * heads_per_unit + j;  // both unit kinds enumerate (batch, value head) in order
+        const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
+        GradTarget dqk{dq + hv.qk_offset(0), dk + hv.qk_offset(0), hv.qk_stride(), false};
+        if (!per_key_head) {
+          const int64_t off = (hv.b * s.seq * s.v_heads + hv.h) * s.dk;
+          dqk = GradTarget{part_q + off, part_k + off, s.v_heads * s.dk, true};
+        }
+        backward_head(hv, q, k, v, beta, saved.tinv.as<float>() + hh * nchunks * C * C,
+                      saved.gcum.as<float>() + hh * nchunks * C, d_o, dqk, dv, dbeta, dg, w);
+      }
+  }
+
+  if (!per_key_head) {
+    const int64_t rows = s.batch * s.seq * s.k_heads;
+#pragma omp parallel for schedule(static)
+    for (int64_t row = 0; row < rows; ++row) {
+      const float* pq = part_q + row * r * s.dk;
+      const float* pk = part_k + row * r * s.dk;
+      for (int64_t j = 0; j < r; ++j)
+        for (int64_t l = 0; l < s.dk; ++l) {
+          dq[row * s.dk + l] += pq[j * s.dk + l];
+          dk[row * s.dk + l] += pk[j * s.dk + l];
+        }
+    }
+  }
+}
+
+#define HS_INSTANTIATE(T)                                                                                       \
+  template void delta_rule_forward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,         \
+                                      const float*, T*, DeltaRuleSaved*, MemoryAccountant&);                     \
+  template void delta_rule_backward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,        \
+                                       const float*, const DeltaRuleSaved&, const float*, float*, float*, float*, \
+                                       float*, float*, MemoryAccountant&);
+HS_INSTANTIATE(float)
+HS_INSTANTIATE(bf16)
+#undef HS_INSTANTIATE
+
+}  // namespace hs::kernels

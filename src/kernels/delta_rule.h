@@ -1,0 +1,58 @@
+// The gated delta rule, the recurrence at the heart of the Gated DeltaNet layer (spec/model.md,
+// "Gated DeltaNet" step 5 and "Chunked form"). Per (batch, value head), with state S [dk, dv] zero at
+// sequence start:
+//   S = exp(g_t) S;  delta = beta_t (v_t - S^T k_t);  S = S + k_t delta^T;  o_t = S^T q_t.
+// The fast kernels use the chunked (WY) form with chunk C = 64; the references run it token by token.
+#pragma once
+#include <cstdint>
+
+#include "kernels/common.h"
+
+namespace hs::kernels {
+
+inline constexpr int64_t kDeltaRuleChunk = 64;
+
+struct DeltaRuleShape {
+  int64_t batch, seq, k_heads, v_heads, dk, dv;  // r = v_heads / k_heads (integer)
+  int64_t ratio() const { return v_heads / k_heads; }
+  int64_t chunks() const { return (seq + kDeltaRuleChunk - 1) / kDeltaRuleChunk; }
+  int64_t padded_seq() const { return chunks() * kDeltaRuleChunk; }
+};
+
+// What the forward keeps for the backward, both fp32:
+//   tinv [B, Hv, nchunks, 64, 64]: per chunk (I + M)^-1 (unit lower triangular);
+//   gcum [B, Hv, Tpad]: the gate's cumulative sum restarted at every chunk (G of the chunked form).
+struct DeltaRuleSaved {
+  Buffer tinv;
+  Buffer gcum;
+};
+
+// q, k: [B, T, Hk, dk] (q already L2-normalised and scaled by dk^-0.5, k L2-normalised, by the caller);
+// v, o: [B, T, Hv, dv]; beta, g: [B, T, Hv] fp32 (g <= 0 is the log-decay). Value head h reads key
+// head h / r (repeat_interleave). saved == nullptr: inference, keep nothing.
+template <typename T>
+void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem);
+
+// Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32), given
+// d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved`. Workspace per thread: one
+// head's W and V_new (T x (dk + dv)) and its chunk-start states (T/64 x dk x dv); plus, when r > 1, the
+// per-value-head dq, dk partials (B x Hv x T x 2dk) summed afterwards in a fixed order (deterministic).
+template <typename T>
+void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                         const float* g, const DeltaRuleSaved& saved, const float* d_o, float* dq, float* dk,
+                         float* dv, float* dbeta, float* dg, MemoryAccountant& mem);
+
+namespace reference {
+
+// The recurrent (token by token) form, the oracle. Same layouts as above; R in {float, double}.
+template <typename R>
+void delta_rule_recurrent_forward(const DeltaRuleShape& s, const R* q, const R* k, const R* v, const R* beta,
+                                  const R* g, R* o);
+// Accumulates (+=) into every gradient. Keeps every token's state of one head (T x dk x dv): a test oracle.
+template <typename R>
+void delta_rule_recurrent_backward(const DeltaRuleShape& s, const R* q, const R* k, const R* v, const R* beta,
+                                   const R* g, const R* d_o, R* dq, R* dk, R* dv, R* dbeta, R* dg);
+
+}  // namespace reference
+}  // namespace hs::kernels

@@ -1,0 +1,293 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/delta_rule.h"
+
+namespace hs::kernels {
+namespace {
+
+using Vec = std::vector<double>;
+
+// Inputs as the layer produces them: q, k L2-normalised (q also scaled by dk^-0.5), beta = sigmoid(noise),
+// g = logsigmoid(noise) * gate_scale, plus an upstream gradient d_o.
+struct Problem {
+  DeltaRuleShape s;
+  Vec q, k, v, beta, g, d_o;
+};
+
+Problem make_problem(const DeltaRuleShape& s, double gate_scale, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> nd;
+  Problem p{s, {}, {}, {}, {}, {}, {}};
+  const int64_t nqk = s.batch * s.seq * s.k_heads, nv = s.batch * s.seq * s.v_heads;
+  auto unit_rows = [&](Vec& x, double scale) {
+    x.resize(nqk * s.dk);
+    for (int64_t r = 0; r < nqk; ++r) {
+      double ss = 0;
+      for (int64_t j = 0; j < s.dk; ++j) {
+        x[r * s.dk + j] = nd(rng);
+        ss += x[r * s.dk + j] * x[r * s.dk + j];
+      }
+      for (int64_t j = 0; j < s.dk; ++j) x[r * s.dk + j] *= scale / std::sqrt(ss + 1e-6);
+    }
+  };
+  unit_rows(p.q, 1.0 / std::sqrt(double(s.dk)));
+  unit_rows(p.k, 1.0);
+  p.v.resize(nv * s.dv);
+  p.d_o.resize(nv * s.dv);
+  for (auto& x : p.v) x = nd(rng);
+  for (auto& x : p.d_o) x = nd(rng);
+  p.beta.resize(nv);
+  p.g.resize(nv);
+  for (auto& x : p.beta) x = 1.0 / (1.0 + std::exp(-nd(rng)));
+  for (auto& x : p.g) {
+    const double z = nd(rng);
+    x = gate_scale * (std::min(z, 0.0) - std::log1p(std::exp(-std::abs(z))));  // logsigmoid(z)
+  }
+  return p;
+}
+
+struct Result {
+  Vec o, dq, dk, dv, dbeta, dg;
+};
+
+Result reference_result(const Problem& p) {
+  const auto& s = p.s;
+  Result r{Vec(p.v.size()), Vec(p.q.size()), Vec(p.k.size()), Vec(p.v.size()), Vec(p.beta.size()),
+           Vec(p.g.size())};
+  reference::delta_rule_recurrent_forward(s, p.q.data(), p.k.data(), p.v.data(), p.beta.data(), p.g.data(),
+                                          r.o.data());
+  reference::delta_rule_recurrent_backward(s, p.q.data(), p.k.data(), p.v.data(), p.beta.data(), p.g.data(),
+                                           p.d_o.data(), r.dq.data(), r.dk.data(), r.dv.data(), r.dbeta.data(),
+                                           r.dg.data());
+  return r;
+}
+
+template <typename T>
+std::vector<T> cast(const Vec& x) {
+  std::vector<T> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = from_f32<T>(static_cast<float>(x[i]));
+  return y;
+}
+std::vector<float> to_float(const Vec& x) { return cast<float>(x); }
+template <typename T>
+Vec to_double(const std::vector<T>& x) {
+  Vec y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = to_f32(x[i]);
+  return y;
+}
+
+// The fast kernels with storage type T; gradients start from a non-zero fill to check they accumulate.
+template <typename T>
+Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0) {
+  const auto& s = p.s;
+  const auto q = cast<T>(p.q), k = cast<T>(p.k), v = cast<T>(p.v);
+  const auto beta = to_float(p.beta), g = to_float(p.g), d_o = to_float(p.d_o);
+  std::vector<T> o(p.v.size());
+  std::vector<float> dq(p.q.size(), float(grad_fill)), dk(p.k.size(), float(grad_fill)),
+      dv(p.v.size(), float(grad_fill)), dbeta(p.beta.size(), float(grad_fill)), dg(p.g.size(), float(grad_fill));
+  DeltaRuleSaved saved;
+  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem);
+  delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), dq.data(), dk.data(),
+                      dv.data(), dbeta.data(), dg.data(), mem);
+  Result r{to_double(o), to_double(dq), to_double(dk), to_double(dv), to_double(dbeta), to_double(dg)};
+  if (grad_fill != 0.0)
+    for (Vec* x : {&r.dq, &r.dk, &r.dv, &r.dbeta, &r.dg})
+      for (double& e : *x) e -= grad_fill;
+  return r;
+}
+
+double rel_rms(const Vec& a, const Vec& ref) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - ref[i]) * (a[i] - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+void expect_close(const Result& got, const Result& want, double tol_o, double tol_grad, const std::string& what) {
+  EXPECT_LT(rel_rms(got.o, want.o), tol_o) << what << " o";
+  EXPECT_LT(rel_rms(got.dq, want.dq), tol_grad) << what << " dq";
+  EXPECT_LT(rel_rms(got.dk, want.dk), tol_grad) << what << " dk";
+  EXPECT_LT(rel_rms(got.dv, want.dv), tol_grad) << what << " dv";
+  EXPECT_LT(rel_rms(got.dbeta, want.dbeta), tol_grad) << what << " dbeta";
+  EXPECT_LT(rel_rms(got.dg, want.dg), tol_grad) << what << " dg";
+}
+
+struct SweepCase {
+  int64_t seq, dk, dv, r;
+  double gate_scale;
+};
+
+std::string case_name(const SweepCase& c) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "T%ld_dk%ld_dv%ld_r%ld_gate%s", long(c.seq), long(c.dk), long(c.dv), long(c.r),
+                c.gate_scale < 1 ? "0p1" : c.gate_scale > 1 ? "10" : "1");
+  return buf;
+}
+
+class DeltaRuleChunkedVsRecurrent : public ::testing::TestWithParam<SweepCase> {};
+
+// The fp32 chunked kernel against the double recurrent oracle. fp32 round-off (2^-24) accumulates over
+// dot products of length <= 128 and 64-step triangular solves, and errors in a chunk's start state are
+// carried on through the recurrence: observed relative-RMS errors are ~1e-6 for the output and ~1e-5 for
+// the gradients (dg is a sum of cancelling terms, the hardest). 2e-4 keeps a wide margin, while a wrong
+// term (a missed decay, a transposed product, a dropped chunk boundary) gives errors of 1e-2 and up.
+TEST_P(DeltaRuleChunkedVsRecurrent, OutputAndEveryGradient) {
+  const SweepCase c = GetParam();
+  const DeltaRuleShape s{1, c.seq, 2, 2 * c.r, c.dk, c.dv};
+  const Problem p = make_problem(s, c.gate_scale, 100 + static_cast<uint32_t>(c.seq + c.dk + c.r));
+  MemoryAccountant mem;
+  expect_close(kernel_result<float>(p, mem, 0.25), reference_result(p), 2e-4, 2e-4, case_name(c));
+  EXPECT_EQ(mem.live_total(), 0u);
+}
+
+// Every value of every axis (T, head dim, r, gate scale) appears, and the large combination (T = 300 with
+// dim 128) appears with both ratios.
+INSTANTIATE_TEST_SUITE_P(DeltaRuleSweep, DeltaRuleChunkedVsRecurrent,
+                         ::testing::Values(SweepCase{1, 16, 16, 1, 1.0}, SweepCase{15, 32, 32, 2, 0.1},
+                                           SweepCase{63, 100, 100, 1, 10.0}, SweepCase{64, 128, 128, 2, 1.0},
+                                           SweepCase{65, 16, 16, 2, 10.0}, SweepCase{65, 100, 100, 2, 0.1},
+                                           SweepCase{300, 32, 32, 1, 1.0}, SweepCase{300, 16, 16, 2, 0.1},
+                                           SweepCase{300, 128, 128, 2, 10.0}, SweepCase{300, 128, 128, 1, 0.1},
+                                           SweepCase{130, 32, 100, 2, 1.0}, SweepCase{64, 16, 16, 1, 10.0}),
+                         [](const ::testing::TestParamInfo<SweepCase>& param_info) { return case_name(param_info.param); });
+
+// Inference (saved == nullptr) computes the same output and keeps nothing.
+TEST(DeltaRuleForward, InferenceMatchesTrainingAndKeepsNothing) {
+  const DeltaRuleShape s{2, 100, 1, 2, 32, 48};
+  const Problem p = make_problem(s, 1.0, 7);
+  const auto q = to_float(p.q), k = to_float(p.k), v = to_float(p.v), beta = to_float(p.beta), g = to_float(p.g);
+  std::vector<float> o1(p.v.size()), o2(p.v.size());
+  MemoryAccountant mem;
+  DeltaRuleSaved saved;
+  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o1.data(), &saved, mem);
+  const size_t kept = mem.live_total();
+  EXPECT_EQ(kept, saved.tinv.bytes() + saved.gcum.bytes());
+  delta_rule_forward<float>(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o2.data(), nullptr, mem);
+  EXPECT_EQ(mem.live_total(), kept);
+  EXPECT_EQ(o1, o2);
+}
+
+// The oracle's own backward against central differences of L = sum(o * d_o), all in double. With h = 1e-6
+// the truncation error is ~h^2 and the round-off ~1e-16 |L| / h ~ 1e-9, so 1e-7 absolute (gradients are
+// O(1)) separates a correct backward from any wrong term.
+TEST(DeltaRuleReference, BackwardMatchesFiniteDifferences) {
+  const DeltaRuleShape s{2, 9, 1, 2, 4, 3};
+  Problem p = make_problem(s, 1.0, 11);
+  const Result r = reference_result(p);
+  auto loss = [&]() {
+    Vec o(p.v.size());
+    reference::delta_rule_recurrent_forward(s, p.q.data(), p.k.data(), p.v.data(), p.beta.data(), p.g.data(),
+                                            o.data());
+    double l = 0;
+    for (size_t i = 0; i < o.size(); ++i) l += o[i] * p.d_o[i];
+    return l;
+  };
+  const double h = 1e-6;
+  auto check = [&](Vec& x, const Vec& grad, const char* name) {
+    for (size_t i = 0; i < x.size(); ++i) {
+      const double x0 = x[i];
+      x[i] = x0 + h;
+      const double lp = loss();
+      x[i] = x0 - h;
+      const double lm = loss();
+      x[i] = x0;
+      ASSERT_NEAR(grad[i], (lp - lm) / (2 * h), 1e-7) << name << "[" << i << "]";
+    }
+  };
+  check(p.q, r.dq, "dq");
+  check(p.k, r.dk, "dk");
+  check(p.v, r.dv, "dv");
+  check(p.beta, r.dbeta, "dbeta");
+  check(p.g, r.dg, "dg");
+}
+
+// bf16 storage against the fp32 path fed the same (bf16-rounded) values: loads widen exactly and all
+// math is fp32 in both, so gradients agree to fp32 summation noise (1e-6) and the output differs only by
+// its final rounding to bf16, at most 2^-8 relative per element. Against the double oracle on the
+// unrounded inputs, bf16 input rounding (2^-9 relative per element) propagated through the recurrence
+// gives ~3e-3 relative RMS; 2e-2 bounds it.
+TEST(DeltaRuleBf16, MatchesF32PathOnRoundedInputs) {
+  const DeltaRuleShape s{1, 150, 2, 4, 64, 64};
+  const Problem exact = make_problem(s, 1.0, 21);
+  Problem rounded = exact;
+  for (Vec* x : {&rounded.q, &rounded.k, &rounded.v})
+    for (double& e : *x) e = to_f32(bf16(static_cast<float>(e)));
+  MemoryAccountant mem;
+  const Result b = kernel_result<bf16>(exact, mem);
+  const Result f = kernel_result<float>(rounded, mem);
+  for (size_t i = 0; i < b.o.size(); ++i)
+    ASSERT_LE(std::abs(b.o[i] - f.o[i]), std::ldexp(std::abs(f.o[i]), -8) + 1e-30) << i;
+  expect_close(b, f, 4e-3, 1e-6, "bf16 vs f32");
+  expect_close(b, reference_result(exact), 2e-2, 2e-2, "bf16 vs oracle");
+}
+
+// Batch entries are independent: a batch of different sequences equals each run alone, bit for bit (the
+// same operations run in the same order per (batch, head)).
+TEST(DeltaRuleBatch, EqualsEachSequenceAlone) {
+  const DeltaRuleShape s{3, 70, 2, 4, 32, 16};
+  const Problem p = make_problem(s, 1.0, 31);
+  MemoryAccountant mem;
+  const Result all = kernel_result<float>(p, mem);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const DeltaRuleShape s1{1, s.seq, s.k_heads, s.v_heads, s.dk, s.dv};
+    auto slice = [&](const Vec& x) {
+      const size_t n = x.size() / s.batch;
+      return Vec(x.begin() + b * n, x.begin() + (b + 1) * n);
+    };
+    const Problem p1{s1, slice(p.q), slice(p.k), slice(p.v), slice(p.beta), slice(p.g), slice(p.d_o)};
+    const Result one = kernel_result<float>(p1, mem);
+    EXPECT_EQ(one.o, slice(all.o)) << b;
+    EXPECT_EQ(one.dq, slice(all.dq)) << b;
+    EXPECT_EQ(one.dk, slice(all.dk)) << b;
+    EXPECT_EQ(one.dv, slice(all.dv)) << b;
+    EXPECT_EQ(one.dbeta, slice(all.dbeta)) << b;
+    EXPECT_EQ(one.dg, slice(all.dg)) << b;
+  }
+}
+
+// Forward + backward peak (saved + workspace), planned or measured.
+size_t peak_bytes(const DeltaRuleShape& s, bool planning) {
+  MemoryAccountant mem(planning);
+  if (planning) {
+    DeltaRuleSaved saved;
+    delta_rule_forward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &saved, mem);
+    delta_rule_backward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, saved, nullptr, nullptr, nullptr,
+                               nullptr, nullptr, nullptr, mem);
+  } else {
+    kernel_result<float>(make_problem(s, 1.0, 41), mem);
+  }
+  return mem.peak_total();
+}
+
+// Memory grows linearly in T and like T (dk + dv), never T dk dv: per token the forward keeps Tinv and G
+// (65 floats per head) and the backward's per-thread scratch holds one head's W, Vn (dk + dv per token)
+// and chunk-start states (dk dv / 64 per token, which at these dims is below dk + dv). Going from d = 32
+// to 64 the per-token bytes grow ~1.8x; a T dk dv term would make that 4x.
+TEST(DeltaRuleMemory, LinearInTAndNotQuadraticInHeadDim) {
+  auto shape = [](int64_t T, int64_t d) { return DeltaRuleShape{1, T, 2, 4, d, d}; };
+  const int64_t T = 256;
+  for (int64_t d : {32, 64}) {
+    const size_t p1 = peak_bytes(shape(T, d), false), p4 = peak_bytes(shape(4 * T, d), false);
+    EXPECT_EQ(p1, peak_bytes(shape(T, d), true)) << d;
+    EXPECT_EQ(p4, peak_bytes(shape(4 * T, d), true)) << d;
+    EXPECT_LT(double(p4) / double(p1), 4.5) << d;
+    EXPECT_GT(p4, p1) << d;
+  }
+  auto per_token = [&](int64_t d) {
+    return double(peak_bytes(shape(4 * T, d), true) - peak_bytes(shape(T, d), true)) / double(3 * T);
+  };
+  const double growth = per_token(64) / per_token(32);
+  EXPECT_GT(growth, 1.3);
+  EXPECT_LT(growth, 2.5);
+}
+
+}  // namespace
+}  // namespace hs::kernels
