@@ -29,7 +29,7 @@ TEST(HfLayout, RunsAreABijection) {
         for (const HfTensor& t : lay.hf) {
           EXPECT_TRUE(names.insert(t.name).second) << "duplicate " << t.name;
           int64_t at = 0;
-          for (const Run& r : t.runs) {
+          for (const ElementRun& r : t.runs) {
             EXPECT_EQ(r.hf_at, at) << t.name;
             at += r.count;
             for (int64_t j = 0; j < r.count; ++j) ++hits[r.stacked][size_t(r.stacked_at + j)];

@@ -51,7 +51,7 @@ LayerWeights plain_layer(const ParamSet& ps, int64_t i) {
   std::string prefix = b >= c.blocks() ? "remainder." : (full ? "global." : "local.");
   LayerWeights w{full ? model::LayerKind::FullAttention : model::LayerKind::LinearAttention, {}};
   for (const auto& spec : model::layer_specs(c, w.kind)) {
-    const StackedParam* sp = ps.find(prefix + spec.name);
+    const model::StackedParam* sp = ps.find(prefix + spec.name);
     EXPECT_NE(sp, nullptr) << prefix + spec.name;
     TensorView v = sp->tensor.view();
     if (prefix == "remainder.") v = v[pos];

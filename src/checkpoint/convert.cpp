@@ -84,7 +84,7 @@ struct Source {
                                  shape_str(t.shape) + " for this config");
       info.push_back(&ti);
       file.push_back(&r.file_of(t.name));
-      for (const Run& run : t.runs) pieces[run.stacked].push_back({run.stacked_at, run.count, i, run.hf_at});
+      for (const ElementRun& run : t.runs) pieces[run.stacked].push_back({run.stacked_at, run.count, i, run.hf_at});
     }
     for (auto& p : pieces)
       std::sort(p.begin(), p.end(), [](const Piece& a, const Piece& b) { return a.stacked_at < b.stacked_at; });
@@ -219,7 +219,7 @@ std::vector<std::string> load_parameters(const CheckpointDir& d, model::ParamSet
     const HfTensor& t = d.tensors.hf[i];
     buf.resize(static_cast<size_t>(numel(t.shape)));
     r.read_f32(t.name, buf);
-    for (const Run& run : t.runs) {
+    for (const ElementRun& run : t.runs) {
       const TensorView& dst = params.all()[run.stacked].tensor.view();
       if (dst.dtype == DType::F32) std::copy_n(buf.data() + run.hf_at, run.count, static_cast<float*>(dst.data) + run.stacked_at);
       else convert(buf.data() + run.hf_at, static_cast<bf16*>(dst.data) + run.stacked_at, static_cast<size_t>(run.count));
@@ -254,7 +254,7 @@ ConvertReport convert_checkpoint(const fs::path& from, const fs::path& to, const
     const HfTensor& t = target.hf[i];
     std::optional<FileDType> dt;
     std::string first;
-    for (const Run& run : t.runs)
+    for (const ElementRun& run : t.runs)
       source.for_range(run.stacked, run.stacked_at, run.count, [&](size_t s, int64_t, int64_t) {
         FileDType d = source.info[s]->dtype;
         if (!dt) {
@@ -283,7 +283,7 @@ ConvertReport convert_checkpoint(const fs::path& from, const fs::path& to, const
     for (const TensorDecl& d : decls) {
       const HfTensor& t = target.hf[target_index.at(d.name)];
       const size_t es = file_dtype_size(d.dtype);
-      for (const Run& run : t.runs)
+      for (const ElementRun& run : t.runs)
         source.for_range(run.stacked, run.stacked_at, run.count, [&](size_t s, int64_t at, int64_t n) {
           auto bytes = source.file[s]->bytes(*source.info[s]).subspan(static_cast<size_t>(at) * es, static_cast<size_t>(n) * es);
           w.write(d.name, bytes);

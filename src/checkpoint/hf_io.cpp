@@ -46,14 +46,14 @@ std::vector<std::string> load_hf_params(const CheckpointReader& r, model::ParamS
                                shape_str(t.shape) + " for this config");
     buf.resize(static_cast<size_t>(numel(t.shape)));
     r.read_f32(t.name, buf);
-    for (const Run& run : t.runs) store(params.all()[run.stacked].tensor.view(), run.stacked_at, buf.data() + run.hf_at, run.count);
+    for (const ElementRun& run : t.runs) store(params.all()[run.stacked].tensor.view(), run.stacked_at, buf.data() + run.hf_at, run.count);
   }
   return notes;
 }
 
 std::vector<float> hf_tensor_from(const model::ParamSet& ps, const HfTensor& t) {
   std::vector<float> out(static_cast<size_t>(numel(t.shape)));
-  for (const Run& run : t.runs) {
+  for (const ElementRun& run : t.runs) {
     const TensorView& v = ps.all()[run.stacked].tensor.view();
     for (int64_t i = 0; i < run.count; ++i)
       out[static_cast<size_t>(run.hf_at + i)] = v.dtype == DType::F32 ? static_cast<const float*>(v.data)[run.stacked_at + i]

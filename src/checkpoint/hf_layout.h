@@ -21,7 +21,7 @@ namespace hs::checkpoint {
 
 enum class ExpertLayout { PerExpert, Fused };
 
-struct Run {
+struct ElementRun {
   size_t stacked;      // index into the stacked tensor list (ParamSet order)
   int64_t stacked_at;  // element offset in the stacked tensor
   int64_t hf_at;       // element offset in the HF tensor
@@ -31,7 +31,7 @@ struct Run {
 struct HfTensor {
   std::string name;
   Shape shape;
-  std::vector<Run> runs;  // cover the HF tensor exactly once, in HF offset order
+  std::vector<ElementRun> runs;  // cover the HF tensor exactly once, in HF offset order
 };
 
 struct StackedTensor {

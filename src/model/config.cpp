@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -255,13 +256,11 @@ ModelConfig load_config(const std::string& preset_or_path) {
   for (const auto& n : preset_names())
     if (n == preset_or_path) return preset(n);
   std::string path = preset_or_path;
+  if (std::filesystem::is_directory(path)) path += "/config.json";
   std::ifstream f(path);
-  if (!f) {
-    std::ifstream g(path + "/config.json");
-    if (!g) throw std::invalid_argument("'" + path + "' is neither a preset nor a readable config.json (or a directory holding one)");
-    path += "/config.json";
-    f = std::move(g);
-  }
+  if (!f)
+    throw std::invalid_argument("'" + preset_or_path +
+                                "' is neither a preset nor a readable config.json (or a directory holding one)");
   json j;
   try {
     j = json::parse(f);

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "checkpoint/convert.h"
 #include "model/params.h"
 #include "train/data.h"
 
@@ -95,8 +96,49 @@ void write_svg_chart(const std::string& path, const std::string& title, const st
   std::filesystem::rename(tmp, path);
 }
 
-TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
-  const model::ModelConfig cfg = model::load_config(o.model);
+nlohmann::json options_to_json(const TrainOptions& o) {
+  return {{"model", o.model}, {"text", o.text}, {"synthetic", o.synthetic}, {"steps", o.steps}, {"batch", o.batch},
+          {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr}, {"min_lr_ratio", o.opt.min_lr_ratio},
+          {"warmup", o.opt.warmup}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
+          {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
+          {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
+          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
+}
+
+void options_from_json(const nlohmann::json& j, TrainOptions& o) {
+  o.text = j.value("text", o.text);
+  o.synthetic = j.value("synthetic", o.synthetic);
+  o.batch = j.value("batch", o.batch);
+  o.seq = j.value("seq", o.seq);
+  o.seed = j.value("seed", o.seed);
+  o.opt.lr = j.value("lr", o.opt.lr);
+  o.opt.min_lr_ratio = j.value("min_lr_ratio", o.opt.min_lr_ratio);
+  o.opt.warmup = j.value("warmup", o.opt.warmup);
+  o.opt.beta1 = j.value("beta1", o.opt.beta1);
+  o.opt.beta2 = j.value("beta2", o.opt.beta2);
+  o.opt.eps = j.value("eps", o.opt.eps);
+  o.opt.weight_decay = j.value("weight_decay", o.opt.weight_decay);
+  o.opt.clip = j.value("clip", o.opt.clip);
+  o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
+  o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
+}
+
+TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
+  TrainOptions o = o_in;
+  std::optional<checkpoint::CheckpointDir> resume;
+  int64_t first_step = 0;
+  if (!o.resume.empty()) {
+    resume = checkpoint::open_checkpoint_dir(o.resume);
+    if (resume->format != checkpoint::Format::Native || !resume->native.contains("state"))
+      throw std::invalid_argument(o.resume + " is not a hybridscan training checkpoint (no training state); use --init to start from its weights");
+    const nlohmann::json& st = resume->native["state"];
+    options_from_json(st.value("options", nlohmann::json::object()), o);
+    first_step = st.value("step", int64_t(0));
+    if (o.steps <= first_step)
+      throw std::invalid_argument("--steps " + std::to_string(o.steps) + " is not beyond the checkpoint's step " + std::to_string(first_step));
+  }
+  const model::ModelConfig cfg = resume ? resume->config : (!o.init.empty() ? checkpoint::open_checkpoint_dir(o.init).config
+                                                                             : model::load_config(o.model));
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
   Corpus corpus;
   if (!o.synthetic) {
@@ -109,10 +151,34 @@ TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
 
   MemoryAccountant mem;
   model::ParamSet params(cfg, o.weight_dtype, mem, MemCategory::Parameters, false);
-  model::init_params(params, o.seed);
   OptimizerConfig oc = o.opt;
   oc.total_steps = o.steps;
   AdamWOptimizer opt(params, oc, mem);
+  nlohmann::json hf_origin;
+  if (resume) {
+    checkpoint::load_parameters(*resume, params);
+    checkpoint::load_optimizer_state(*resume, opt.first_moment(), opt.second_moment());
+    opt.set_steps_taken(first_step);
+    if (resume->native.contains("hf")) hf_origin = resume->native["hf"];
+    log << "resumed " << o.resume << " at step " << first_step << "\n";
+  } else if (!o.init.empty()) {
+    checkpoint::CheckpointDir init = checkpoint::open_checkpoint_dir(o.init);
+    for (const auto& n : checkpoint::load_parameters(init, params)) log << "init: " << n << "\n";
+    hf_origin = {{"prefix", init.hf.prefix},
+                 {"experts", init.hf.experts == checkpoint::ExpertLayout::Fused ? "fused" : "per_expert"},
+                 {"metadata", init.hf_metadata}};
+    log << "initialised from " << o.init << "\n";
+  } else {
+    model::init_params(params, o.seed);
+  }
+  auto save = [&](int64_t step) {
+    if (o.out.empty()) return;
+    const std::string dir = o.out + "/checkpoint-" + std::to_string(step);
+    nlohmann::json state = {{"step", step}, {"options", options_to_json(o)}};
+    if (!hf_origin.is_null()) state["hf"] = hf_origin;
+    checkpoint::save_native(dir, {&params, &opt.first_moment(), &opt.second_moment(), state});
+    log << "saved " << dir << "\n";
+  };
   log << "model: " << model::describe(cfg) << "\n"
       << "params " << params.numel() << " (" << format_bytes(double(params.nbytes())) << " " << dtype_name(o.weight_dtype)
       << "), remat " << remat_name(o.step.remat) << ", compute " << dtype_name(o.step.compute) << ", batch " << o.batch
@@ -121,13 +187,14 @@ TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
   log << "\n";
 
   std::ofstream metrics;
-  if (!o.out.empty()) metrics.open(o.out + "/metrics.jsonl");
+  if (!o.out.empty()) metrics.open(o.out + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   Series train_curve{"train loss", "#1f77b4", {}}, eval_curve{"held-out loss", "#d62728", {}};
   TrainSummary sum;
   const bool tty = o.progress && isatty(STDERR_FILENO);
   const auto t_start = Clock::now();
-  double step_seconds = 0;
-  for (int64_t step = 0; step < o.steps; ++step) {
+  double step_seconds = 0, first_step_seconds = 0;
+  const int64_t last_step = o.stop_after >= 0 ? std::min(o.steps, first_step + o.stop_after) : o.steps;
+  for (int64_t step = first_step; step < last_step; ++step) {
     TokenBatch tb = o.synthetic ? synthetic_batch(cfg.vocab, o.batch, o.seq, o.seed, step)
                                 : sample_batch(corpus.train, o.batch, o.seq, o.seed, step);
     Buffer batch_mem = mem.allocate(2 * tb.inputs.size() * sizeof(int32_t), MemCategory::Batch, "batch");
@@ -143,8 +210,10 @@ TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
     MemorySnapshot peak = mem.at_peak();
     if (peak.total() > sum.peak.total()) sum.peak = peak;
     step_seconds += dt;
+    if (step == first_step) first_step_seconds = dt;
     sum.steps = step + 1;
     sum.tokens += o.batch * o.seq;
+    sum.losses.push_back(r.loss);
     sum.final_loss = r.loss;
     sum.final_ce = r.ce;
     train_curve.points.emplace_back(double(step + 1), r.ce);
@@ -162,22 +231,27 @@ TrainSummary run_training(const TrainOptions& o, std::ostream& log) {
     }
     if (metrics.is_open()) metrics << m.dump() << "\n" << std::flush;
     if (o.progress) {
-      const double eta = step_seconds / double(step + 1) * double(o.steps - step - 1);
+      const double eta = step_seconds / double(step + 1 - first_step) * double(last_step - step - 1);
       char line[256];
       std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | %.0f tok/s | peak %s | lr %.2e | ETA %s",
-                    (long long)(step + 1), (long long)o.steps, r.loss, tps, format_bytes(double(peak.total())).c_str(), lr,
+                    (long long)(step + 1), (long long)last_step, r.loss, tps, format_bytes(double(peak.total())).c_str(), lr,
                     format_duration(eta).c_str());
       std::string s = line;
       if (do_eval) {
         std::snprintf(line, sizeof line, " | held-out %.4f (%.3f bits/byte)", sum.eval_ce, sum.eval_ce / std::log(2.0));
         s += line;
       }
-      if (tty) std::fprintf(stderr, "\r\033[K%s%s", s.c_str(), do_eval || step + 1 == o.steps ? "\n" : "");
-      else if (do_eval || step == 0 || (step + 1) % 10 == 0 || step + 1 == o.steps) std::fprintf(stderr, "%s\n", s.c_str());
+      if (tty) std::fprintf(stderr, "\r\033[K%s%s", s.c_str(), do_eval || step + 1 == last_step ? "\n" : "");
+      else if (do_eval || step == first_step || (step + 1) % 10 == 0 || step + 1 == last_step) std::fprintf(stderr, "%s\n", s.c_str());
     }
+    if (o.save_every > 0 && (step + 1) % o.save_every == 0 && step + 1 != last_step) save(step + 1);
   }
+  if (sum.steps > first_step) save(sum.steps);
   sum.seconds = std::chrono::duration<double>(Clock::now() - t_start).count();
-  sum.tokens_per_s = step_seconds > 0 ? double(sum.tokens) / step_seconds : 0;
+  // Steady state: the first step also creates the oneDNN primitives and faults in fresh memory.
+  const int64_t run = sum.steps - first_step;
+  sum.tokens_per_s = run > 1 ? double((run - 1) * o.batch * o.seq) / (step_seconds - first_step_seconds)
+                             : (step_seconds > 0 ? double(sum.tokens) / step_seconds : 0);
   sum.peak_bytes = sum.peak.total();
   sum.argument_bytes = sum.peak.argument();
   sum.temp_bytes = sum.peak.temp();

@@ -6,6 +6,8 @@
 #include <ostream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
 #include "core/memory.h"
 #include "model/config.h"
 #include "train/optimizer.h"
@@ -26,7 +28,15 @@ struct TrainOptions {
   int64_t eval_every = 50, eval_batches = 8;
   double heldout_fraction = 0.02;
   bool progress = true;         // live progress line on stderr
+  int64_t save_every = 0;       // write <out>/checkpoint-<step> every N steps (0: only at the end, when --out is set)
+  std::string init;             // start from these weights (native or Hugging Face checkpoint directory)
+  std::string resume;           // continue a native training checkpoint exactly (weights, moments, step, data order)
+  int64_t stop_after = -1;      // stop (and save) after this many steps of the schedule (-1: run to --steps)
 };
+
+// The options a training checkpoint records, and the ones a resume takes back from it.
+nlohmann::json options_to_json(const TrainOptions& o);
+void options_from_json(const nlohmann::json& j, TrainOptions& o);
 
 struct TrainSummary {
   int64_t steps = 0, tokens = 0;
@@ -34,6 +44,7 @@ struct TrainSummary {
   double tokens_per_s = 0, seconds = 0;
   MemorySnapshot peak;          // the largest step peak (live bytes per category then)
   size_t argument_bytes = 0, temp_bytes = 0, peak_bytes = 0;
+  std::vector<double> losses;   // per step run here
 };
 
 TrainSummary run_training(const TrainOptions& o, std::ostream& log);
