@@ -449,6 +449,21 @@ TEST(SafetensorsWriter, FullDiskLeavesNothingAndNamesTheError) {
   EXPECT_TRUE(dir.entries().empty());
 }
 
+TEST(SafetensorsWriter, ADiskTooSmallFailsBeforeAnyData) {
+  TempDir dir;
+  const auto p = dir / "huge.safetensors";
+  std::string msg = "(no exception)";
+  try {
+    SafetensorsWriter w(p, {{"w", FileDType::U8, {int64_t(1) << 50}}});  // a petabyte
+  } catch (const IoError& e) {
+    msg = e.what();
+  }
+  if (msg == "(no exception)") GTEST_SKIP() << "this file system does not implement fallocate";
+  EXPECT_NE(msg.find("cannot reserve"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(".huge.safetensors.tmp-"), std::string::npos) << msg;
+  EXPECT_TRUE(dir.entries().empty());
+}
+
 TEST(SafetensorsWriter, OsErrorsNameThePath) {
   TempDir dir;
   const auto p = dir / "no_such_dir" / "x.safetensors";

@@ -101,6 +101,16 @@ void AtomicFile::fail(std::string_view operation, int error_number) {
   throw IoError(operation, where, error_number);
 }
 
+void AtomicFile::reserve(uint64_t bytes) {
+  if (fd_ < 0 || finished_) throw std::logic_error("AtomicFile: reserve for '"s + target_.string() + "' after finish or failure");
+  if (bytes == 0) return;
+  int rc;
+  do {
+    rc = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
+  } while (rc != 0 && errno == EINTR);
+  if (rc != 0 && errno != EOPNOTSUPP && errno != ENOSYS) fail("cannot reserve " + std::to_string(bytes) + " bytes for", errno);
+}
+
 void AtomicFile::write_fully(const std::byte* data, size_t n) {
   while (n > 0) {
     // Linux transfers at most ~2 GiB per call; larger requests are split here rather than relying on

@@ -440,8 +440,11 @@ std::string safetensors_header(const std::vector<TensorDecl>& tensors,
       if (i) text += ',';
       text += std::to_string(t.shape[i]);
     }
-    text += "],\"data_offsets\":["s + std::to_string(offset) + "," + std::to_string(offset + size) + "]}";
-    offset += size;
+    uint64_t end;
+    if (__builtin_add_overflow(offset, size, &end))
+      throw std::invalid_argument("tensor '" + t.name + "': the tensors' total size overflows 64 bits");
+    text += "],\"data_offsets\":["s + std::to_string(offset) + "," + std::to_string(end) + "]}";
+    offset = end;
   }
   text += '}';
   // Spaces up to a multiple of 8, as the Python library pads, so the data area starts 8-aligned.
@@ -463,6 +466,7 @@ SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<Ten
     sizes_.push_back(tensors_[i].nbytes());
     data_size_ += sizes_.back();
   }
+  file_.reserve(header_size_ + data_size_);
   file_.write(header_);
   header_ = {};
 }

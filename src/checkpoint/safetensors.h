@@ -145,7 +145,8 @@ std::string safetensors_header(const std::vector<TensorDecl>& tensors, const std
 class SafetensorsWriter {
  public:
   // Invalid declarations (duplicate or reserved names, negative dimensions, invalid UTF-8) throw
-  // std::invalid_argument before any file is created.
+  // std::invalid_argument before any file is created. The whole file's space is reserved up front, so
+  // a disk too small for it throws IoError here.
   SafetensorsWriter(std::filesystem::path path, std::vector<TensorDecl> tensors,
                     std::map<std::string, std::string> metadata = {});
 
