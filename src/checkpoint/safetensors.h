@@ -97,8 +97,8 @@ class SafetensorsReader {
   const std::vector<TensorInfo>& tensors() const { return layout_.tensors; }  // file order
   const std::map<std::string, std::string>& metadata() const { return layout_.metadata; }
 
-  const TensorInfo* find(std::string_view name) const;  // nullptr when absent
-  const TensorInfo& at(std::string_view name) const;    // FormatError when absent
+  const TensorInfo* find(std::string_view name) const;          // nullptr when absent
+  const TensorInfo& at(std::string_view name) const;            // FormatError when absent
   std::span<const std::byte> bytes(const TensorInfo& t) const;  // t must come from this reader
   std::span<const std::byte> bytes(std::string_view name) const { return bytes(at(name)); }
 
@@ -135,7 +135,8 @@ void sort_like_reference_writer(std::vector<TensorDecl>& tensors);
 // The header bytes (length prefix + JSON + space padding to a multiple of 8) for tensors laid out
 // consecutively in the given order. Metadata keys are written sorted; empty metadata writes no
 // "__metadata__" entry (like the Python library given metadata=None).
-std::string safetensors_header(const std::vector<TensorDecl>& tensors, const std::map<std::string, std::string>& metadata);
+std::string safetensors_header(const std::vector<TensorDecl>& tensors,
+                               const std::map<std::string, std::string>& metadata);
 
 // Streams a file: all tensors are declared up front so the header goes first; then each tensor's bytes
 // arrive in declaration order, in as many pieces as the caller likes, so a tensor larger than memory
@@ -175,7 +176,7 @@ class SafetensorsWriter {
   std::string header_;  // built (and so validated) before file_ creates anything
   uint64_t header_size_ = 0;
   AtomicFile file_;
-  size_t current_ = 0;           // first tensor not yet complete
+  size_t current_ = 0;            // first tensor not yet complete
   uint64_t current_written_ = 0;  // bytes of it written so far
   bool failed_ = false;
 };
