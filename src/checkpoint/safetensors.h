@@ -6,9 +6,11 @@
 // padded with spaces, then the tensor bytes (row-major, little-endian); offsets count from the end of
 // the header.
 //
-// What the reader accepts is what the reference (Rust) implementation accepts: the tensors' byte ranges,
-// sorted by offset, must tile the data area exactly, from 0 to the end of the file, so holes, overlaps,
-// reversed ranges and trailing bytes are all rejected. The order of the names inside the JSON does not
+// The reader follows the reference (Rust) implementation's rules: header at most 100 MB; the tensors'
+// byte ranges, sorted by offset, must tile the data area exactly, from 0 to the end of the file, so
+// holes, overlaps, reversed ranges and trailing bytes are all rejected; unknown fields inside a tensor
+// entry are ignored. It is stricter in one respect: a duplicate key anywhere in the header is an error
+// (a plain JSON parse silently keeps one of the two). The order of the names inside the JSON does not
 // matter (JSON objects are unordered; some writers sort keys); "file order" below means data order,
 // with header order between empty tensors at one offset.
 #pragma once
@@ -40,7 +42,8 @@ class FormatError : public std::runtime_error {
 
 // Element types of a safetensors file, in the order of the reference implementation's enum: its writer
 // lays tensors out by this rank, largest first (then by name), which keeps every tensor aligned.
-// The F8 types are carried as raw bytes.
+// The F8 types are carried as raw bytes; newer exotic types (F4, F6_*, F8_E8M0, C64) are rejected as
+// unknown.
 enum class FileDType : uint8_t { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64 };
 
 size_t file_dtype_size(FileDType t);
@@ -152,8 +155,8 @@ class SafetensorsWriter {
                     std::map<std::string, std::string> metadata = {});
 
   // Appends bytes to tensor `name`, which must be the first declared tensor not yet complete
-  // (zero-byte tensors complete themselves). Throws std::invalid_argument on an overrun or a piece for
-  // another tensor.
+  // (zero-byte tensors complete themselves; an empty piece is accepted for any declared tensor).
+  // Throws std::invalid_argument on an overrun, an undeclared name or a piece for another tensor.
   void write(std::string_view name, std::span<const std::byte> bytes);
   // Checks every tensor is complete, then flushes and fsyncs under the temporary name. For multi-file
   // writers; commit() calls it.
