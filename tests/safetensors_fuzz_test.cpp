@@ -223,7 +223,7 @@ TEST(SafetensorsFuzz, MutatedFilesParseOrThrowFormatError) {
   for (const Bytes& s : seeds) ASSERT_EQ(parse_and_check(s), Outcome::Accepted);
   Mutator m(20240601);
   size_t accepted = 0;
-  constexpr int kIterations = 20000;
+  constexpr int kIterations = 8000;
   for (int i = 0; i < kIterations; ++i) {
     Bytes f = seeds[m.below(seeds.size())];
     const size_t rounds = 1 + m.below(3);  // stacked mutations reach states one step cannot
@@ -241,7 +241,7 @@ TEST(SafetensorsFuzz, MutatedFilesParseOrThrowFormatError) {
 
 TEST(SafetensorsFuzz, RandomJsonHeaders) {
   Mutator m(7);
-  for (int i = 0; i < 5000; ++i) {
+  for (int i = 0; i < 3000; ++i) {
     const std::string header = m.random_json(0);
     const Bytes data(m.below(3) * 4);
     try {
@@ -288,7 +288,7 @@ TEST(SafetensorsFuzz, StructuredHeadersWithOracle) {
     DuplicateName, BadMetadata, kDefects
   };
   size_t seen[kDefects] = {};
-  for (int iter = 0; iter < 4000; ++iter) {
+  for (int iter = 0; iter < 3000; ++iter) {
     std::vector<Entry> es;
     uint64_t offset = 0;
     const size_t count = 1 + m.below(6);

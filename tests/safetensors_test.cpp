@@ -32,8 +32,8 @@ class TempDir {
  public:
   TempDir() {
     static int counter = 0;
-    path_ = fs::temp_directory_path() / ("hs_safetensors_test_"s + std::to_string(::getpid()) + "_" +
-                                         std::to_string(counter++));
+    path_ = fs::temp_directory_path() /
+            ("hs_safetensors_test_"s + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::remove_all(path_);
     fs::create_directories(path_);
   }
@@ -84,7 +84,8 @@ uint16_t half_bits(float f) {
   int e;
   std::frexp(a, &e);  // a = m * 2^e with m in [0.5, 1)
   const int biased = e - 1 + 15;
-  if (biased >= 1) return sign | static_cast<uint16_t>(biased << 10) | static_cast<uint16_t>(std::ldexp(a, 1 - e) * 1024 - 1024);
+  if (biased >= 1)
+    return sign | static_cast<uint16_t>(biased << 10) | static_cast<uint16_t>(std::ldexp(a, 1 - e) * 1024 - 1024);
   return sign | static_cast<uint16_t>(std::ldexp(a, 24));
 }
 
@@ -260,8 +261,8 @@ TEST(SafetensorsFixture, WriterReproducesPythonBytes) {
 std::vector<Expected> random_tensors(uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<Expected> ts;
-  const FileDType all[] = {FileDType::F64, FileDType::F32, FileDType::F16, FileDType::BF16, FileDType::I64,
-                           FileDType::I32, FileDType::I16, FileDType::I8,  FileDType::U8,   FileDType::BOOL,
+  const FileDType all[] = {FileDType::F64, FileDType::F32, FileDType::F16, FileDType::BF16,    FileDType::I64,
+                           FileDType::I32, FileDType::I16, FileDType::I8,  FileDType::U8,      FileDType::BOOL,
                            FileDType::U16, FileDType::U32, FileDType::U64, FileDType::F8_E4M3, FileDType::F8_E5M2};
   const Shape shapes[] = {{}, {0}, {3, 0, 2}, {1}, {7}, {3, 5}, {2, 3, 4}};
   int k = 0;
@@ -449,6 +450,21 @@ TEST(SafetensorsWriter, FullDiskLeavesNothingAndNamesTheError) {
   EXPECT_TRUE(dir.entries().empty());
 }
 
+TEST(SafetensorsWriter, ADiskTooSmallFailsBeforeAnyData) {
+  TempDir dir;
+  const auto p = dir / "huge.safetensors";
+  std::string msg = "(no exception)";
+  try {
+    SafetensorsWriter w(p, {{"w", FileDType::U8, {int64_t(1) << 50}}});  // a petabyte
+  } catch (const IoError& e) {
+    msg = e.what();
+  }
+  if (msg == "(no exception)") GTEST_SKIP() << "this file system does not implement fallocate";
+  EXPECT_NE(msg.find("cannot reserve"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(".huge.safetensors.tmp-"), std::string::npos) << msg;
+  EXPECT_TRUE(dir.entries().empty());
+}
+
 TEST(SafetensorsWriter, OsErrorsNameThePath) {
   TempDir dir;
   const auto p = dir / "no_such_dir" / "x.safetensors";
@@ -584,7 +600,8 @@ TEST(SafetensorsReject, DuplicateFieldInsideAnEntry) {
 }
 TEST(SafetensorsReject, MetadataNotAStringToStringMap) {
   expect_rejected(R"({"__metadata__": ["a"]})", 0, {"__metadata__ is a JSON array"});
-  expect_rejected(R"({"__metadata__": {"epoch": 3}})", 0, {"__metadata__ must map strings to strings, but 'epoch' is a JSON number"});
+  expect_rejected(R"({"__metadata__": {"epoch": 3}})", 0,
+                  {"__metadata__ must map strings to strings, but 'epoch' is a JSON number"});
   expect_rejected(R"({"__metadata__": {"x": {"y": "z"}}})", 0, {"'x' is a JSON object"});
   expect_rejected(R"({"__metadata__": {"x": "1"}, "__metadata__": {}})", 0, {"duplicate key '__metadata__'"});
 }

@@ -154,9 +154,9 @@ TEST(ShardedWriter, ReproducesHuggingFaceHubShardsByteForByte) {
   TempDir dir;
   const auto ts = hf_tensors();
   ShardedWriter w(dir.path(), decls_of(ts), 200, {{"format", "pt"}});
-  EXPECT_EQ(w.shard_files(), (std::vector<std::string>{"model-00001-of-00003.safetensors",
-                                                       "model-00002-of-00003.safetensors",
-                                                       "model-00003-of-00003.safetensors"}));
+  EXPECT_EQ(w.shard_files(),
+            (std::vector<std::string>{"model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                                      "model-00003-of-00003.safetensors"}));
   for (const Tensor& t : ts) w.write(t.decl.name, t.bytes);
   w.commit();
   for (const std::string& f : w.shard_files()) EXPECT_EQ(read_bytes(dir / f), read_bytes(kHfShards / f)) << f;
@@ -335,8 +335,9 @@ TEST(CheckpointReader, IndexedTensorMissingFromItsShard) {
   index["weight_map"]["layers.9.weight"] = "model-00001-of-00003.safetensors";
   write_text(dir / kIndexFileName, index.dump());
   EXPECT_THROW(CheckpointReader{dir.path()}, FormatError);
-  expect_error(dir.path(), {kIndexFileName, "tensor 'layers.9.weight' is mapped to 'model-00001-of-00003.safetensors', "
-                                            "which has no such tensor"});
+  expect_error(dir.path(), {kIndexFileName,
+                            "tensor 'layers.9.weight' is mapped to 'model-00001-of-00003.safetensors', "
+                            "which has no such tensor"});
 }
 
 TEST(CheckpointReader, ShardTensorMissingFromTheIndex) {

@@ -46,8 +46,7 @@ AtomicFile::AtomicFile(std::filesystem::path target) : target_(std::move(target)
   // O_EXCL never reuses an existing file; a clash of pid and 32 random bits just draws again.
   for (int attempt = 0; attempt < 16; ++attempt) {
     char suffix[64];
-    std::snprintf(suffix, sizeof suffix, ".tmp-%ld-%08x", static_cast<long>(::getpid()),
-                  static_cast<unsigned>(rd()));
+    std::snprintf(suffix, sizeof suffix, ".tmp-%ld-%08x", static_cast<long>(::getpid()), static_cast<unsigned>(rd()));
     temp_ = directory_of(target_) / ("." + name + suffix);
     fd_ = ::open(temp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd_ >= 0) return;
@@ -101,6 +100,18 @@ void AtomicFile::fail(std::string_view operation, int error_number) {
   throw IoError(operation, where, error_number);
 }
 
+void AtomicFile::reserve(uint64_t bytes) {
+  if (fd_ < 0 || finished_)
+    throw std::logic_error("AtomicFile: reserve for '"s + target_.string() + "' after finish or failure");
+  if (bytes == 0) return;
+  int rc;
+  do {
+    rc = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
+  } while (rc != 0 && errno == EINTR);
+  const int err = rc == 0 ? 0 : errno;
+  if (err != 0 && err != EOPNOTSUPP && err != ENOSYS) fail("cannot reserve "s + std::to_string(bytes) + " bytes for", err);
+}
+
 void AtomicFile::write_fully(const std::byte* data, size_t n) {
   while (n > 0) {
     // Linux transfers at most ~2 GiB per call; larger requests are split here rather than relying on
@@ -124,7 +135,8 @@ void AtomicFile::flush_buffer() {
 }
 
 void AtomicFile::write(std::span<const std::byte> bytes) {
-  if (fd_ < 0 || finished_) throw std::logic_error("AtomicFile: write to '"s + target_.string() + "' after finish or failure");
+  if (fd_ < 0 || finished_)
+    throw std::logic_error("AtomicFile: write to '"s + target_.string() + "' after finish or failure");
   if (bytes.empty()) return;
   if (buffer_.size() + bytes.size() > kBufferBytes) flush_buffer();
   if (bytes.size() >= kBufferBytes) {
@@ -162,8 +174,7 @@ void AtomicFile::commit() {
   try {
     fsync_directory(directory_of(target_));
   } catch (const IoError& e) {
-    throw IoError("the file is complete, but the rename may not survive a crash: "s +
-                      "cannot fsync directory of",
+    throw IoError("the file is complete, but the rename may not survive a crash: cannot fsync directory of",
                   target_, e.error_number());
   }
 }

@@ -36,6 +36,9 @@ class AtomicFile {
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
 
+  // Reserves disk space for `bytes` in all (fallocate, keeping the size), so a disk too small fails
+  // now rather than hours into a conversion. A file system without fallocate is not an error.
+  void reserve(uint64_t bytes);
   // Appends bytes (buffered; large pieces go straight to the kernel). Throws IoError (ENOSPC, EFBIG, ...).
   void write(std::span<const std::byte> bytes);
   void write(std::string_view text) { write(std::as_bytes(std::span(text.data(), text.size()))); }

@@ -87,8 +87,7 @@ class HeaderChecker {
     if (!m.is_object()) fail("__metadata__ is a JSON "s + m.type_name() + ", not an object of strings");
     std::map<std::string, std::string> out;
     for (const auto& [k, v] : m.items()) {
-      if (!v.is_string())
-        fail("__metadata__ must map strings to strings, but '" + k + "' is a JSON " + v.type_name());
+      if (!v.is_string()) fail("__metadata__ must map strings to strings, but '" + k + "' is a JSON " + v.type_name());
       out.emplace(k, v.get<std::string>());
     }
     return out;
@@ -125,15 +124,14 @@ class HeaderChecker {
     t.end = (*off)[1].get<uint64_t>();
     if (t.begin > t.end) fail(name, "data_offsets "s + off->dump() + " are reversed (begin after end)");
     if (t.end > data_size_)
-      fail(name, "data_offsets "s + off->dump() + " lie outside the data area of " + std::to_string(data_size_) +
-                     " bytes");
+      fail(name,
+           "data_offsets "s + off->dump() + " lie outside the data area of " + std::to_string(data_size_) + " bytes");
 
     const auto need = byte_size(t.dtype, t.shape);
     if (!need) fail(name, "shape "s + shape_text(t.shape) + " is too large to address");
     if (*need != t.nbytes())
-      fail(name, std::string(file_dtype_name(t.dtype)) + " " + shape_text(t.shape) + " needs " +
-                     std::to_string(*need) + " bytes but data_offsets " + range_text(t.begin, t.end) + " hold " +
-                     std::to_string(t.nbytes()));
+      fail(name, std::string(file_dtype_name(t.dtype)) + " " + shape_text(t.shape) + " needs " + std::to_string(*need) +
+                     " bytes but data_offsets " + range_text(t.begin, t.end) + " hold " + std::to_string(t.nbytes()));
     return t;
   }
 
@@ -440,8 +438,11 @@ std::string safetensors_header(const std::vector<TensorDecl>& tensors,
       if (i) text += ',';
       text += std::to_string(t.shape[i]);
     }
-    text += "],\"data_offsets\":["s + std::to_string(offset) + "," + std::to_string(offset + size) + "]}";
-    offset += size;
+    uint64_t end;
+    if (__builtin_add_overflow(offset, size, &end))
+      throw std::invalid_argument("tensor '" + t.name + "': the tensors' total size overflows 64 bits");
+    text += "],\"data_offsets\":["s + std::to_string(offset) + "," + std::to_string(end) + "]}";
+    offset = end;
   }
   text += '}';
   // Spaces up to a multiple of 8, as the Python library pads, so the data area starts 8-aligned.
@@ -463,6 +464,7 @@ SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<Ten
     sizes_.push_back(tensors_[i].nbytes());
     data_size_ += sizes_.back();
   }
+  file_.reserve(header_size_ + data_size_);
   file_.write(header_);
   header_ = {};
 }
@@ -501,8 +503,7 @@ void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> 
     const uint64_t left = sizes_[current_] - current_written_;
     if (bytes.size() > left)
       throw std::invalid_argument(where + std::to_string(bytes.size()) + " more bytes but only " +
-                                  std::to_string(left) + " of its " + std::to_string(sizes_[current_]) +
-                                  " are left");
+                                  std::to_string(left) + " of its " + std::to_string(sizes_[current_]) + " are left");
     file_.write(bytes);
     current_written_ += bytes.size();
   });
@@ -512,9 +513,9 @@ void SafetensorsWriter::finish() {
   guarded([&] {
     skip_complete();
     if (current_ < tensors_.size())
-      throw std::invalid_argument(path().string() + ": tensor '" + tensors_[current_].name + "' is incomplete: " +
-                                  std::to_string(current_written_) + " of " + std::to_string(sizes_[current_]) +
-                                  " bytes written");
+      throw std::invalid_argument(path().string() + ": tensor '" + tensors_[current_].name +
+                                  "' is incomplete: " + std::to_string(current_written_) + " of " +
+                                  std::to_string(sizes_[current_]) + " bytes written");
     file_.finish();
   });
 }

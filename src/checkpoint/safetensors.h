@@ -6,9 +6,11 @@
 // padded with spaces, then the tensor bytes (row-major, little-endian); offsets count from the end of
 // the header.
 //
-// What the reader accepts is what the reference (Rust) implementation accepts: the tensors' byte ranges,
-// sorted by offset, must tile the data area exactly, from 0 to the end of the file, so holes, overlaps,
-// reversed ranges and trailing bytes are all rejected. The order of the names inside the JSON does not
+// The reader follows the reference (Rust) implementation's rules: header at most 100 MB; the tensors'
+// byte ranges, sorted by offset, must tile the data area exactly, from 0 to the end of the file, so
+// holes, overlaps, reversed ranges and trailing bytes are all rejected; unknown fields inside a tensor
+// entry are ignored. It is stricter in one respect: a duplicate key anywhere in the header is an error
+// (a plain JSON parse silently keeps one of the two). The order of the names inside the JSON does not
 // matter (JSON objects are unordered; some writers sort keys); "file order" below means data order,
 // with header order between empty tensors at one offset.
 #pragma once
@@ -40,7 +42,8 @@ class FormatError : public std::runtime_error {
 
 // Element types of a safetensors file, in the order of the reference implementation's enum: its writer
 // lays tensors out by this rank, largest first (then by name), which keeps every tensor aligned.
-// The F8 types are carried as raw bytes.
+// The F8 types are carried as raw bytes; newer exotic types (F4, F6_*, F8_E8M0, C64) are rejected as
+// unknown.
 enum class FileDType : uint8_t { BOOL, U8, I8, F8_E5M2, F8_E4M3, I16, U16, F16, BF16, I32, U32, F32, F64, I64, U64 };
 
 size_t file_dtype_size(FileDType t);
@@ -97,8 +100,8 @@ class SafetensorsReader {
   const std::vector<TensorInfo>& tensors() const { return layout_.tensors; }  // file order
   const std::map<std::string, std::string>& metadata() const { return layout_.metadata; }
 
-  const TensorInfo* find(std::string_view name) const;  // nullptr when absent
-  const TensorInfo& at(std::string_view name) const;    // FormatError when absent
+  const TensorInfo* find(std::string_view name) const;          // nullptr when absent
+  const TensorInfo& at(std::string_view name) const;            // FormatError when absent
   std::span<const std::byte> bytes(const TensorInfo& t) const;  // t must come from this reader
   std::span<const std::byte> bytes(std::string_view name) const { return bytes(at(name)); }
 
@@ -135,7 +138,8 @@ void sort_like_reference_writer(std::vector<TensorDecl>& tensors);
 // The header bytes (length prefix + JSON + space padding to a multiple of 8) for tensors laid out
 // consecutively in the given order. Metadata keys are written sorted; empty metadata writes no
 // "__metadata__" entry (like the Python library given metadata=None).
-std::string safetensors_header(const std::vector<TensorDecl>& tensors, const std::map<std::string, std::string>& metadata);
+std::string safetensors_header(const std::vector<TensorDecl>& tensors,
+                               const std::map<std::string, std::string>& metadata);
 
 // Streams a file: all tensors are declared up front so the header goes first; then each tensor's bytes
 // arrive in declaration order, in as many pieces as the caller likes, so a tensor larger than memory
@@ -145,13 +149,14 @@ std::string safetensors_header(const std::vector<TensorDecl>& tensors, const std
 class SafetensorsWriter {
  public:
   // Invalid declarations (duplicate or reserved names, negative dimensions, invalid UTF-8) throw
-  // std::invalid_argument before any file is created.
+  // std::invalid_argument before any file is created. The whole file's space is reserved up front, so
+  // a disk too small for it throws IoError here.
   SafetensorsWriter(std::filesystem::path path, std::vector<TensorDecl> tensors,
                     std::map<std::string, std::string> metadata = {});
 
   // Appends bytes to tensor `name`, which must be the first declared tensor not yet complete
-  // (zero-byte tensors complete themselves). Throws std::invalid_argument on an overrun or a piece for
-  // another tensor.
+  // (zero-byte tensors complete themselves; an empty piece is accepted for any declared tensor).
+  // Throws std::invalid_argument on an overrun, an undeclared name or a piece for another tensor.
   void write(std::string_view name, std::span<const std::byte> bytes);
   // Checks every tensor is complete, then flushes and fsyncs under the temporary name. For multi-file
   // writers; commit() calls it.
@@ -174,7 +179,7 @@ class SafetensorsWriter {
   std::string header_;  // built (and so validated) before file_ creates anything
   uint64_t header_size_ = 0;
   AtomicFile file_;
-  size_t current_ = 0;           // first tensor not yet complete
+  size_t current_ = 0;            // first tensor not yet complete
   uint64_t current_written_ = 0;  // bytes of it written so far
   bool failed_ = false;
 };

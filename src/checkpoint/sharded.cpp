@@ -127,8 +127,8 @@ void CheckpointReader::open_index(const std::filesystem::path& index_path) {
       if (it == weight_map.end())
         throw FormatError(files_[i].path().string() + ": tensor '" + t.name + "' is not in the index " + label);
       if (it->second != f)
-        throw FormatError(files_[i].path().string() + ": tensor '" + t.name + "' is also here, but the index " +
-                          label + " places it in '" + it->second + "'");
+        throw FormatError(files_[i].path().string() + ": tensor '" + t.name + "' is also here, but the index " + label +
+                          " places it in '" + it->second + "'");
       names_.push_back(t.name);
       by_name_.emplace(t.name, i);
     }
@@ -151,8 +151,9 @@ ShardedWriter::ShardedWriter(std::filesystem::path dir, std::vector<TensorDecl> 
   if (max_shard_bytes == 0) throw std::invalid_argument("ShardedWriter: max_shard_bytes must be positive");
   (void)safetensors_header(tensors, metadata_);  // validates every declaration before anything is created
 
-  // Greedy in declaration order, as Hugging Face splits: open a new shard when the next tensor would
-  // overflow a non-empty one.
+  // Greedy in declaration order: open a new shard when the next tensor would overflow a non-empty one.
+  // (Hugging Face instead moves a tensor larger than the limit into a shard of its own ahead of the
+  // open one; streaming needs declaration order, so here such a tensor just closes the open shard.)
   uint64_t shard_bytes = 0;
   for (TensorDecl& t : tensors) {
     const uint64_t size = t.nbytes();
@@ -209,8 +210,8 @@ void ShardedWriter::write(std::string_view name, std::span<const std::byte> byte
     const size_t s = shard_of(name);
     if (bytes.empty()) return;
     if (s + 1 < open_)
-      throw std::invalid_argument(dir_.string() + ": tensor '" + std::string(name) + "' belongs to " +
-                                  shard_names_[s] + ", which is already complete");
+      throw std::invalid_argument(dir_.string() + ": tensor '" + std::string(name) + "' belongs to " + shard_names_[s] +
+                                  ", which is already complete");
     open_shard(s);
     shards_[s]->write(name, bytes);
   });
