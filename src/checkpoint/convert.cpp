@@ -192,7 +192,8 @@ CheckpointDir open_checkpoint_dir(const fs::path& path) {
     const json hf = d.native.value("hf", json::object());
     d.hf.prefix = hf.value("prefix", hf_prefix(d.config.family));
     d.hf.experts = parse_expert_layout(hf.value("experts", expert_layout_name(default_expert_layout(d.config.family))));
-    for (auto& [k, v] : hf.value("metadata", json::object()).items()) d.hf_metadata[k] = v.get<std::string>();
+    const json meta = hf.value("metadata", json::object());
+    for (auto& [k, v] : meta.items()) d.hf_metadata[k] = v.get<std::string>();
   } else {
     d.format = Format::HuggingFace;
     d.layout = Layout::Unscanned;

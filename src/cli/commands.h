@@ -6,4 +6,7 @@ namespace hs::cli {
 void register_commands(CLI::App& app);
 void register_train(CLI::App& app);
 void register_plan(CLI::App& app);
+void register_convert(CLI::App& app);
+void register_inspect(CLI::App& app);
+void register_eval(CLI::App& app);
 }  // namespace hs::cli

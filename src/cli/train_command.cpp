@@ -70,6 +70,12 @@ void register_train(CLI::App& app) {
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
   c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");
   c->add_flag("--quiet", a->quiet, "No progress line");
+  c->add_option("--save-every", a->o.save_every, "Write <out>/checkpoint-<step> every N steps (always at the end with --out)");
+  auto* init = c->add_option("--init", a->o.init, "Start from the weights of a checkpoint (native or Hugging Face)")->check(CLI::ExistingDirectory);
+  auto* resume = c->add_option("--resume", a->o.resume, "Continue a training checkpoint exactly (options, weights, optimizer, data order)")
+                     ->check(CLI::ExistingDirectory);
+  init->excludes(resume);
+  c->add_option("--stop-after", a->o.stop_after, "Stop (and save) after N steps of the --steps schedule");
   c->callback([a] {
     TrainArgs& x = *a;
     x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");

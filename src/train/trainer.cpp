@@ -142,7 +142,10 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
   Corpus corpus;
   if (!o.synthetic) {
-    if (o.text.empty()) throw std::invalid_argument("no corpus: pass --text FILE (or --synthetic for random tokens)");
+    if (o.text.empty() && std::filesystem::exists("data/kjv.txt")) o.text = "data/kjv.txt";
+    if (o.text.empty())
+      throw std::invalid_argument("no corpus: pass --text FILE, run scripts/setup.sh to install the default one "
+                                  "(data/kjv.txt), or use --synthetic for random tokens");
     corpus = load_byte_corpus(o.text, o.heldout_fraction, o.seq);
     if (cfg.vocab < 256)
       throw std::invalid_argument("byte tokens need vocab_size >= 256; model '" + cfg.name + "' has " + std::to_string(cfg.vocab));

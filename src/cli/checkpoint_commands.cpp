@@ -1,0 +1,125 @@
+// convert, inspect and eval: the checkpoint-facing subcommands.
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/convert.h"
+#include "cli/commands.h"
+#include "train/data.h"
+#include "train/trainer.h"
+
+namespace hs::cli {
+
+void register_convert(CLI::App& app) {
+  struct Args {
+    std::string from, to, format = "native", layout = "scanned", max_shard = "5GB";
+    bool overwrite = false, quiet = false;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* c = app.add_subcommand("convert",
+                                   "Convert between a Hugging Face checkpoint (Qwen3-Next / Qwen3.5) and a native stacked one");
+  c->add_option("--from", a->from, "Source checkpoint directory (format detected)")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--to", a->to, "Destination directory (must be new or empty unless --overwrite)")->required();
+  c->add_option("--format", a->format, "Target format: native | hf")->check(CLI::IsMember({"native", "hf"}))->capture_default_str();
+  c->add_option("--layout", a->layout, "Native layout: scanned ([block][local] stacks) | unscanned (one entry per layer)")
+      ->check(CLI::IsMember({"scanned", "unscanned"}))->capture_default_str();
+  c->add_option("--max-shard-size", a->max_shard, "Largest shard (tensor bytes), e.g. 5GB")->capture_default_str();
+  c->add_flag("--overwrite", a->overwrite, "Replace a non-empty destination");
+  c->add_flag("--quiet", a->quiet, "No progress lines");
+  c->callback([a] {
+    checkpoint::ConvertOptions o;
+    o.to = a->format == "hf" ? checkpoint::Format::HuggingFace : checkpoint::Format::Native;
+    o.layout = a->layout == "scanned" ? checkpoint::Layout::Scanned : checkpoint::Layout::Unscanned;
+    o.max_shard_bytes = parse_bytes(a->max_shard);
+    o.overwrite = a->overwrite;
+    if (!a->quiet) o.progress = [](const std::string& s) { std::fprintf(stderr, "convert: %s\n", s.c_str()); };
+    checkpoint::ConvertReport r = checkpoint::convert_checkpoint(a->from, a->to, o);
+    for (const auto& n : r.notes) std::fprintf(stderr, "convert: note: %s\n", n.c_str());
+    std::printf("converted %s -> %s (%s%s): %zu tensors, %s in %.1f s\n", a->from.c_str(), a->to.c_str(), a->format.c_str(),
+                o.to == checkpoint::Format::Native ? (", " + a->layout).c_str() : "", r.tensors,
+                format_bytes(double(r.bytes)).c_str(), r.seconds);
+  });
+}
+
+void register_inspect(CLI::App& app) {
+  struct Args {
+    std::string path;
+    bool json = false;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* c = app.add_subcommand("inspect", "List a checkpoint's tensors, its layout, family and parameter count");
+  c->add_option("path", a->path, "Checkpoint directory")->required()->check(CLI::ExistingPath);
+  c->add_flag("--json", a->json, "Print JSON");
+  c->callback([a] {
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->path);
+    checkpoint::CheckpointReader r(d.path);
+    nlohmann::json tensors = nlohmann::json::array();
+    uint64_t elems = 0, bytes = 0, skipped = 0;
+    for (const auto& n : r.tensor_names()) {
+      const auto& t = r.info(n);
+      tensors.push_back({{"name", n}, {"dtype", std::string(checkpoint::file_dtype_name(t.dtype))}, {"shape", t.shape}, {"bytes", t.nbytes()}});
+      if (d.format == checkpoint::Format::HuggingFace && checkpoint::is_skipped_hf_tensor(n)) {
+        ++skipped;
+        continue;
+      }
+      elems += t.numel();
+      bytes += t.nbytes();
+    }
+    const std::string layout = d.format == checkpoint::Format::Native
+                                   ? (d.layout == checkpoint::Layout::Scanned ? "scanned" : "unscanned")
+                                   : std::string("hugging face per-layer, prefix '") + d.hf.prefix + "', experts " +
+                                         (d.hf.experts == checkpoint::ExpertLayout::Fused ? "fused" : "per-expert");
+    if (a->json) {
+      std::printf("%s\n", nlohmann::json({{"format", checkpoint::format_name(d.format)}, {"layout", layout},
+                                          {"family", model::family_name(d.config.family)}, {"parameters", elems},
+                                          {"bytes", bytes}, {"skipped_tensors", skipped}, {"tensors", tensors}})
+                              .dump()
+                              .c_str());
+      return;
+    }
+    std::printf("%-72s %-5s %-28s %12s\n", "tensor", "dtype", "shape", "bytes");
+    for (const auto& t : tensors)
+      std::printf("%-72s %-5s %-28s %12s\n", t["name"].get<std::string>().c_str(), t["dtype"].get<std::string>().c_str(),
+                  shape_str(t["shape"].get<Shape>()).c_str(), format_bytes(double(t["bytes"].get<uint64_t>())).c_str());
+    std::printf("\nformat: %s, layout: %s\nmodel: %s\nparameters: %llu (%s)%s\n", checkpoint::format_name(d.format).c_str(),
+                layout.c_str(), model::describe(d.config).c_str(), (unsigned long long)elems,
+                format_bytes(double(bytes)).c_str(),
+                skipped ? (", plus " + std::to_string(skipped) + " tensors outside the text decoder (mtp/visual)").c_str() : "");
+    if (d.format == checkpoint::Format::Native && d.native.contains("state"))
+      std::printf("training state: step %lld\n", (long long)d.native["state"].value("step", int64_t(0)));
+  });
+}
+
+void register_eval(CLI::App& app) {
+  struct Args {
+    std::string checkpoint, text, compute = "fp32";
+    int64_t seq = 512, batch = 8;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* c = app.add_subcommand("eval", "Cross-entropy of a checkpoint (native or Hugging Face) on a text (byte tokens)");
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--text", a->text, "Text file")->required()->check(CLI::ExistingFile);
+  c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
+  c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
+  c->add_option("--compute-dtype", a->compute, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->callback([a] {
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->checkpoint);
+    MemoryAccountant mem;
+    model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
+    for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
+    std::vector<int32_t> tokens = train::read_byte_tokens(a->text);
+    for (int32_t t : tokens)
+      if (t >= d.config.vocab)
+        throw std::invalid_argument("byte token " + std::to_string(t) + " is outside the model's vocabulary of " +
+                                    std::to_string(d.config.vocab));
+    train::EvalResult e = train::evaluate_tokens(params, tokens, a->seq, a->batch, train::parse_dtype(a->compute), mem);
+    std::printf("%s\n", nlohmann::json({{"cross_entropy", e.ce}, {"tokens", e.count}, {"bits_per_byte", e.ce / std::log(2.0)},
+                                        {"checkpoint", a->checkpoint}, {"text", a->text}, {"seq", a->seq}})
+                            .dump()
+                            .c_str());
+  });
+}
+
+}  // namespace hs::cli
