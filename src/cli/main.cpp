@@ -1,4 +1,5 @@
 // hybridscan: the command-line front end. Each subcommand parses its flags here and calls into the libraries.
+#include <malloc.h>
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -9,6 +10,11 @@
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // A training step allocates and frees the same large buffers every step. Keep them in the heap instead of
+  // returning them to the kernel (glibc maps blocks above 128 KiB-32 MiB fresh each time), so steps after the first
+  // do not pay for zeroed pages again.
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"hybridscan: train, convert, plan and run Qwen3-Next / Qwen3.5 hybrid models\n"
                "(Gated DeltaNet + gated attention + sparse MoE) as a nested block scan."};
   app.set_version_flag("--version", std::string("hybridscan ") + HS_VERSION);
