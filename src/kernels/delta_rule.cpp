@@ -4,14 +4,16 @@
 //   D_ij = exp(G_i - G_j) (i >= j),  M = strictly_lower((beta K) K^T o D),  Tinv = (I + M)^-1,
 //   W = Tinv (beta exp(G) K),  U = Tinv (beta V),  Vn = U - W S0,
 //   O = (exp(G) Q) S0 + (Q K^T o D) Vn,  S1 = exp(G_last) S0 + (exp(G_last - G) K)^T Vn.
-// The backward needs each chunk's start state S0 and the gradient of its end state dS1 together, and the
-// two come from recurrences running in opposite directions, so one of them has to be kept for every chunk
-// of a head: a forward pass over the chunks keeps S0 (and W, Vn) for the one head a thread is working on,
-// then a reverse pass carries dS and produces every gradient.
+// The forward saves Tinv and G. The backward needs each chunk's start state S0 and the gradient of its end
+// state dS1 together, and the two come from recurrences running in opposite directions, so one of them has
+// to be kept for every chunk of a head: a forward pass over the chunks recomputes W, Vn and S0 and keeps
+// them for the one head a thread is working on (never for all heads at once), then a reverse pass carries
+// dS and produces every gradient.
 //
-// The matrices are 64x64, 64xd and dxd: each (batch, value head) runs on one OpenMP thread over its own
-// scratch with small register-blocked products (gemm below); feature dims are zero-padded to a multiple of
-// 16 so every vector loop is whole.
+// The matrices are 64x64, 64xd and dxd: each head runs on one OpenMP thread over its own scratch with
+// small register-blocked products (gemm below; oneDNN's per-call overhead would dominate at these sizes
+// and it must not be called inside the parallel region anyway); feature dims are zero-padded to a multiple
+// of 16 so every vector loop is whole.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
@@ -21,7 +23,6 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 
 namespace hs::kernels {
 namespace {
@@ -255,7 +256,6 @@ struct HeadView {
   int64_t vo_offset(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
   int64_t vo_stride() const { return s.v_heads * s.dv; }
   int64_t gate_offset(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
-  int64_t head() const { return b * s.v_heads + h; }
 };
 
 void check_shape(const DeltaRuleShape& s) {
