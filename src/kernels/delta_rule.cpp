@@ -352,7 +352,7 @@ struct BackwardScratch {
   ChunkTiles t;
   // Whole head: W and Vn of every chunk, and every chunk's start state.
   float *W_all, *vn_all, *S_all;
-  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *dT, *X, *dM,
+  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
   BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
     W_all = cv.take(nchunks * C * dkp);
@@ -374,7 +374,6 @@ struct BackwardScratch {
     dP = cv.take(C * C);
     dkd = cv.take(C * dkp);
     dW = cv.take(C * dkp);
-    dT = cv.take(C * C);
     X = cv.take(C * C);
     dM = cv.take(C * C);
     dbv = cv.take(C * dvp);
@@ -464,11 +463,7 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
   gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
-  // Through U = Tinv (beta V) and W = Tinv Kbg: dTinv = dU (beta V)^T + dW Kbg^T.
-  transpose(t.bv, C, dvp, dvp, w.bvt, C);
-  transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
-  gemm(C, C, dvp, w.dvn, dvp, false, w.bvt, C, w.dT, C);
-  gemm(C, C, dkp, w.dW, dkp, false, w.kbgt, C, w.dT, C, 1.0f, true);
+  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, dKbg = Tinv^T dW.
   gemm(C, dvp, C, t.tinv, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
   gemm(C, dkp, C, t.tinv, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
   for (int64_t i = 0; i < C; ++i) {
@@ -483,9 +478,14 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
     for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += b * e * dkbg[j];
   }
 
-  // Through Tinv = (I + M)^-1: dM = -Tinv^T dTinv Tinv^T, strictly lower; M = beta (K K^T) o D.
+  // Through Tinv = (I + M)^-1 with dTinv = dU (beta V)^T + dW Kbg^T: dM = -Tinv^T dTinv Tinv^T, where
+  // Tinv^T dTinv = d(beta V) (beta V)^T + dKbg Kbg^T; only its strictly lower part counts.
+  // M = beta (K K^T) o D.
+  transpose(t.bv, C, dvp, dvp, w.bvt, C);
+  transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
+  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C);
+  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true);
   transpose(t.tinv, C, C, C, w.tinvt, C);
-  gemm(C, C, C, t.tinv, C, true, w.dT, C, w.X, C, 1.0f, false, Tri::Upper);
   gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f);
   float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
   float* F = w.X;
