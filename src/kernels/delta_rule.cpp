@@ -63,15 +63,9 @@ enum class Tri { None, Lower, Upper };
 constexpr int kMR = 4;  // rows of C per register block; every M here is a multiple of 16
 
 // Sixteen floats as one value: GCC and Clang keep it in a 512-bit register where there is one (auto-
-// vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere.
+// vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere. Loads and stores go
+// through memcpy (unaligned), and no function takes or returns one (that would be ABI-dependent).
 using f32x16 = float __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
@@ -80,18 +74,27 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
                        int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
   f32x16 acc[kMR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
-    const float* b = B + k * ldb;
-    f32x16 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load16(b + 16 * v);
+    f32x16 b[NV];
+    for (int v = 0; v < NV; ++v) {
+      f32x16 x;
+      std::memcpy(&x, B + k * ldb + 16 * v, sizeof x);
+      b[v] = x;
+    }
     for (int r = 0; r < kMR; ++r) {
       const float a = A[r * ars + k * aks];
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * bv[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < kMR; ++r)
     for (int v = 0; v < NV; ++v) {
-      float* c = Cm + r * ldc + 16 * v;
-      store16(c, accumulate ? load16(c) + alpha * acc[r][v] : alpha * acc[r][v]);
+      float* cp = Cm + r * ldc + 16 * v;
+      f32x16 c = alpha * acc[r][v];
+      if (accumulate) {
+        f32x16 old;
+        std::memcpy(&old, cp, sizeof old);
+        c += old;
+      }
+      std::memcpy(cp, &c, sizeof c);
     }
 }
 
