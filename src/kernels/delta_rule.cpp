@@ -99,21 +99,24 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
 }
 
 // Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
+// Column panels outermost: a K x 64 panel of B (32 KiB at K = 128) stays in L1 while A's rows stream by.
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
           float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None) {
   const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
-  for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-    const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
-    const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
-    const float* a = A + i0 * ars;
-    float* c = Cm + i0 * ldc;
-    int64_t j0 = 0;
-    for (; j0 + 64 <= N; j0 += 64) gemm_block<4>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate);
-    switch (N - j0) {
-      case 48: gemm_block<3>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      case 32: gemm_block<2>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      case 16: gemm_block<1>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      default: break;
+  for (int64_t j0 = 0; j0 < N; j0 += 64) {
+    const int64_t nv = std::min<int64_t>(64, N - j0) / 16;
+    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+      const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
+      const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
+      const float* a = A + i0 * ars;
+      const float* b = B + j0;
+      float* c = Cm + i0 * ldc + j0;
+      switch (nv) {
+        case 4: gemm_block<4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        case 3: gemm_block<3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        case 2: gemm_block<2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        default: gemm_block<1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+      }
     }
   }
 }
