@@ -14,7 +14,8 @@ BIN="$BUILD/bench/delta_rule_bench"
 ours=$(mktemp)
 torch_out=$(mktemp)
 trap 'rm -f "$ours" "$torch_out"' EXIT
-OMP_NUM_THREADS=$THREADS "$BIN" --benchmark_repetitions="$REPS" --benchmark_format=json >"$ours" 2>/dev/null
+OMP_NUM_THREADS=$THREADS "$BIN" --benchmark_filter=ForwardBackward --benchmark_repetitions="$REPS" \
+  --benchmark_format=json >"$ours" 2>/dev/null
 OMP_NUM_THREADS=$THREADS python3 bench/delta_rule_torch.py --threads "$THREADS" --reps "$REPS" >"$torch_out"
 
 python3 - "$ours" "$torch_out" "$THREADS" <<'EOF'
@@ -25,6 +26,8 @@ for b in json.load(open(ours_file))["benchmarks"]:
     if b.get("run_type") != "iteration":
         continue
     m = re.match(r"BM_DeltaRuleForwardBackward<(\w+)>/(\d+/\d+/\d+/\d+/\d+)", b["name"])
+    if not m:
+        continue
     dtype = "f32" if m.group(1) == "float" else m.group(1)
     key = (m.group(2), dtype)
     best[key] = max(best.get(key, 0.0), b["tokens/s"])
