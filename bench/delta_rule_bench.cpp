@@ -93,12 +93,13 @@ void BM_DeltaRuleForward(benchmark::State& state) {
 }
 
 // Args: batch, seq, k_heads, v_heads, head dim (dk = dv).
-#define HS_SHAPES ->Args({1, 2048, 2, 4, 64})->Args({1, 1024, 16, 32, 128})->Unit(benchmark::kMillisecond)->UseRealTime()
-BENCHMARK(BM_DeltaRuleForwardBackward<float>) HS_SHAPES;
-BENCHMARK(BM_DeltaRuleForwardBackward<bf16>) HS_SHAPES;
-BENCHMARK(BM_DeltaRuleForward<float>) HS_SHAPES;
-BENCHMARK(BM_DeltaRuleForward<bf16>) HS_SHAPES;
-#undef HS_SHAPES
+void model_shapes(benchmark::internal::Benchmark* b) {
+  b->Args({1, 2048, 2, 4, 64})->Args({1, 1024, 16, 32, 128})->Unit(benchmark::kMillisecond)->UseRealTime();
+}
+BENCHMARK(BM_DeltaRuleForwardBackward<float>)->Apply(model_shapes);
+BENCHMARK(BM_DeltaRuleForwardBackward<bf16>)->Apply(model_shapes);
+BENCHMARK(BM_DeltaRuleForward<float>)->Apply(model_shapes);
+BENCHMARK(BM_DeltaRuleForward<bf16>)->Apply(model_shapes);
 
 }  // namespace
 

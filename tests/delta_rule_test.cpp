@@ -164,7 +164,9 @@ INSTANTIATE_TEST_SUITE_P(DeltaRuleSweep, DeltaRuleChunkedVsRecurrent,
                                            SweepCase{300, 32, 32, 1, 1.0}, SweepCase{300, 16, 16, 2, 0.1},
                                            SweepCase{300, 128, 128, 2, 10.0}, SweepCase{300, 128, 128, 1, 0.1},
                                            SweepCase{130, 32, 100, 2, 1.0}, SweepCase{64, 16, 16, 1, 10.0}),
-                         [](const ::testing::TestParamInfo<SweepCase>& param_info) { return case_name(param_info.param); });
+                         [](const ::testing::TestParamInfo<SweepCase>& param_info) {
+                           return case_name(param_info.param);
+                         });
 
 // Inference (saved == nullptr) computes the same output and keeps nothing.
 TEST(DeltaRuleForward, InferenceMatchesTrainingAndKeepsNothing) {
