@@ -4,14 +4,16 @@
 //   D_ij = exp(G_i - G_j) (i >= j),  M = strictly_lower((beta K) K^T o D),  Tinv = (I + M)^-1,
 //   W = Tinv (beta exp(G) K),  U = Tinv (beta V),  Vn = U - W S0,
 //   O = (exp(G) Q) S0 + (Q K^T o D) Vn,  S1 = exp(G_last) S0 + (exp(G_last - G) K)^T Vn.
-// The backward needs each chunk's start state S0 and the gradient of its end state dS1 together, and the
-// two come from recurrences running in opposite directions, so one of them has to be kept for every chunk
-// of a head: a forward pass over the chunks keeps S0 (and W, Vn) for the one head a thread is working on,
-// then a reverse pass carries dS and produces every gradient.
+// The forward saves Tinv and G. The backward needs each chunk's start state S0 and the gradient of its end
+// state dS1 together, and the two come from recurrences running in opposite directions, so one of them has
+// to be kept for every chunk of a head: a forward pass over the chunks recomputes W, Vn and S0 and keeps
+// them for the one head a thread is working on (never for all heads at once), then a reverse pass carries
+// dS and produces every gradient.
 //
-// The matrices are 64x64, 64xd and dxd: each (batch, value head) runs on one OpenMP thread over its own
-// scratch with small register-blocked products (gemm below); feature dims are zero-padded to a multiple of
-// 16 so every vector loop is whole.
+// The matrices are 64x64, 64xd and dxd: each head runs on one OpenMP thread over its own scratch with
+// small register-blocked products (gemm below; oneDNN's per-call overhead would dominate at these sizes
+// and it must not be called inside the parallel region anyway); feature dims are zero-padded to a multiple
+// of 16 so every vector loop is whole.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
@@ -21,7 +23,6 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
-#include <string>
 
 namespace hs::kernels {
 namespace {
@@ -62,15 +63,9 @@ enum class Tri { None, Lower, Upper };
 constexpr int kMR = 4;  // rows of C per register block; every M here is a multiple of 16
 
 // Sixteen floats as one value: GCC and Clang keep it in a 512-bit register where there is one (auto-
-// vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere.
+// vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere. Loads and stores go
+// through memcpy (unaligned), and no function takes or returns one (that would be ABI-dependent).
 using f32x16 = float __attribute__((vector_size(64)));
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
@@ -79,37 +74,49 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
                        int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
   f32x16 acc[kMR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
-    const float* b = B + k * ldb;
-    f32x16 bv[NV];
-    for (int v = 0; v < NV; ++v) bv[v] = load16(b + 16 * v);
+    f32x16 b[NV];
+    for (int v = 0; v < NV; ++v) {
+      f32x16 x;
+      std::memcpy(&x, B + k * ldb + 16 * v, sizeof x);
+      b[v] = x;
+    }
     for (int r = 0; r < kMR; ++r) {
       const float a = A[r * ars + k * aks];
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * bv[v];
+      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
   for (int r = 0; r < kMR; ++r)
     for (int v = 0; v < NV; ++v) {
-      float* c = Cm + r * ldc + 16 * v;
-      store16(c, accumulate ? load16(c) + alpha * acc[r][v] : alpha * acc[r][v]);
+      float* cp = Cm + r * ldc + 16 * v;
+      f32x16 c = alpha * acc[r][v];
+      if (accumulate) {
+        f32x16 old;
+        std::memcpy(&old, cp, sizeof old);
+        c += old;
+      }
+      std::memcpy(cp, &c, sizeof c);
     }
 }
 
 // Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
+// Column panels outermost: a K x 64 panel of B (32 KiB at K = 128) stays in L1 while A's rows stream by.
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
           float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None) {
   const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
-  for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-    const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
-    const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
-    const float* a = A + i0 * ars;
-    float* c = Cm + i0 * ldc;
-    int64_t j0 = 0;
-    for (; j0 + 64 <= N; j0 += 64) gemm_block<4>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate);
-    switch (N - j0) {
-      case 48: gemm_block<3>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      case 32: gemm_block<2>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      case 16: gemm_block<1>(kb, ke, a, ars, aks, B + j0, ldb, c + j0, ldc, alpha, accumulate); break;
-      default: break;
+  for (int64_t j0 = 0; j0 < N; j0 += 64) {
+    const int64_t nv = std::min<int64_t>(64, N - j0) / 16;
+    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+      const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
+      const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
+      const float* a = A + i0 * ars;
+      const float* b = B + j0;
+      float* c = Cm + i0 * ldc + j0;
+      switch (nv) {
+        case 4: gemm_block<4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        case 3: gemm_block<3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        case 2: gemm_block<2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+        default: gemm_block<1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+      }
     }
   }
 }
@@ -255,7 +262,6 @@ struct HeadView {
   int64_t vo_offset(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
   int64_t vo_stride() const { return s.v_heads * s.dv; }
   int64_t gate_offset(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
-  int64_t head() const { return b * s.v_heads + h; }
 };
 
 void check_shape(const DeltaRuleShape& s) {
@@ -352,7 +358,7 @@ struct BackwardScratch {
   ChunkTiles t;
   // Whole head: W and Vn of every chunk, and every chunk's start state.
   float *W_all, *vn_all, *S_all;
-  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *dT, *X, *dM,
+  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
   BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
     W_all = cv.take(nchunks * C * dkp);
@@ -374,7 +380,6 @@ struct BackwardScratch {
     dP = cv.take(C * C);
     dkd = cv.take(C * dkp);
     dW = cv.take(C * dkp);
-    dT = cv.take(C * C);
     X = cv.take(C * C);
     dM = cv.take(C * C);
     dbv = cv.take(C * dvp);
@@ -464,11 +469,7 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
   gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
-  // Through U = Tinv (beta V) and W = Tinv Kbg: dTinv = dU (beta V)^T + dW Kbg^T.
-  transpose(t.bv, C, dvp, dvp, w.bvt, C);
-  transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
-  gemm(C, C, dvp, w.dvn, dvp, false, w.bvt, C, w.dT, C);
-  gemm(C, C, dkp, w.dW, dkp, false, w.kbgt, C, w.dT, C, 1.0f, true);
+  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, dKbg = Tinv^T dW.
   gemm(C, dvp, C, t.tinv, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
   gemm(C, dkp, C, t.tinv, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
   for (int64_t i = 0; i < C; ++i) {
@@ -483,9 +484,14 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
     for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += b * e * dkbg[j];
   }
 
-  // Through Tinv = (I + M)^-1: dM = -Tinv^T dTinv Tinv^T, strictly lower; M = beta (K K^T) o D.
+  // Through Tinv = (I + M)^-1 with dTinv = dU (beta V)^T + dW Kbg^T: dM = -Tinv^T dTinv Tinv^T, where
+  // Tinv^T dTinv = d(beta V) (beta V)^T + dKbg Kbg^T; only its strictly lower part counts.
+  // M = beta (K K^T) o D.
+  transpose(t.bv, C, dvp, dvp, w.bvt, C);
+  transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
+  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C);
+  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true);
   transpose(t.tinv, C, C, C, w.tinvt, C);
-  gemm(C, C, C, t.tinv, C, true, w.dT, C, w.X, C, 1.0f, false, Tri::Upper);
   gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f);
   float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
   float* F = w.X;

@@ -35,9 +35,11 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem);
 
 // Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32), given
-// d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved`. Workspace per thread: one
-// head's W and V_new (T x (dk + dv)) and its chunk-start states (T/64 x dk x dv); plus, when r > 1, the
-// per-value-head dq, dk partials (B x Hv x T x 2dk) summed afterwards in a fixed order (deterministic).
+// d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved` (g itself is not read: saved
+// holds its cumulative sums). Workspace, per thread and for the one head it is working on: W and V_new
+// (T (dk + dv) floats), the chunk-start states (T/64 dk dv) and 64-row tiles; plus, only when r > 1 and there
+// are fewer (batch, key head) pairs than threads, per-value-head dq, dk partials (2 B T Hv dk). Results are
+// deterministic and independent of the thread count.
 template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* g, const DeltaRuleSaved& saved, const float* d_o, float* dq, float* dk,
