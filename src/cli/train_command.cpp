@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "planner/plan.h"
 #include "train/trainer.h"
 
 namespace hs::cli {
@@ -15,7 +16,7 @@ namespace {
 
 struct TrainArgs {
   train::TrainOptions o;
-  std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16";
+  std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", budget;
   int threads = 0;
   bool report_memory = false, json = false, quiet = false;
 };
@@ -59,13 +60,15 @@ void register_train(CLI::App& app) {
   c->add_option("--weight-decay", a->o.opt.weight_decay, "AdamW weight decay (matrices and embeddings)")->capture_default_str();
   c->add_option("--clip", a->o.opt.clip, "Global gradient-norm clip (0: off)")->capture_default_str();
   c->add_option("--seed", a->o.seed, "Seed for initialisation and data order")->capture_default_str();
-  c->add_option("--remat", a->remat, "Rematerialisation: none | block | sublayer")
-      ->check(CLI::IsMember({"none", "block", "sublayer"}))->capture_default_str();
+  c->add_option("--remat", a->remat,
+                "Rematerialisation: none | block | sublayer | auto (least recomputation within --memory-budget)")
+      ->check(CLI::IsMember({"none", "block", "sublayer", "auto"}))->capture_default_str();
+  c->add_option("--memory-budget", a->budget, "Memory budget for --remat auto, e.g. 2GiB");
   c->add_option("--weight-dtype", a->weight_dtype, "Weight storage: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--compute-dtype", a->compute_dtype, "Compute / activation dtype: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
-  c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: only never)")->capture_default_str();
+  c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
   c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");
@@ -79,9 +82,26 @@ void register_train(CLI::App& app) {
   c->callback([a] {
     TrainArgs& x = *a;
     x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");
-    x.o.step.remat = train::parse_remat(x.remat);
     x.o.weight_dtype = train::parse_dtype(x.weight_dtype);
     x.o.step.compute = train::parse_dtype(x.compute_dtype);
+    if (x.remat == "auto") {
+      if (x.budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
+      // The planner's choice for exactly this run: the same schedule over shapes.
+      planner::PlanRequest r;
+      r.model = model::load_config(!x.o.resume.empty() || !x.o.init.empty() ? (!x.o.resume.empty() ? x.o.resume : x.o.init)
+                                                                          : x.o.model);
+      r.batch_per_device = x.o.batch;
+      r.seq = x.o.seq;
+      r.weight_dtype = x.o.weight_dtype;
+      r.compute_dtype = x.o.step.compute;
+      planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.budget));
+      x.o.step.remat = p.remat;
+      std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),
+                   format_bytes(double(p.total_bytes)).c_str(), x.budget.c_str(),
+                   p.fits ? "" : " -- does not fit: the smallest policy is used, expect to run out of memory");
+    } else {
+      x.o.step.remat = train::parse_remat(x.remat);
+    }
     x.o.progress = !x.quiet;
     if (x.threads > 0) omp_set_num_threads(x.threads);
     train::TrainSummary s = train::run_training(x.o, std::cerr);
