@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Side-by-side training speed: hybridscan's step vs the PyTorch eager peer (bench/torch_train_step.py), same model
+# (`small` preset), same batch, sequence length, threads and precision, run alternately A/B/A/B so that a noisy,
+# shared machine slows both sides alike. Prints a table and the ratios of the medians, hybridscan / torch.
+#
+#   bench/compare_train_speed.sh [--batch B] [--seq T] [--threads N] [--dtype fp32|bf16] [--rounds R]
+#                                [--hs-steps S] [--torch-steps S] [--torch-warmup S]
+# Each flag also reads an environment variable (BATCH, SEQ, THREADS, DTYPE, ROUNDS, HS_STEPS, TORCH_STEPS,
+# TORCH_WARMUP); flags win. HYBRIDSCAN (default build/hybridscan) and PYTHON (default python3) pick the programs.
+#
+# --dtype bf16 (default): hybridscan's default, fp32 weights with bf16 compute; torch runs fp32 weights under
+#   bf16 autocast. --dtype fp32: fp32 compute on both sides.
+# hybridscan reports tokens/s over all its steps and its first step carries one-time setup (primitive creation,
+# first-touch allocation), so it gets --hs-steps 4 by default; torch runs --torch-warmup untimed steps first.
+# Two ratios: of tokens/s over each run's timed steps (the headline figure), and of each run's best single step
+# (hybridscan's first step excluded), which other jobs on a shared machine disturb less.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+batch=${BATCH:-8}
+seq=${SEQ:-512}
+threads=${THREADS:-2}
+dtype=${DTYPE:-bf16}
+rounds=${ROUNDS:-3}
+hs_steps=${HS_STEPS:-4}
+torch_steps=${TORCH_STEPS:-3}
+torch_warmup=${TORCH_WARMUP:-1}
+hybridscan=${HYBRIDSCAN:-build/hybridscan}
+python=${PYTHON:-python3}
+
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+die() { echo "compare_train_speed.sh: $*" >&2; exit 1; }
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --batch) batch=${2:?--batch needs a value}; shift 2 ;;
+    --seq) seq=${2:?--seq needs a value}; shift 2 ;;
+    --threads) threads=${2:?--threads needs a value}; shift 2 ;;
+    --dtype) dtype=${2:?--dtype needs a value}; shift 2 ;;
+    --rounds) rounds=${2:?--rounds needs a value}; shift 2 ;;
+    --hs-steps) hs_steps=${2:?--hs-steps needs a value}; shift 2 ;;
+    --torch-steps) torch_steps=${2:?--torch-steps needs a value}; shift 2 ;;
+    --torch-warmup) torch_warmup=${2:?--torch-warmup needs a value}; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) usage >&2; die "unknown argument '$1'" ;;
+  esac
+done
+
+for v in batch seq threads rounds hs_steps torch_steps; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer, got '${!v}'"
+done
+[[ $torch_warmup =~ ^[0-9]+$ ]] || die "torch_warmup must be a non-negative integer, got '$torch_warmup'"
+case "$dtype" in fp32|bf16) ;; *) die "--dtype must be fp32 or bf16, got '$dtype'" ;; esac
+
+if [ ! -x "$hybridscan" ]; then
+  echo "compare_train_speed.sh: $hybridscan not found; build it first: scripts/setup.sh" >&2
+  exit 2
+fi
+if ! "$python" -c 'import torch, transformers' 2>/dev/null; then
+  echo "compare_train_speed.sh: $python cannot import torch and transformers; pip install torch transformers" >&2
+  exit 2
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+# Peak RSS through GNU time when it is there; the torch script also reports its own.
+gnu_time=()
+if [ -x /usr/bin/time ]; then gnu_time=(/usr/bin/time -o "$tmp/rss" -f %M); fi
+
+# Prints "tokens_per_s best_step_tokens_per_s" for one run. tokens_per_s (the mean over timed steps) is the last
+# stdout line's JSON. The best single step is the torch JSON's, or for hybridscan the fastest step in its
+# metrics.jsonl after the first (which carries one-time setup).
+read_run='
+import json, sys
+run = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+best = run.get("best_step_tokens_per_s")
+if len(sys.argv) > 2:
+    steps = [json.loads(line)["tokens_per_s"] for line in open(sys.argv[2]) if line.strip()]
+    best = max(steps[1:] or steps)
+print(run["tokens_per_s"], best)
+'
+
+# Runs one side (its metrics.jsonl path or "" first) and sets tps, best and rss_mib ("-" when unknown); dies with
+# the run's stderr on failure. Called in this shell, not a subshell, so that its exit stops the script.
+run_side() {
+  local name=$1 metrics=$2 parsed
+  shift 2
+  rm -f "$tmp/rss"
+  if ! "${gnu_time[@]}" "$@" >"$tmp/out" 2>"$tmp/err"; then
+    echo "compare_train_speed.sh: $name failed: $*" >&2
+    tail -n 20 "$tmp/err" >&2
+    exit 1
+  fi
+  parsed=$("$python" -c "$read_run" "$tmp/out" ${metrics:+"$metrics"} 2>"$tmp/parse_err") ||
+    die "$name: cannot read tokens_per_s ($(tail -n 1 "$tmp/parse_err")); last stdout line: $(tail -n 1 "$tmp/out")"
+  read -r tps best <<<"$parsed"
+  rss_mib="-"
+  if [ -s "$tmp/rss" ]; then rss_mib=$(( $(tail -n 1 "$tmp/rss") / 1024 )); fi
+  printf '%-6s %-12s %12.1f %16.1f %13s\n' "$r" "$name" "$tps" "$best" "$rss_mib"
+}
+
+hs_cmd=("$hybridscan" train --preset small --synthetic --steps "$hs_steps" --batch "$batch" --seq "$seq"
+        --threads "$threads" --compute-dtype "$dtype" --out "$tmp/hs" --quiet --json)
+torch_cmd=("$python" bench/torch_train_step.py --dtype "$dtype" --threads "$threads" --batch "$batch" --seq "$seq"
+           --steps "$torch_steps" --warmup "$torch_warmup")
+
+echo "small preset, batch $batch x seq $seq, $threads threads, $dtype; $rounds rounds alternating"
+echo "  A: ${hs_cmd[*]}"
+echo "  B: ${torch_cmd[*]}"
+printf '%-6s %-12s %12s %16s %13s\n' round impl tokens/s best_step_tok/s peak_rss_MiB
+hs_tps=() torch_tps=() hs_best=() torch_best=()
+for ((r = 1; r <= rounds; r++)); do
+  run_side hybridscan "$tmp/hs/metrics.jsonl" "${hs_cmd[@]}"
+  hs_tps+=("$tps") hs_best+=("$best")
+  run_side torch-eager "" "${torch_cmd[@]}"
+  torch_tps+=("$tps") torch_best+=("$best")
+done
+
+"$python" - "$rounds" "${hs_tps[@]}" "${torch_tps[@]}" "${hs_best[@]}" "${torch_best[@]}" <<'EOF'
+import statistics, sys
+n = int(sys.argv[1])
+hs, pt, hs_best, pt_best = (statistics.median(float(x) for x in sys.argv[2 + i * n:2 + (i + 1) * n]) for i in range(4))
+print(f"median tokens/s    hybridscan {hs:10.1f}   torch-eager {pt:10.1f}   hybridscan/torch {hs / pt:.2f}x")
+print(f"median best step   hybridscan {hs_best:10.1f}   torch-eager {pt_best:10.1f}   hybridscan/torch {hs_best / pt_best:.2f}x")
+EOF
