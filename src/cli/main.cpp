@@ -1,15 +1,25 @@
 // hybridscan: the command-line front end. Each subcommand parses its flags here and calls into the libraries.
 #include <malloc.h>
+#include <unistd.h>
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 
 int main(int argc, char** argv) {
+  // OpenMP threads that spin while waiting (libgomp's default) lose most of their time when the cores are shared
+  // with other work: measured on a loaded 2-core machine, `small` trained at ~250 tokens/s spinning against ~2500
+  // sleeping. libgomp reads the policy once, when it is loaded, so choose it by re-executing ourselves once with it
+  // set; an explicit OMP_WAIT_POLICY from the user is kept.
+  if (!std::getenv("OMP_WAIT_POLICY")) {
+    setenv("OMP_WAIT_POLICY", "passive", 1);
+    execv("/proc/self/exe", argv);  // only returns on failure: carry on with the default policy
+  }
   // A training step allocates and frees the same large buffers every step. Keep them in the heap instead of
   // returning them to the kernel (glibc maps blocks above 128 KiB-32 MiB fresh each time), so steps after the first
   // do not pay for zeroed pages again.
