@@ -118,7 +118,13 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_tuple(model::Family::Qwen3Next, 7, ExpertLayout::Fused, false),
                       std::make_tuple(model::Family::Qwen3_5, 4, ExpertLayout::Fused, true),
                       std::make_tuple(model::Family::Qwen3_5, 6, ExpertLayout::Fused, false),
-                      std::make_tuple(model::Family::Qwen3_5, 7, ExpertLayout::PerExpert, false)));
+                      std::make_tuple(model::Family::Qwen3_5, 7, ExpertLayout::PerExpert, false)),
+    [](const auto& param_info) {
+      const auto& p = param_info.param;
+      return std::string(std::get<0>(p) == model::Family::Qwen3Next ? "qwen3next" : "qwen35") + "_L" +
+             std::to_string(std::get<1>(p)) + (std::get<2>(p) == ExpertLayout::Fused ? "_fused" : "_per_expert") +
+             (std::get<3>(p) ? "_sharded" : "");
+    });
 
 // The transformers-written fixtures: HF -> native -> HF gives back every decoder tensor byte for byte (Qwen3-Next's
 // whole file, which has no skipped tensors, is identical too), and the native copy gives the same logits.

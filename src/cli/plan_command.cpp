@@ -11,7 +11,7 @@ namespace {
 
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", chip, hbm;
-  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024;
+  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1;
   bool compare = false, json = false;
 };
 
@@ -41,6 +41,8 @@ void register_plan(CLI::App& app) {
   c->add_option("--model", a->model, "Preset name or Hugging Face config.json")->capture_default_str();
   c->add_option("--devices", a->devices, "Devices in the job")->capture_default_str();
   c->add_option("--fsdp", a->fsdp, "FSDP group size (default: all devices)");
+  c->add_option("--expert-parallel", a->ep, "Split routed experts over E devices (gathers 1/E of them per sub-layer)")
+      ->capture_default_str();
   c->add_option("--batch-per-device", a->batch, "Sequences per device per step")->capture_default_str();
   c->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();
   c->add_option("--remat", a->remat, "none | block | sublayer | auto")
@@ -57,6 +59,7 @@ void register_plan(CLI::App& app) {
     r.model = model::load_config(a->model);
     r.devices = a->devices;
     r.fsdp = a->fsdp;
+    r.expert_parallel = a->ep;
     r.batch_per_device = a->batch;
     r.seq = a->seq;
     r.weight_dtype = train::parse_dtype(a->weight_dtype);

@@ -13,9 +13,11 @@ namespace hs::model {
 
 using namespace hs::kernels;
 
+bool is_routed_expert(const ParamSpec& s) { return s.name.rfind("mlp.experts.", 0) == 0; }
+
 template <typename T>
 ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                  Collectives* comm) {
+                                  Collectives* comm, int64_t expert_parallel) {
   ComputeWeights<T> cw;
   auto specs = layer_specs(c, w.kind);
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -23,8 +25,9 @@ ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, M
     if (w.shards > 1) {
       if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
       const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
-      Buffer full = mem.allocate(static_cast<size_t>(t.numel()) * dtype_size(to), MemCategory::WeightCasts, "gathered:" + specs[i].name);
-      comm->all_gather(t, full.data(), to, t.numel());
+      const int64_t n = is_routed_expert(specs[i]) ? t.numel() / expert_parallel : t.numel();
+      Buffer full = mem.allocate(static_cast<size_t>(n) * dtype_size(to), MemCategory::WeightCasts, "gathered:" + specs[i].name);
+      comm->all_gather(t, full.data(), to, n);
       cw.ptr.push_back(full.data());
       cw.owned.push_back(std::move(full));
       continue;
@@ -303,7 +306,8 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   const int64_t N = ctx.tokens(), H = c.hidden;
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
-  s.weights = compute_weights<T>(c, lw, mem, ctx.comm);
+  if (ctx.expert_parallel > 1 && !P) throw std::logic_error("expert parallelism is only planned, not run, in this version");
+  s.weights = compute_weights<T>(c, lw, mem, ctx.comm, ctx.expert_parallel);
   const ComputeWeights<T>& w = s.weights;
   Alloc A{mem, keep};
   {
@@ -321,6 +325,9 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
   RouterStats stats;
   if (c.moe()) {
+    // With expert parallelism each rank sends its tokens' routed rows out and receives as many back (balanced).
+    Buffer all_to_all;
+    if (ctx.expert_parallel > 1) all_to_all = scratch<T>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
     stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), ptr<T>(ffn_out), keep ? &s.moe : nullptr, mem);
   } else {
     swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
@@ -345,6 +352,8 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   {
     Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn", true);
     if (c.moe()) {
+      Buffer all_to_all;
+      if (ctx.expert_parallel > 1) all_to_all = scratch<float>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
       MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
                   G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
                   G(gr, f + p::kSharedExpertGate)};
@@ -365,7 +374,7 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
 }
 
 #define HS_INSTANTIATE(T)                                                                                          \
-  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&, Collectives*);        \
+  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&, Collectives*, int64_t);        \
   template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*);   \
   template void layer_backward<T>(const LayerContext&, const LayerWeights&, const LayerWeights&, const T*,          \
                                   const LayerSaved<T>&, const float*, float*, const float*);

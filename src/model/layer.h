@@ -23,6 +23,9 @@ struct LayerContext {
   int64_t batch, seq;          // the layer sees batch*seq tokens
   const int32_t* positions;    // [batch*seq] token positions (0..seq-1 per sequence)
   Collectives* comm = nullptr; // gathers sharded weights (needed when the weights are sharded)
+  // Expert parallelism (planning only for now): routed experts are split over this many ranks, so a sub-layer
+  // gathers 1/expert_parallel of the routed-expert weights and exchanges its tokens' rows (all-to-all) instead.
+  int64_t expert_parallel = 1;
   int64_t tokens() const { return batch * seq; }
 };
 
@@ -37,7 +40,9 @@ template <typename T> struct ComputeWeights {
 };
 template <typename T>
 ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                  Collectives* comm);
+                                  Collectives* comm, int64_t expert_parallel = 1);
+// Routed-expert tensors (the ones expert parallelism splits).
+bool is_routed_expert(const ParamSpec& s);
 
 // Everything a layer keeps between its forward and its backward (all accounted: MemCategory::Activations, and the
 // weight casts). Unused members stay empty.

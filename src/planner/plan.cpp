@@ -37,7 +37,10 @@ PlanResult plan(const PlanRequest& r) {
   mem.reset_peak();
   std::unique_ptr<model::ParamSet> grads;
   train::Batch b{nullptr, nullptr, r.batch_per_device, r.seq};
-  train::StepOptions opt{r.remat, r.compute_dtype, &group};
+  if (r.expert_parallel < 1 || fsdp % r.expert_parallel != 0)
+    throw std::invalid_argument("--expert-parallel " + std::to_string(r.expert_parallel) + " must divide the FSDP group (" +
+                                std::to_string(fsdp) + ")");
+  train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   train::forward_backward(params, b, opt, mem, &grads);
 
   PlanResult out;

@@ -16,6 +16,7 @@ struct PlanRequest {
   model::ModelConfig model;
   int64_t devices = 1;
   int64_t fsdp = 0;              // shards of parameters/gradients/optimizer state; 0: all devices
+  int64_t expert_parallel = 1;   // routed experts split over this many devices of the FSDP group
   int64_t batch_per_device = 1;
   int64_t seq = 1024;
   train::RematPolicy remat = train::RematPolicy::Sublayer;

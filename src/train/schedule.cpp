@@ -78,6 +78,7 @@ struct Runner {
   std::vector<LayerSlot> slots;
   LocalCollectives local;
   Collectives* comm;
+  int64_t ep = 1;
 
   Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group)
       : params(p), c(p.config()), b(bt), mem(m), P(m.planning()), N(bt.batch * bt.seq), H(p.config().hidden),
@@ -89,7 +90,7 @@ struct Runner {
     if (!P)
       for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
   }
-  model::LayerContext ctx() const { return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm}; }
+  model::LayerContext ctx() const { return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep}; }
   bool sharded() const { return params.shards() > 1; }
 
   // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
@@ -115,8 +116,12 @@ struct Runner {
     GradTarget g;
     g.view = grads.layer(s);
     if (!sharded()) return g;
-    for (TensorView& v : g.view.t) {
-      g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(v.numel()), MemCategory::Gradients, "layer_grad", true));
+    const auto specs = model::layer_specs(c, s.kind());
+    for (size_t i = 0; i < g.view.t.size(); ++i) {
+      TensorView& v = g.view.t[i];
+      if (model::is_routed_expert(specs[i]) && ep > 1) v.shape[0] /= ep;  // this rank's experts only
+      g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(v.numel()), MemCategory::Gradients,
+                                             "layer_grad:" + specs[i].name, true));
       v.data = g.full.back().data();
       v.dtype = DType::F32;
     }
@@ -297,8 +302,16 @@ struct Runner {
 
 StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOptions& opt, MemoryAccountant& mem,
                             std::unique_ptr<ParamSet>* grads) {
-  if (opt.compute == DType::F32) return Runner<float>(params, b, mem, opt.comm).forward_backward(opt.remat, grads);
-  return Runner<bf16>(params, b, mem, opt.comm).forward_backward(opt.remat, grads);
+  if (opt.expert_parallel < 1 || (params.config().moe() && params.config().experts % opt.expert_parallel != 0))
+    throw std::invalid_argument("--expert-parallel must divide the number of experts");
+  if (opt.compute == DType::F32) {
+    Runner<float> r(params, b, mem, opt.comm);
+    r.ep = opt.expert_parallel;
+    return r.forward_backward(opt.remat, grads);
+  }
+  Runner<bf16> r(params, b, mem, opt.comm);
+  r.ep = opt.expert_parallel;
+  return r.forward_backward(opt.remat, grads);
 }
 
 StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits,

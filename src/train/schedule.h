@@ -29,6 +29,7 @@ struct StepOptions {
   // When params.shards() > 1, each sub-layer's weights are all-gathered into a temporary just before it runs (and
   // again for its recompute) and its gradients are reduce-scattered right after its backward.
   Collectives* comm = nullptr;
+  int64_t expert_parallel = 1;  // planning only: routed experts split over this many ranks of the group
 };
 
 struct StepResult {
