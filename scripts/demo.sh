@@ -30,7 +30,7 @@ printf "%-9s %-7s %14s %14s %14s\n" policy weights measured_temp planned_temp me
 for w in fp32 bf16; do
   for r in none block sublayer; do
     m=$(build/hybridscan train --preset small --synthetic --steps 2 --batch 8 --seq 512 --remat $r --weight-dtype $w \
-        --quiet --json | tail -n 1)
+        --quiet --json 2>/dev/null | tail -n 1)
     p=$(build/hybridscan plan --model small --batch-per-device 8 --seq 512 --remat $r --weight-dtype $w --json)
     python3 -c "import json,sys; m=json.loads(sys.argv[1]); p=json.loads(sys.argv[2]); \
 print('%-9s %-7s %11.1f MiB %11.1f MiB %11.1f MiB' % (sys.argv[3], sys.argv[4], m['temp_bytes']/2**20, p['temp_bytes']/2**20, m['peak_bytes']/2**20))" \
