@@ -4,6 +4,7 @@
 
 #include "kernels/common.h"
 #include "kernels/matmul.h"
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 namespace {
@@ -26,7 +27,7 @@ void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float*
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const float gi = to_f32(g[i]);
-      a[i] = from_f32<T>(s * gi * sigmoid_simd(gi) * to_f32(u[i]));
+      a[i] = from_f32<T>(s * gi * sigmoid_vec(gi) * to_f32(u[i]));
     }
   }
 }
@@ -46,7 +47,7 @@ void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < inter; ++i) {
       const float gi = to_f32(g[i]), ui = to_f32(u[i]);
-      const float sg = sigmoid_simd(gi);
+      const float sg = sigmoid_vec(gi);
       const float silu = gi * sg;
       dot += da[i] * silu * ui;
       // silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
