@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
@@ -21,13 +22,8 @@ template <typename T>
 struct Input {
   std::vector<T> x;
   std::vector<double> ref;
-  Input(size_t n, std::mt19937& rng, float stddev = 1.0f) : x(n), ref(n) {
-    std::normal_distribution<float> nd(0.0f, stddev);
-    for (size_t i = 0; i < n; ++i) {
-      x[i] = from_f32<T>(nd(rng));
-      ref[i] = to_f32(x[i]);
-    }
-  }
+  Input(size_t n, std::mt19937& rng, float stddev = 1.0f)
+      : x(test::cast<T>(test::randn(n, rng, stddev))), ref(test::widen(x)) {}
 };
 
 // sqrt(sum (a - offset - b)^2 / sum b^2), the offset subtracted in double.
