@@ -90,13 +90,7 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   Buffer d_gate_up = mem.allocate_n<T>(2 * n_ti, MemCategory::Workspace, "swiglu.d_gate_up");
   if (mem.planning()) return;
 
-  const T* dyt;
-  if constexpr (std::is_same_v<T, float>) {
-    dyt = dy;
-  } else {
-    convert(dy, dy_cast.as<T>(), n_th);
-    dyt = dy_cast.as<T>();
-  }
+  const T* dyt = in_storage_type<T>(dy, dy_cast, n_th);
   const T* gu = saved.gate_up.as<T>();
   detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
   matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
