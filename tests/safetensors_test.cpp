@@ -9,7 +9,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -28,21 +27,13 @@ namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors";
 
+using test::error_of;
 using test::read_bytes;
 using test::TempDir;
 
 void write_bytes(const fs::path& p, std::span<const std::byte> b) {
   std::ofstream out(p, std::ios::binary);
   out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
 }
 
 // Exact float -> binary16 for values binary16 represents exactly (all the fixture uses); NaN is

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -27,19 +26,11 @@ using Bytes = std::vector<std::byte>;
 
 const fs::path kHfShards = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors" / "sharded";
 
+using test::error_of;
 using test::read_bytes;
 using test::TempDir;
 
 void write_text(const fs::path& p, std::string_view text) { std::ofstream(p) << text; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
 
 struct Tensor {
   TensorDecl decl;

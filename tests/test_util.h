@@ -1,5 +1,6 @@
 // Helpers the tests share: seeded random inputs, storage-type casts, the closeness measures the kernel tests
-// assert with, central finite differences, thread-count control and scratch directories.
+// assert with, central finite differences, thread-count control, scratch directories and files, exception
+// messages.
 #pragma once
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -9,8 +10,10 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -140,6 +143,16 @@ class TempDir {
  private:
   std::filesystem::path path_;
 };
+
+// The message of the exception f throws, or "(no exception)".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no exception)";
+}
 
 // The whole file (empty if it cannot be read).
 inline std::vector<std::byte> read_bytes(const std::filesystem::path& p) {
