@@ -182,11 +182,11 @@ TEST(DeltaRuleReference, BackwardMatchesFiniteDifferences) {
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * p.d_o[i];
     return l;
   };
-  test::expect_grad_matches_fd(p.q, r.dq, loss, "dq", 1e-7, 0.0);
-  test::expect_grad_matches_fd(p.k, r.dk, loss, "dk", 1e-7, 0.0);
-  test::expect_grad_matches_fd(p.v, r.dv, loss, "dv", 1e-7, 0.0);
-  test::expect_grad_matches_fd(p.beta, r.dbeta, loss, "dbeta", 1e-7, 0.0);
-  test::expect_grad_matches_fd(p.g, r.dg, loss, "dg", 1e-7, 0.0);
+  test::expect_grad_matches_fd(p.q, r.dq, loss, "dq", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.k, r.dk, loss, "dk", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.v, r.dv, loss, "dv", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.beta, r.dbeta, loss, "dbeta", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.g, r.dg, loss, "dg", 0.0, 1e-7);
 }
 
 // bf16 storage against the fp32 path fed the same (bf16-rounded) values: loads widen exactly and all

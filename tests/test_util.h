@@ -88,7 +88,7 @@ template <typename A, typename B>
 // read p (it is perturbed in place and restored). Each test states why its h and tolerances fit its loss.
 template <typename Loss>
 void expect_grad_matches_fd(std::vector<double>& p, const std::vector<double>& grad, Loss&& loss, const char* what,
-                            double atol, double rtol, double h = 1e-6) {
+                            double rtol, double atol, double h = 1e-6) {
   ASSERT_EQ(p.size(), grad.size()) << what;
   for (size_t i = 0; i < p.size(); ++i) {
     const double save = p[i];
