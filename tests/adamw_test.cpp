@@ -1,26 +1,19 @@
 // AdamW: a two-step example worked by hand, PyTorch's torch.optim.AdamW numbers, the fast update vs the
 // double-precision reference for fp32 and bf16 weights; sum_squares and scale_inplace.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <stdexcept>
 #include <vector>
 
 #include "kernels/adamw.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, stddev);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
+using test::randn;
 
 // One weight, lr 0.1, betas (0.9, 0.95), eps 1e-8, weight decay 0.1, w0 = 1, gradients 0.5 then -1.
 //   step 1: m = 0.1*0.5 = 0.05, v = 0.05*0.25 = 0.0125, mhat = 0.05/0.1 = 0.5, vhat = 0.0125/0.05 = 0.25
@@ -118,12 +111,8 @@ TEST(AdamW, SumSquaresMatchesReferenceAndIsThreadCountIndependent) {
   const int64_t n = 100003;
   const auto x = randn(n, 20);
   const double want = reference::sum_squares(x.data(), n);
-  const int prev = omp_get_max_threads();
-  omp_set_num_threads(1);
-  const double s1 = sum_squares(x.data(), n);
-  omp_set_num_threads(3);
-  const double s3 = sum_squares(x.data(), n);
-  omp_set_num_threads(prev);
+  const double s1 = test::with_threads(1, [&] { return sum_squares(x.data(), n); });
+  const double s3 = test::with_threads(3, [&] { return sum_squares(x.data(), n); });
   EXPECT_NEAR(s1, want, 1e-12 * want);
   EXPECT_EQ(std::memcmp(&s1, &s3, sizeof(double)), 0);
   EXPECT_EQ(sum_squares(x.data(), 0), 0.0);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/attention.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
@@ -21,13 +22,8 @@ template <typename T>
 struct Input {
   std::vector<T> x;
   std::vector<double> ref;
-  Input(size_t n, std::mt19937& rng, float stddev = 1.0f) : x(n), ref(n) {
-    std::normal_distribution<float> nd(0.0f, stddev);
-    for (size_t i = 0; i < n; ++i) {
-      x[i] = from_f32<T>(nd(rng));
-      ref[i] = to_f32(x[i]);
-    }
-  }
+  Input(size_t n, std::mt19937& rng, float stddev = 1.0f)
+      : x(test::cast<T>(test::randn(n, rng, stddev))), ref(test::widen(x)) {}
 };
 
 // sqrt(sum (a - offset - b)^2 / sum b^2), the offset subtracted in double.
@@ -59,11 +55,11 @@ void check_against_reference(const AttentionShape& s, uint32_t seed, float q_std
   reference::gated_attention_forward(s, q.ref.data(), k.ref.data(), v.ref.data(), gate.ref.data(), out_ref.data(),
                                      attn_ref.data(), lse_ref.data());
 
-  // fp32: scores are fp32 dot products of <= 256 terms of magnitude ~1, the softmax uses a 1.4-ulp exp
-  // and the outputs are averages of O(1) values: errors are ~1e-6 (measured <= 1.4e-6). 2e-5 leaves a
-  // margin while a masking or indexing bug gives O(0.1) errors. The scores' round-off grows with their
-  // magnitude, so every tolerance scales with q_stddev (measured at 8: 1e-5 here, 1.6e-6 and 5e-3 for
-  // the fp32 and bf16 gradients below).
+  // fp32: scores are fp32 dot products of <= 256 terms of magnitude ~1, the softmax uses a sub-ulp exp
+  // (kernels/vec_math.h) and the outputs are averages of O(1) values: errors are ~1e-6 (measured <= 1.4e-6).
+  // 2e-5 leaves a margin while a masking or indexing bug gives O(0.1) errors. The scores' round-off grows
+  // with their magnitude, so every tolerance scales with q_stddev (measured at 8: 1e-5 here, 1.6e-6 and
+  // 5e-3 for the fp32 and bf16 gradients below).
   // bf16: the result is rounded once to bf16 (half an ulp: at most 2^-8 relative) on top of that.
   const double spread = q_stddev;
   const double atol = 2e-5 * spread, rel = kF32 ? 0.0 : 1.0 / 256;

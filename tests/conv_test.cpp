@@ -2,43 +2,22 @@
 // storage, several widths, shapes that cross the channel and time blocks), its backward against
 // finite differences, causality, and dw's independence of the thread count.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <stdexcept>
 #include <vector>
 
 #include "kernels/conv.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, stddev);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T> std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
-
-template <typename A, typename B>
-::testing::AssertionResult close(const std::vector<A>& got, const std::vector<B>& want, double rtol, double atol) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = static_cast<double>(to_f32(got[i])), w = static_cast<double>(to_f32(want[i]));
-    if (!(std::abs(g - w) <= atol + rtol * std::abs(w)))
-      return ::testing::AssertionFailure() << "element " << i << ": " << g << " vs " << w;
-  }
-  return ::testing::AssertionSuccess();
-}
+using test::cast;
+using test::close;
+using test::randn;
+using test::widen;
 
 struct Shape {
   int64_t batch, seq, channels, width;
@@ -85,9 +64,8 @@ TEST(CausalConv, MatchesReferenceBf16) {
 // relative is a safe bound that a wrong tap or a dropped SiLU derivative exceeds by orders of magnitude.
 TEST(CausalConv, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t batch = 2, seq = 6, channels = 3, width = 4, n = batch * seq * channels;
-  auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  auto x = to_double(randn(n, 4)), w = to_double(randn(channels * width, 6, 0.7f));
-  const auto dy = to_double(randn(n, 5));
+  auto x = widen(randn(n, 4)), w = widen(randn(channels * width, 6, 0.7f));
+  const auto dy = widen(randn(n, 5));
   std::vector<double> y(n), dx(n), dw(channels * width);
   auto loss = [&] {
     reference::causal_conv_silu_forward(x.data(), w.data(), y.data(), batch, seq, channels, width);
@@ -97,21 +75,8 @@ TEST(CausalConv, ReferenceBackwardMatchesFiniteDifferences) {
   };
   reference::causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), batch, seq, channels,
                                        width);
-  const double h = 1e-6;
-  auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* what) {
-    for (size_t i = 0; i < p.size(); ++i) {
-      const double save = p[i];
-      p[i] = save + h;
-      const double lp = loss();
-      p[i] = save - h;
-      const double lm = loss();
-      p[i] = save;
-      const double fd = (lp - lm) / (2 * h);
-      EXPECT_NEAR(grad[i], fd, 1e-6 * (1.0 + std::abs(fd))) << what << "[" << i << "]";
-    }
-  };
-  check(x, dx, "dx");
-  check(w, dw, "dw");
+  test::expect_grad_matches_fd(x, dx, loss, "dx", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(w, dw, loss, "dw", 1e-6, 1e-6);
 }
 
 // Changing x at step t0 + 1 leaves every output at steps <= t0 bit-identical (and does change step t0 + 1),
@@ -138,12 +103,12 @@ TEST(CausalConv, WeightGradientIndependentOfThreadCount) {
   const auto x = cast<bf16>(randn(n, 9));
   const auto w = randn(channels * width, 10), dy = randn(n, 11);
   std::vector<float> dx1(n), dw1(channels * width), dx3(n), dw3(channels * width);
-  const int prev = omp_get_max_threads();
-  omp_set_num_threads(1);
-  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx1.data(), dw1.data(), batch, seq, channels, width);
-  omp_set_num_threads(3);
-  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx3.data(), dw3.data(), batch, seq, channels, width);
-  omp_set_num_threads(prev);
+  test::with_threads(1, [&] {
+    causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx1.data(), dw1.data(), batch, seq, channels, width);
+  });
+  test::with_threads(3, [&] {
+    causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx3.data(), dw3.data(), batch, seq, channels, width);
+  });
   EXPECT_EQ(0, std::memcmp(dx1.data(), dx3.data(), n * sizeof(float)));
   EXPECT_EQ(0, std::memcmp(dw1.data(), dw3.data(), dw1.size() * sizeof(float)));
 }

@@ -11,25 +11,12 @@
 #include "checkpoint/convert.h"
 #include "checkpoint/hf_io.h"
 #include "train/schedule.h"
+#include "test_util.h"
 
 namespace hs::checkpoint {
 namespace {
 
 namespace fs = std::filesystem;
-
-struct TempTree {
-  fs::path root;
-  TempTree() {
-    root = fs::temp_directory_path() / ("hs_convert_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
-    fs::remove_all(root);
-    fs::create_directories(root);
-  }
-  ~TempTree() { fs::remove_all(root); }
-  static int& counter() {
-    static int c = 0;
-    return c;
-  }
-};
 
 model::ModelConfig config(model::Family f, int64_t L) {
   model::ModelConfig c = model::preset("tiny");
@@ -90,24 +77,24 @@ class RoundTrip : public ::testing::TestWithParam<std::tuple<model::Family, int,
 // HF -> native (scanned and unscanned) -> HF reproduces every tensor byte for byte: names, dtypes, shapes, bytes.
 TEST_P(RoundTrip, HuggingFaceToNativeToHuggingFaceIsByteIdentical) {
   auto [fam, L, ex, sharded] = GetParam();
-  TempTree t;
+  test::TempDir t;
   model::ModelConfig c = config(fam, L);
-  write_hf(t.root / "hf", c, ex, sharded ? 40000 : 1ull << 40, 7 + uint32_t(L), true);
+  write_hf(t / "hf", c, ex, sharded ? 40000 : 1ull << 40, 7 + uint32_t(L), true);
   for (Layout layout : {Layout::Scanned, Layout::Unscanned}) {
     const std::string tag = layout == Layout::Scanned ? "scanned" : "unscanned";
     ConvertOptions to_native;
     to_native.layout = layout;
-    ConvertReport r = convert_checkpoint(t.root / "hf", t.root / ("native_" + tag), to_native);
+    ConvertReport r = convert_checkpoint(t / "hf", t / ("native_" + tag), to_native);
     EXPECT_EQ(r.skipped, 2u);
-    CheckpointDir n = open_checkpoint_dir(t.root / ("native_" + tag));
+    CheckpointDir n = open_checkpoint_dir(t / ("native_" + tag));
     EXPECT_EQ(n.format, Format::Native);
     EXPECT_EQ(n.layout, layout);
     ConvertOptions to_hf;
     to_hf.to = Format::HuggingFace;
     to_hf.max_shard_bytes = sharded ? 40000 : 1ull << 40;
-    convert_checkpoint(t.root / ("native_" + tag), t.root / ("back_" + tag), to_hf);
-    expect_same_tensors(t.root / "hf", t.root / ("back_" + tag), /*skip_extras=*/true);
-    EXPECT_EQ(CheckpointReader(t.root / ("back_" + tag)).sharded(), sharded);
+    convert_checkpoint(t / ("native_" + tag), t / ("back_" + tag), to_hf);
+    expect_same_tensors(t / "hf", t / ("back_" + tag), /*skip_extras=*/true);
+    EXPECT_EQ(CheckpointReader(t / ("back_" + tag)).sharded(), sharded);
   }
 }
 
@@ -130,18 +117,18 @@ INSTANTIATE_TEST_SUITE_P(
 // whole file, which has no skipped tensors, is identical too), and the native copy gives the same logits.
 TEST(Convert, TransformersCheckpointsRoundTripAndKeepTheirLogits) {
   for (const char* name : {"qwen3_next_L7", "qwen3_5_L5"}) {
-    TempTree t;
+    test::TempDir t;
     const fs::path src = fs::path(HS_SOURCE_DIR) / "tests/fixtures/parity" / name;
-    convert_checkpoint(src, t.root / "native", {});
+    convert_checkpoint(src, t / "native", {});
     ConvertOptions to_hf;
     to_hf.to = Format::HuggingFace;
-    convert_checkpoint(t.root / "native", t.root / "hf", to_hf);
-    expect_same_tensors(src, t.root / "hf", true);
+    convert_checkpoint(t / "native", t / "hf", to_hf);
+    expect_same_tensors(src, t / "hf", true);
     if (std::string(name) == "qwen3_next_L7") {
-      std::ifstream a(src / "model.safetensors", std::ios::binary), b(t.root / "hf/model.safetensors", std::ios::binary);
+      std::ifstream a(src / "model.safetensors", std::ios::binary), b(t / "hf/model.safetensors", std::ios::binary);
       EXPECT_TRUE(std::equal(std::istreambuf_iterator<char>(a), {}, std::istreambuf_iterator<char>(b), {}));
     }
-    CheckpointDir hf = open_checkpoint_dir(src), nat = open_checkpoint_dir(t.root / "native");
+    CheckpointDir hf = open_checkpoint_dir(src), nat = open_checkpoint_dir(t / "native");
     MemoryAccountant mem;
     model::ParamSet p1(hf.config, DType::F32, mem, MemCategory::Parameters, false);
     model::ParamSet p2(nat.config, DType::F32, mem, MemCategory::Parameters, false);
@@ -159,7 +146,7 @@ TEST(Convert, TransformersCheckpointsRoundTripAndKeepTheirLogits) {
 // Distinct known values per (layer, expert, half, row) in a per-expert HF checkpoint land at
 // stacked [block][local][expert][half * I + row] of the native gate_up tensor.
 TEST(Convert, PerExpertGateUpValuesLandOnTheRightAxes) {
-  TempTree t;
+  test::TempDir t;
   model::ModelConfig c = config(model::Family::Qwen3Next, 8);
   HfLayout lay = hf_layout(c, ExpertLayout::PerExpert);
   std::vector<TensorDecl> decls;
@@ -167,7 +154,7 @@ TEST(Convert, PerExpertGateUpValuesLandOnTheRightAxes) {
   const int64_t I = c.expert_inter, H = c.hidden;
   auto code = [](int64_t layer, int64_t e, int64_t half, int64_t row) { return float(layer * 1000 + e * 100 + half * 50 + row); };
   {
-    ShardedWriter w(t.root / "hf", decls, 1ull << 40);
+    ShardedWriter w(t / "hf", decls, 1ull << 40);
     for (const TensorDecl& d : decls) {
       std::vector<float> v(size_t(numel(d.shape)), -1.f);
       int layer, e;
@@ -180,9 +167,9 @@ TEST(Convert, PerExpertGateUpValuesLandOnTheRightAxes) {
     }
     w.commit();
   }
-  std::ofstream(t.root / "hf/config.json") << model::config_to_hf_json(c).dump();
-  convert_checkpoint(t.root / "hf", t.root / "native", {});
-  CheckpointReader r(t.root / "native");
+  std::ofstream(t / "hf/config.json") << model::config_to_hf_json(c).dump();
+  convert_checkpoint(t / "hf", t / "native", {});
+  CheckpointReader r(t / "native");
   for (const char* g : {"local", "global"}) {
     const std::string n = std::string(g) + ".mlp.experts.gate_up_proj";
     const TensorInfo& info = r.info(n);
@@ -215,17 +202,17 @@ void expect_refused(const fs::path& from, const fs::path& to, const std::string&
 }
 
 TEST(Convert, BadInputIsRefusedAndLeavesNothing) {
-  TempTree t;
+  test::TempDir t;
   model::ModelConfig c = config(model::Family::Qwen3_5, 5);
-  write_hf(t.root / "good", c, ExpertLayout::Fused, 1ull << 40, 3, false);
+  write_hf(t / "good", c, ExpertLayout::Fused, 1ull << 40, 3, false);
   auto copy = [&](const std::string& name) {
-    fs::copy(t.root / "good", t.root / name, fs::copy_options::recursive);
-    return t.root / name;
+    fs::copy(t / "good", t / name, fs::copy_options::recursive);
+    return t / name;
   };
   {  // truncated file
     fs::path p = copy("truncated");
     fs::resize_file(p / "model.safetensors", fs::file_size(p / "model.safetensors") - 100);
-    expect_refused(p, t.root / "out1", "model.safetensors");
+    expect_refused(p, t / "out1", "model.safetensors");
   }
   {  // corrupt header
     fs::path p = copy("corrupt");
@@ -233,48 +220,48 @@ TEST(Convert, BadInputIsRefusedAndLeavesNothing) {
     f.seekp(12);
     f.write("#", 1);
     f.close();
-    expect_refused(p, t.root / "out2", "model.safetensors");
+    expect_refused(p, t / "out2", "model.safetensors");
   }
   {  // wrong family: the config says Qwen3-Next, the tensors are Qwen3.5's
     fs::path p = copy("family");
     model::ModelConfig next = c;
     next.family = model::Family::Qwen3Next;
     std::ofstream(p / "config.json") << model::config_to_hf_json(next).dump();
-    expect_refused(p, t.root / "out3", "does not belong to this config");
+    expect_refused(p, t / "out3", "does not belong to this config");
   }
   {  // shape mismatch: the config's expert width disagrees with the tensors
     fs::path p = copy("shape");
     model::ModelConfig wide = c;
     wide.expert_inter = 48;
     std::ofstream(p / "config.json") << model::config_to_hf_json(wide).dump();
-    expect_refused(p, t.root / "out4", "shape");
+    expect_refused(p, t / "out4", "shape");
   }
   {  // missing tensor: a config with one more layer than the file holds
     fs::path p = copy("missing");
     model::ModelConfig more = c;
     more.layers = 6;
     std::ofstream(p / "config.json") << model::config_to_hf_json(more).dump();
-    expect_refused(p, t.root / "out5", "missing tensor");
+    expect_refused(p, t / "out5", "missing tensor");
   }
   {  // extra tensor: a config with one layer fewer than the file holds
     fs::path p = copy("extra");
     model::ModelConfig fewer = c;
     fewer.layers = 4;
     std::ofstream(p / "config.json") << model::config_to_hf_json(fewer).dump();
-    expect_refused(p, t.root / "out6", "unexpected tensor");
+    expect_refused(p, t / "out6", "unexpected tensor");
   }
   {  // a non-empty destination is not overwritten unless asked
-    fs::create_directories(t.root / "taken");
-    std::ofstream(t.root / "taken/precious.txt") << "keep";
-    EXPECT_THROW(convert_checkpoint(t.root / "good", t.root / "taken", {}), std::runtime_error);
-    EXPECT_TRUE(fs::exists(t.root / "taken/precious.txt"));
+    fs::create_directories(t / "taken");
+    std::ofstream(t / "taken/precious.txt") << "keep";
+    EXPECT_THROW(convert_checkpoint(t / "good", t / "taken", {}), std::runtime_error);
+    EXPECT_TRUE(fs::exists(t / "taken/precious.txt"));
   }
 }
 
 // A full disk mid-write (RLIMIT_FSIZE makes writes fail with EFBIG): a clear error naming the file, nothing left.
 TEST(Convert, FullDiskLeavesNothing) {
-  TempTree t;
-  write_hf(t.root / "good", config(model::Family::Qwen3Next, 4), ExpertLayout::PerExpert, 1ull << 40, 5, false);
+  test::TempDir t;
+  write_hf(t / "good", config(model::Family::Qwen3Next, 4), ExpertLayout::PerExpert, 1ull << 40, 5, false);
   std::signal(SIGXFSZ, SIG_IGN);
   rlimit old;
   getrlimit(RLIMIT_FSIZE, &old);
@@ -283,15 +270,16 @@ TEST(Convert, FullDiskLeavesNothing) {
   setrlimit(RLIMIT_FSIZE, &small);
   std::string msg;
   try {
-    convert_checkpoint(t.root / "good", t.root / "out", {});
+    convert_checkpoint(t / "good", t / "out", {});
   } catch (const std::exception& e) {
     msg = e.what();
   }
   setrlimit(RLIMIT_FSIZE, &old);
   std::signal(SIGXFSZ, SIG_DFL);
   EXPECT_NE(msg.find("safetensors"), std::string::npos) << msg;
-  EXPECT_FALSE(fs::exists(t.root / "out"));
-  for (const auto& entry : fs::directory_iterator(t.root)) EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos);
+  EXPECT_FALSE(fs::exists(t / "out"));
+  for (const auto& entry : fs::directory_iterator(t.path()))
+    EXPECT_EQ(entry.path().filename().string().find(".tmp-"), std::string::npos);
 }
 
 }  // namespace

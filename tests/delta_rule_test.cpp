@@ -1,5 +1,4 @@
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstdio>
@@ -9,10 +8,13 @@
 #include <vector>
 
 #include "kernels/delta_rule.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
+using test::cast;
+using test::widen;
 using Vec = std::vector<double>;
 
 // Inputs as the layer produces them: q, k L2-normalised (q also scaled by dk^-0.5), beta = sigmoid(noise),
@@ -70,19 +72,7 @@ Result reference_result(const Problem& p) {
   return r;
 }
 
-template <typename T>
-std::vector<T> cast(const Vec& x) {
-  std::vector<T> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = from_f32<T>(static_cast<float>(x[i]));
-  return y;
-}
 std::vector<float> to_float(const Vec& x) { return cast<float>(x); }
-template <typename T>
-Vec to_double(const std::vector<T>& x) {
-  Vec y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = to_f32(x[i]);
-  return y;
-}
 
 // The fast kernels with storage type T; gradients start from a non-zero fill to check they accumulate.
 template <typename T>
@@ -97,7 +87,7 @@ Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill =
   delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem);
   delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), dq.data(), dk.data(),
                       dv.data(), dbeta.data(), dg.data(), mem);
-  Result r{to_double(o), to_double(dq), to_double(dk), to_double(dv), to_double(dbeta), to_double(dg)};
+  Result r{widen(o), widen(dq), widen(dk), widen(dv), widen(dbeta), widen(dg)};
   if (grad_fill != 0.0)
     for (Vec* x : {&r.dq, &r.dk, &r.dv, &r.dbeta, &r.dg})
       for (double& e : *x) e -= grad_fill;
@@ -106,14 +96,7 @@ Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill =
 
 // ||a - ref|| / ||ref||; the floor keeps an all-zero reference (dg at T = 1, where the state read is zero)
 // from turning round-off into infinities.
-double rel_rms(const Vec& a, const Vec& ref) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - ref[i]) * (a[i] - ref[i]);
-    den += ref[i] * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-20));
-}
+double rel_rms(const Vec& a, const Vec& ref) { return test::rel_rms(a, ref, 1e-20); }
 
 void expect_close(const Result& got, const Result& want, double tol_o, double tol_grad, const std::string& what) {
   EXPECT_LT(rel_rms(got.o, want.o), tol_o) << what << " o";
@@ -199,23 +182,11 @@ TEST(DeltaRuleReference, BackwardMatchesFiniteDifferences) {
     for (size_t i = 0; i < o.size(); ++i) l += o[i] * p.d_o[i];
     return l;
   };
-  const double h = 1e-6;
-  auto check = [&](Vec& x, const Vec& grad, const char* name) {
-    for (size_t i = 0; i < x.size(); ++i) {
-      const double x0 = x[i];
-      x[i] = x0 + h;
-      const double lp = loss();
-      x[i] = x0 - h;
-      const double lm = loss();
-      x[i] = x0;
-      ASSERT_NEAR(grad[i], (lp - lm) / (2 * h), 1e-7) << name << "[" << i << "]";
-    }
-  };
-  check(p.q, r.dq, "dq");
-  check(p.k, r.dk, "dk");
-  check(p.v, r.dv, "dv");
-  check(p.beta, r.dbeta, "dbeta");
-  check(p.g, r.dg, "dg");
+  test::expect_grad_matches_fd(p.q, r.dq, loss, "dq", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.k, r.dk, loss, "dk", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.v, r.dv, loss, "dv", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.beta, r.dbeta, loss, "dbeta", 0.0, 1e-7);
+  test::expect_grad_matches_fd(p.g, r.dg, loss, "dg", 0.0, 1e-7);
 }
 
 // bf16 storage against the fp32 path fed the same (bf16-rounded) values: loads widen exactly and all
@@ -269,12 +240,8 @@ TEST(DeltaRuleBackward, SameResultForAnyThreadCount) {
   const DeltaRuleShape s{1, 130, 1, 4, 32, 16};
   const Problem p = make_problem(s, 1.0, 51);
   MemoryAccountant mem;
-  const int threads = omp_get_max_threads();
-  omp_set_num_threads(1);
-  const Result one = kernel_result<float>(p, mem, 0.25);
-  omp_set_num_threads(3);
-  const Result three = kernel_result<float>(p, mem, 0.25);
-  omp_set_num_threads(threads);
+  const Result one = test::with_threads(1, [&] { return kernel_result<float>(p, mem, 0.25); });
+  const Result three = test::with_threads(3, [&] { return kernel_result<float>(p, mem, 0.25); });
   EXPECT_EQ(one.o, three.o);
   EXPECT_EQ(one.dq, three.dq);
   EXPECT_EQ(one.dk, three.dk);

@@ -1,7 +1,6 @@
 // Embedding: lookup for every (table, activation) storage pair, the gradient scatter with repeated ids
 // against the reference and finite differences, thread-count independence, and the out-of-range error.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
@@ -11,23 +10,14 @@
 #include <vector>
 
 #include "kernels/embedding.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T> std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
+using test::cast;
+using test::randn;
+using test::widen;
 
 // Repeats on purpose (3, 0, 9 occur several times) so the scatter has to accumulate.
 const std::vector<int32_t> kIds = {3, 0, 9, 3, 7, 3, 1, 0, 9, 5, 3, 2, 8};
@@ -72,9 +62,8 @@ TEST(Embedding, BackwardMatchesReference) {
 // round-off (~1e-10 with h = 1e-6): 1e-8 absolute.
 TEST(Embedding, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t n = static_cast<int64_t>(kIds.size()), dim = 3;
-  auto to_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  auto table = to_double(randn(kVocab * dim, 3));
-  const auto dout = to_double(randn(n * dim, 4));
+  auto table = widen(randn(kVocab * dim, 3));
+  const auto dout = widen(randn(n * dim, 4));
   std::vector<double> out(n * dim), dtable(kVocab * dim);
   auto loss = [&] {
     reference::embedding_forward(kIds.data(), n, table.data(), kVocab, dim, out.data());
@@ -83,16 +72,7 @@ TEST(Embedding, ReferenceBackwardMatchesFiniteDifferences) {
     return l;
   };
   reference::embedding_backward(kIds.data(), n, dout.data(), kVocab, dim, dtable.data());
-  const double h = 1e-6;
-  for (size_t i = 0; i < table.size(); ++i) {
-    const double save = table[i];
-    table[i] = save + h;
-    const double lp = loss();
-    table[i] = save - h;
-    const double lm = loss();
-    table[i] = save;
-    EXPECT_NEAR(dtable[i], (lp - lm) / (2 * h), 1e-8) << i;
-  }
+  test::expect_grad_matches_fd(table, dtable, loss, "dtable", 0.0, 1e-8);
 }
 
 TEST(Embedding, BackwardIndependentOfThreadCount) {
@@ -102,12 +82,8 @@ TEST(Embedding, BackwardIndependentOfThreadCount) {
   for (auto& id : ids) id = static_cast<int32_t>(rng() % vocab);
   const auto dout = randn(n * dim, 6);
   std::vector<float> d1(vocab * dim), d3(vocab * dim);
-  const int prev = omp_get_max_threads();
-  omp_set_num_threads(1);
-  embedding_backward(ids.data(), n, dout.data(), vocab, dim, d1.data());
-  omp_set_num_threads(3);
-  embedding_backward(ids.data(), n, dout.data(), vocab, dim, d3.data());
-  omp_set_num_threads(prev);
+  test::with_threads(1, [&] { embedding_backward(ids.data(), n, dout.data(), vocab, dim, d1.data()); });
+  test::with_threads(3, [&] { embedding_backward(ids.data(), n, dout.data(), vocab, dim, d3.data()); });
   EXPECT_EQ(0, std::memcmp(d1.data(), d3.data(), d1.size() * sizeof(float)));
 }
 

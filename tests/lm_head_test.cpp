@@ -2,46 +2,21 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
 #include <random>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "test_util.h"
+
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
-
-template <typename T>
-std::vector<double> widen(const std::vector<T>& v) {
-  std::vector<double> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = to_f32(v[i]);
-  return out;
-}
-
-double rel_rms(const std::vector<float>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using test::cast;
+using test::randn;
+using test::rel_rms;
+using test::widen;
 
 // Targets with ignored entries (-100 as in transformers, and -1) scattered through.
 std::vector<int32_t> make_targets(int64_t N, int64_t V, uint32_t seed) {
@@ -58,10 +33,10 @@ void check_chunks(double loss_tol, double grad_tol) {
   const int64_t N = 10, H = 24, V = 300;
   // Row scales up to 8 spread the logits over roughly +-100, so the softmax underflows for many
   // entries and the max-subtraction and exp's cut-offs are exercised.
-  auto xf = randn(N * H, 1.0f, 1);
+  auto xf = randn(N * H, 1);
   for (int64_t t = 0; t < N; ++t)
     for (int64_t h = 0; h < H; ++h) xf[t * H + h] *= (t % 3 == 0) ? 8.0f : 1.0f;
-  const auto x = cast<T>(xf), W = cast<T>(randn(V * H, 0.5f, 2));
+  const auto x = cast<T>(xf), W = cast<T>(randn(V * H, 2, 0.5f));
   const auto targets = make_targets(N, V, 3);
   const float grad_scale = 0.37f;
 
@@ -103,8 +78,7 @@ TEST(LmHead, MatchesNaiveCrossEntropyBf16) { check_chunks<bf16>(1e-5, 2e-2); }
 // ~1e-10): tolerance 1e-6 relative.
 TEST(LmHead, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t N = 4, H = 5, V = 7;
-  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  auto x = to_d(randn(N * H, 1.0f, 4)), W = to_d(randn(V * H, 1.0f, 5));
+  auto x = widen(randn(N * H, 4)), W = widen(randn(V * H, 5));
   const std::vector<int32_t> targets = {3, -100, 0, 6};
   const double gs = 0.7;
   std::vector<double> dx(N * H), dW(V * H);
@@ -113,21 +87,8 @@ TEST(LmHead, ReferenceBackwardMatchesFiniteDifferences) {
     return gs *
            reference::lm_head_xent<double>(x.data(), W.data(), targets.data(), N, H, V, gs, nullptr, nullptr).loss_sum;
   };
-  auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* name) {
-    const double eps = 1e-6;
-    for (size_t i = 0; i < p.size(); ++i) {
-      const double v = p[i];
-      p[i] = v + eps;
-      const double lp = loss();
-      p[i] = v - eps;
-      const double lm = loss();
-      p[i] = v;
-      const double fd = (lp - lm) / (2 * eps);
-      ASSERT_NEAR(grad[i], fd, 1e-6 * (1 + std::abs(fd))) << name << "[" << i << "]";
-    }
-  };
-  check(x, dx, "x");
-  check(W, dW, "W");
+  test::expect_grad_matches_fd(x, dx, loss, "x", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(W, dW, loss, "W", 1e-6, 1e-6);
 }
 
 // The workspace is the chunk's logits (plus their bf16 gradient and one float per row), whatever
@@ -136,7 +97,7 @@ template <typename T>
 void check_workspace() {
   const int64_t H = 16, V = 1000, chunk = 3;
   for (int64_t N : {int64_t{7}, int64_t{40}}) {
-    const auto x = cast<T>(randn(N * H, 1.0f, 6)), W = cast<T>(randn(V * H, 0.3f, 7));
+    const auto x = cast<T>(randn(N * H, 6)), W = cast<T>(randn(V * H, 7, 0.3f));
     const auto targets = make_targets(N, V, 8);
     std::vector<float> dx(N * H), dW(V * H);
     MemoryAccountant real, plan(true);
@@ -163,7 +124,7 @@ TEST(LmHead, DefaultChunkKeepsLogitsNear64MiB) {
 
 TEST(LmHead, AllTargetsIgnoredGivesNothing) {
   const int64_t N = 3, H = 4, V = 5;
-  const auto x = randn(N * H, 1.0f, 9), W = randn(V * H, 1.0f, 10);
+  const auto x = randn(N * H, 9), W = randn(V * H, 10);
   const std::vector<int32_t> targets(N, -100);
   std::vector<float> dx(N * H, 1.0f), dW(V * H, 1.0f);
   MemoryAccountant mem;
@@ -177,7 +138,7 @@ TEST(LmHead, AllTargetsIgnoredGivesNothing) {
 
 TEST(LmHead, TargetOutsideVocabularyThrows) {
   const int64_t N = 2, H = 4, V = 5;
-  const auto x = randn(N * H, 1.0f, 11), W = randn(V * H, 1.0f, 12);
+  const auto x = randn(N * H, 11), W = randn(V * H, 12);
   const std::vector<int32_t> targets = {1, 5};
   MemoryAccountant mem;
   EXPECT_THROW(lm_head_xent<float>(x.data(), W.data(), targets.data(), N, H, V, 1.0f, nullptr, nullptr, mem),

@@ -2,56 +2,27 @@
 
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cmath>
-#include <random>
 #include <type_traits>
 #include <vector>
+
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, float scale, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
-
-template <typename T>
-std::vector<double> widen(const std::vector<T>& v) {
-  std::vector<double> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = to_f32(v[i]);
-  return out;
-}
-
-// ||a - b|| / ||b||: the relative-RMS error used throughout (flash-linear-attention style).
-template <typename A>
-double rel_rms(const std::vector<A>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    const double d = static_cast<double>(to_f32(a[i])) - b[i];
-    num += d * d;
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using test::cast;
+using test::randn;
+using test::rel_rms;
+using test::widen;
 
 template <typename T>
 void check_against_reference(int64_t N, int64_t H, int64_t I, double tol, uint32_t seed) {
-  const auto x = cast<T>(randn(N * H, 1.0f, seed));
-  const auto wg = cast<T>(randn(I * H, 1.0f / std::sqrt(float(H)), seed + 1));
-  const auto wu = cast<T>(randn(I * H, 1.0f / std::sqrt(float(H)), seed + 2));
-  const auto wd = cast<T>(randn(H * I, 1.0f / std::sqrt(float(I)), seed + 3));
-  const auto dy = randn(N * H, 1.0f, seed + 4);
+  const auto x = cast<T>(randn(N * H, seed));
+  const auto wg = cast<T>(randn(I * H, seed + 1, 1.0f / std::sqrt(float(H))));
+  const auto wu = cast<T>(randn(I * H, seed + 2, 1.0f / std::sqrt(float(H))));
+  const auto wd = cast<T>(randn(H * I, seed + 3, 1.0f / std::sqrt(float(I))));
+  const auto dy = randn(N * H, seed + 4);
 
   MemoryAccountant mem;
   SwigluSaved saved;
@@ -65,8 +36,8 @@ void check_against_reference(int64_t N, int64_t H, int64_t I, double tol, uint32
   EXPECT_LT(rel_rms(y, yr), tol) << "y";
 
   // Gradients start from random values: backward must add to them, not overwrite.
-  const auto dx0 = randn(N * H, 1.0f, seed + 5), dwg0 = randn(I * H, 1.0f, seed + 6),
-             dwu0 = randn(I * H, 1.0f, seed + 7), dwd0 = randn(H * I, 1.0f, seed + 8);
+  const auto dx0 = randn(N * H, seed + 5), dwg0 = randn(I * H, seed + 6), dwu0 = randn(I * H, seed + 7),
+             dwd0 = randn(H * I, seed + 8);
   auto dx = dx0, dwg = dwg0, dwu = dwu0, dwd = dwd0;
   std::vector<float> row_dot(N);
   swiglu_backward<T>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), saved, dy.data(), dx.data(), dwg.data(),
@@ -102,9 +73,8 @@ TEST(SwigluMlp, MatchesReferenceBf16) { check_against_reference<bf16>(33, 48, 40
 // ~1e-16 / eps ~ 1e-10 for an O(1) loss), against a 1e-6 relative tolerance.
 TEST(SwigluMlp, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t N = 3, H = 5, I = 4;
-  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
-  auto x = to_d(randn(N * H, 1.0f, 1)), wg = to_d(randn(I * H, 0.5f, 2)), wu = to_d(randn(I * H, 0.5f, 3)),
-       wd = to_d(randn(H * I, 0.5f, 4)), dy = to_d(randn(N * H, 1.0f, 5));
+  auto x = widen(randn(N * H, 1)), wg = widen(randn(I * H, 2, 0.5f)), wu = widen(randn(I * H, 3, 0.5f)),
+       wd = widen(randn(H * I, 4, 0.5f)), dy = widen(randn(N * H, 5));
   std::vector<double> dx(N * H), dwg(I * H), dwu(I * H), dwd(H * I), y(N * H);
   reference::swiglu_backward<double>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), dy.data(), dx.data(),
                                      dwg.data(), dwu.data(), dwd.data());
@@ -114,31 +84,18 @@ TEST(SwigluMlp, ReferenceBackwardMatchesFiniteDifferences) {
     for (size_t i = 0; i < y.size(); ++i) l += dy[i] * y[i];
     return l;
   };
-  auto check = [&](std::vector<double>& p, const std::vector<double>& grad, const char* name) {
-    const double eps = 1e-6;
-    for (size_t i = 0; i < p.size(); ++i) {
-      const double v = p[i];
-      p[i] = v + eps;
-      const double lp = loss();
-      p[i] = v - eps;
-      const double lm = loss();
-      p[i] = v;
-      const double fd = (lp - lm) / (2 * eps);
-      ASSERT_NEAR(grad[i], fd, 1e-6 * (1 + std::abs(fd))) << name << "[" << i << "]";
-    }
-  };
-  check(x, dx, "x");
-  check(wg, dwg, "w_gate");
-  check(wu, dwu, "w_up");
-  check(wd, dwd, "w_down");
+  test::expect_grad_matches_fd(x, dx, loss, "x", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(wg, dwg, loss, "w_gate", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(wu, dwu, loss, "w_up", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(wd, dwd, loss, "w_down", 1e-6, 1e-6);
 }
 
 // The planner runs the same code over shapes: every allocation, and so every peak, must agree.
 template <typename T>
 void check_planning() {
   const int64_t N = 17, H = 24, I = 20;
-  const auto x = cast<T>(randn(N * H, 1.0f, 7)), w = cast<T>(randn(I * H, 0.2f, 8));
-  const auto dy = randn(N * H, 1.0f, 9);
+  const auto x = cast<T>(randn(N * H, 7)), w = cast<T>(randn(I * H, 8, 0.2f));
+  const auto dy = randn(N * H, 9);
   std::vector<float> dx(N * H), dw(I * H * 3);
   std::vector<T> y(N * H);
   auto run = [&](MemoryAccountant& mem) {
@@ -164,7 +121,7 @@ TEST(SwigluMlp, PlannedPeakEqualsMeasured) {
 
 TEST(SwigluMlp, InferenceKeepsNoActivations) {
   const int64_t N = 4, H = 8, I = 6;
-  const auto x = randn(N * H, 1.0f, 1), w = randn(I * H, 0.3f, 2);
+  const auto x = randn(N * H, 1), w = randn(I * H, 2, 0.3f);
   std::vector<float> y(N * H), y_train(N * H);
   MemoryAccountant mem;
   swiglu_forward<float>(N, H, I, x.data(), w.data(), w.data(), w.data(), y.data(), nullptr, mem);

@@ -11,40 +11,21 @@
 #include <vector>
 
 #include "kernels/matmul.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, float scale, std::mt19937& rng) {
-  std::normal_distribution<float> nd(0.0f, scale);
-  std::vector<float> v(n);
-  for (float& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
+using test::cast;
+using test::randn;
+using test::rel_rms;
+using test::widen;
 
 // Values representable in T, kept as float (what both the kernel and the reference will see).
 template <typename T>
 std::vector<float> round_to(std::vector<float> v) {
   for (float& x : v) x = to_f32(from_f32<T>(x));
   return v;
-}
-
-std::vector<double> widen(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
-double rel_rms(const std::vector<float>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < b.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 // The smallest gap, over tokens, between the k-th and (k+1)-th largest router logit.
@@ -77,24 +58,24 @@ Problem make_problem(const MoeShape& s, uint32_t seed) {
   const float sh = 1.0f / std::sqrt(float(H));
   Problem p;
   p.s = s;
-  p.router = round_to<T>(randn(E * H, 2.0f * sh, rng));  // logits ~ N(0, 4): clearly unequal probabilities
+  p.router = round_to<T>(randn(E * H, rng, 2.0f * sh));  // logits ~ N(0, 4): clearly unequal probabilities
   p.x.resize(N * H);
   for (int64_t t = 0; t < N; ++t) {
     for (int tries = 0;; ++tries) {
       if (tries > 1000) throw std::runtime_error("no well-separated routing found");
-      const auto row = round_to<T>(randn(H, 1.0f, rng));
+      const auto row = round_to<T>(randn(H, rng));
       std::copy(row.begin(), row.end(), p.x.begin() + t * H);
       if (routing_margin(s, p.x.data(), p.router.data(), t) >= kMargin) break;
     }
   }
-  p.gate_up = round_to<T>(randn(E * 2 * I * H, sh, rng));
-  p.down = round_to<T>(randn(E * H * I, 1.0f / std::sqrt(float(I)), rng));
-  p.shared_gate = round_to<T>(randn(Is * H, sh, rng));
-  p.shared_up = round_to<T>(randn(Is * H, sh, rng));
-  p.shared_down = round_to<T>(randn(H * Is, 1.0f / std::sqrt(float(Is)), rng));
-  p.shared_expert_gate = randn(H, sh, rng);  // fp32 in both
-  p.dy = randn(N * H, 1.0f, rng);
-  p.aux = randn(E, 0.1f, rng);
+  p.gate_up = round_to<T>(randn(E * 2 * I * H, rng, sh));
+  p.down = round_to<T>(randn(E * H * I, rng, 1.0f / std::sqrt(float(I))));
+  p.shared_gate = round_to<T>(randn(Is * H, rng, sh));
+  p.shared_up = round_to<T>(randn(Is * H, rng, sh));
+  p.shared_down = round_to<T>(randn(H * Is, rng, 1.0f / std::sqrt(float(Is))));
+  p.shared_expert_gate = randn(H, rng, sh);  // fp32 in both
+  p.dy = randn(N * H, rng);
+  p.aux = randn(E, rng, 0.1f);
   return p;
 }
 
@@ -279,27 +260,14 @@ void check_reference_fd(const MoeShape& s, uint32_t seed) {
     for (size_t e = 0; e < st.prob_sums.size(); ++e) l += ref.aux[e] * st.prob_sums[e];
     return l;
   };
-  auto check = [&](std::vector<double>& v, const std::vector<double>& grad, const char* name) {
-    const double eps = 1e-6;
-    for (size_t i = 0; i < v.size(); ++i) {
-      const double keep = v[i];
-      v[i] = keep + eps;
-      const double lp = loss();
-      v[i] = keep - eps;
-      const double lm = loss();
-      v[i] = keep;
-      const double fd = (lp - lm) / (2 * eps);
-      ASSERT_NEAR(grad[i], fd, 1e-6 * (1 + std::abs(fd))) << name << "[" << i << "]";
-    }
-  };
-  check(ref.x, ref.dx, "x");
-  check(ref.router, ref.g_router, "router");
-  check(ref.gate_up, ref.g_gate_up, "gate_up");
-  check(ref.down, ref.g_down, "down");
-  check(ref.shared_gate, ref.g_shared_gate, "shared_gate");
-  check(ref.shared_up, ref.g_shared_up, "shared_up");
-  check(ref.shared_down, ref.g_shared_down, "shared_down");
-  check(ref.shared_expert_gate, ref.g_seg, "shared_expert_gate");
+  test::expect_grad_matches_fd(ref.x, ref.dx, loss, "x", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.router, ref.g_router, loss, "router", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.gate_up, ref.g_gate_up, loss, "gate_up", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.down, ref.g_down, loss, "down", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.shared_gate, ref.g_shared_gate, loss, "shared_gate", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.shared_up, ref.g_shared_up, loss, "shared_up", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.shared_down, ref.g_shared_down, loss, "shared_down", 1e-6, 1e-6);
+  test::expect_grad_matches_fd(ref.shared_expert_gate, ref.g_seg, loss, "shared_expert_gate", 1e-6, 1e-6);
 }
 TEST(Moe, ReferenceBackwardMatchesFiniteDifferences) {
   check_reference_fd({5, 6, 4, 2, 3, 4, true}, 500);
@@ -325,10 +293,10 @@ void check_ties() {
     p.s = s;
     p.x = x;
     p.router = router;
-    p.gate_up = round_to<T>(randn(E * 8 * H, 0.5f, rng));
-    p.down = round_to<T>(randn(E * H * 4, 0.5f, rng));
-    p.shared_gate = p.shared_up = p.shared_down = round_to<T>(randn(4 * H, 0.5f, rng));
-    p.shared_expert_gate = randn(H, 0.5f, rng);
+    p.gate_up = round_to<T>(randn(E * 8 * H, rng, 0.5f));
+    p.down = round_to<T>(randn(E * H * 4, rng, 0.5f));
+    p.shared_gate = p.shared_up = p.shared_down = round_to<T>(randn(4 * H, rng, 0.5f));
+    p.shared_expert_gate = randn(H, rng, 0.5f);
     FastRun<T> fast(p);
     MemoryAccountant mem;
     MoeSaved saved;
@@ -451,10 +419,10 @@ TEST(LoadBalance, MatchesTransformersOnPlantedLogits) {
     p.s = s;
     p.x = x;
     p.router = router;
-    p.gate_up = randn(E * 8 * H, 0.5f, rng);
-    p.down = randn(E * H * 4, 0.5f, rng);
-    p.shared_gate = p.shared_up = p.shared_down = randn(4 * H, 0.5f, rng);
-    p.shared_expert_gate = randn(H, 0.5f, rng);
+    p.gate_up = randn(E * 8 * H, rng, 0.5f);
+    p.down = randn(E * H * 4, rng, 0.5f);
+    p.shared_gate = p.shared_up = p.shared_down = randn(4 * H, rng, 0.5f);
+    p.shared_expert_gate = randn(H, rng, 0.5f);
     FastRun<float> fast(p);
     MemoryAccountant mem;
     std::vector<float> y(N * H);

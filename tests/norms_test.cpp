@@ -2,76 +2,35 @@
 // storage), the references' backwards vs central finite differences, and dw's independence of the
 // thread count.
 #include <gtest/gtest.h>
-#include <omp.h>
 
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <vector>
 
 #include "kernels/norms.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed, float mean = 0.0f, float stddev = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd(mean, stddev);
-  std::vector<float> v(n);
-  for (auto& x : v) x = nd(rng);
-  return v;
-}
-
-template <typename T> std::vector<T> cast(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = from_f32<T>(v[i]);
-  return out;
-}
-
-std::vector<double> to_double(const std::vector<float>& v) { return {v.begin(), v.end()}; }
-
-// |got - want| <= atol + rtol * |want| elementwise; reports the first offender.
-template <typename A, typename B>
-::testing::AssertionResult close(const std::vector<A>& got, const std::vector<B>& want, double rtol, double atol) {
-  if (got.size() != want.size()) return ::testing::AssertionFailure() << "size " << got.size() << " vs " << want.size();
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = static_cast<double>(to_f32(got[i])), w = static_cast<double>(to_f32(want[i]));
-    if (!(std::abs(g - w) <= atol + rtol * std::abs(w)))
-      return ::testing::AssertionFailure() << "element " << i << ": " << g << " vs " << w;
-  }
-  return ::testing::AssertionSuccess();
-}
+using test::cast;
+using test::close;
+using test::randn;
+using test::widen;
+using test::with_threads;
 
 // Central differences of loss() with respect to each element of p, against the analytic grad. In double
 // with h = 1e-6 the truncation error (h^2/6 * f''') and round-off (1e-16 * |L| / h) are both below 1e-8
-// for these O(1) losses, so 1e-6 relative leaves margin while a wrong term is off by >= 1e-3.
+// for these O(1) losses, so 1e-6 relative (and absolute) leaves margin while a wrong term is off by >= 1e-3.
 template <typename Loss>
 void check_fd(std::vector<double>& p, const std::vector<double>& grad, Loss loss, const char* what) {
-  const double h = 1e-6;
-  for (size_t i = 0; i < p.size(); ++i) {
-    const double save = p[i];
-    p[i] = save + h;
-    const double lp = loss();
-    p[i] = save - h;
-    const double lm = loss();
-    p[i] = save;
-    const double fd = (lp - lm) / (2 * h);
-    EXPECT_NEAR(grad[i], fd, 1e-6 * (1.0 + std::abs(fd))) << what << "[" << i << "]";
-  }
+  test::expect_grad_matches_fd(p, grad, loss, what, 1e-6, 1e-6);
 }
 
 double dot(const std::vector<double>& a, const std::vector<double>& b) {
   double s = 0;
   for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
   return s;
-}
-
-// Runs f with n OpenMP threads, then restores the previous setting.
-template <typename F> void with_threads(int n, F f) {
-  const int prev = omp_get_max_threads();
-  omp_set_num_threads(n);
-  f();
-  omp_set_num_threads(prev);
 }
 
 // Tolerances for fast (fp32 math) vs reference (double math) on identical stored inputs:
@@ -89,8 +48,8 @@ template <typename T> constexpr double out_atol() { return std::is_same_v<T, bf1
 
 template <typename T> void rmsnorm_matches_reference(int64_t rows, int64_t dim) {
   const float eps = 1e-6f;
-  const auto x = cast<T>(randn(rows * dim, 1, 0.3f, 2.0f));
-  const auto w = randn(dim, 2, 0.0f, 0.5f);
+  const auto x = cast<T>(randn(rows * dim, 1, 2.0f, 0.3f));
+  const auto w = randn(dim, 2, 0.5f);
   const auto dy = randn(rows * dim, 3);
   std::vector<T> y(rows * dim), y_ref(rows * dim), y_norstd(rows * dim);
   std::vector<float> rstd(rows), rstd_ref(rows);
@@ -122,9 +81,9 @@ TEST(RmsNorm, MatchesReferenceBf16) {
 TEST(RmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t rows = 3, dim = 5;
   const double eps = 1e-6;
-  auto x = to_double(randn(rows * dim, 4, 0.2f));
-  auto w = to_double(randn(dim, 5, 0.0f, 0.5f));
-  const auto dy = to_double(randn(rows * dim, 6));
+  auto x = widen(randn(rows * dim, 4, 1.0f, 0.2f));
+  auto w = widen(randn(dim, 5, 0.5f));
+  const auto dy = widen(randn(rows * dim, 6));
   std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim), dw(dim);
   auto loss = [&] {
     reference::rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
@@ -157,9 +116,9 @@ TEST(RmsNorm, WeightGradientIndependentOfThreadCount) {
 
 template <typename T> void gated_matches_reference(int64_t rows, int64_t dim) {
   const float eps = 1e-6f;
-  const auto x = cast<T>(randn(rows * dim, 11, -0.1f, 1.5f));
-  const auto z = cast<T>(randn(rows * dim, 12, 0.0f, 3.0f));
-  const auto w = randn(dim, 13, 1.0f, 0.3f);
+  const auto x = cast<T>(randn(rows * dim, 11, 1.5f, -0.1f));
+  const auto z = cast<T>(randn(rows * dim, 12, 3.0f));
+  const auto w = randn(dim, 13, 0.3f, 1.0f);
   const auto dy = randn(rows * dim, 14);
   std::vector<T> y(rows * dim), y_ref(rows * dim);
   std::vector<float> rstd(rows), rstd_ref(rows);
@@ -190,10 +149,10 @@ TEST(GatedRmsNorm, MatchesReferenceBf16) {
 TEST(GatedRmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t rows = 3, dim = 6;
   const double eps = 1e-6;
-  auto x = to_double(randn(rows * dim, 15));
-  auto z = to_double(randn(rows * dim, 16, 0.0f, 2.0f));
-  auto w = to_double(randn(dim, 17, 1.0f, 0.3f));
-  const auto dy = to_double(randn(rows * dim, 18));
+  auto x = widen(randn(rows * dim, 15));
+  auto z = widen(randn(rows * dim, 16, 2.0f));
+  auto w = widen(randn(dim, 17, 0.3f, 1.0f));
+  const auto dy = widen(randn(rows * dim, 18));
   std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim), dz(rows * dim), dw(dim);
   auto loss = [&] {
     reference::gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, eps);
@@ -229,7 +188,7 @@ TEST(GatedRmsNorm, WeightGradientIndependentOfThreadCount) {
 
 template <typename T> void l2norm_matches_reference(int64_t rows, int64_t dim, float scale) {
   const float eps = 1e-6f;
-  const auto x = cast<T>(randn(rows * dim, 23, 0.1f, 0.7f));
+  const auto x = cast<T>(randn(rows * dim, 23, 0.7f, 0.1f));
   const auto dy = randn(rows * dim, 24);
   std::vector<T> y(rows * dim), y_ref(rows * dim);
   std::vector<float> rstd(rows), rstd_ref(rows);
@@ -255,8 +214,8 @@ TEST(L2Norm, MatchesReferenceBf16) {
 TEST(L2Norm, ReferenceBackwardMatchesFiniteDifferences) {
   const int64_t rows = 4, dim = 5;
   const double eps = 1e-6, scale = 0.37;
-  auto x = to_double(randn(rows * dim, 25));
-  const auto dy = to_double(randn(rows * dim, 26));
+  auto x = widen(randn(rows * dim, 25));
+  const auto dy = widen(randn(rows * dim, 26));
   std::vector<double> y(rows * dim), rstd(rows), dx(rows * dim);
   auto loss = [&] {
     reference::l2norm_forward(x.data(), y.data(), rstd.data(), rows, dim, eps, scale);

@@ -1,23 +1,17 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
 
 #include "kernels/rope.h"
+#include "test_util.h"
 
 namespace hs::kernels {
 namespace {
 
-std::vector<float> randn(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> nd;
-  std::vector<float> x(n);
-  for (auto& e : x) e = nd(rng);
-  return x;
-}
+using test::randn;
 
 // Two sequences of `seq` tokens, positions 0..seq-1 each (how the model calls it for a batch).
 std::vector<int32_t> batch_positions(int32_t seq) {

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "checkpoint/safetensors.h"
+#include "test_util.h"
 
 namespace hs::checkpoint {
 namespace {
@@ -21,14 +22,7 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::string_literals;
 using Bytes = std::vector<std::byte>;
-
-Bytes read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  Bytes out(s.size());
-  std::memcpy(out.data(), s.data(), s.size());
-  return out;
-}
+using test::read_bytes;
 
 Bytes assemble(std::string_view header, std::span<const std::byte> data) {
   Bytes f(8 + header.size());

@@ -9,7 +9,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -17,6 +16,7 @@
 
 #include "checkpoint/atomic_file.h"
 #include "checkpoint/safetensors.h"
+#include "test_util.h"
 
 namespace hs::checkpoint {
 
@@ -27,50 +27,13 @@ namespace fs = std::filesystem;
 
 const fs::path kFixtures = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors";
 
-// A scratch directory removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("hs_safetensors_test_"s + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(std::string_view name) const { return path_ / name; }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
-
-std::vector<std::byte> read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  std::vector<char> c((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(c.size());
-  std::memcpy(out.data(), c.data(), c.size());
-  return out;
-}
+using test::error_of;
+using test::read_bytes;
+using test::TempDir;
 
 void write_bytes(const fs::path& p, std::span<const std::byte> b) {
   std::ofstream out(p, std::ios::binary);
   out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
 }
 
 // Exact float -> binary16 for values binary16 represents exactly (all the fixture uses); NaN is

@@ -7,7 +7,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <iterator>
 #include <random>
 #include <string>
@@ -16,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/sharded.h"
+#include "test_util.h"
 
 namespace hs::checkpoint {
 namespace {
@@ -26,47 +26,11 @@ using Bytes = std::vector<std::byte>;
 
 const fs::path kHfShards = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors" / "sharded";
 
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("hs_sharded_test_"s + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(std::string_view name) const { return path_ / name; }
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_)) out.push_back(e.path().filename().string());
-    std::sort(out.begin(), out.end());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
-
-Bytes read_bytes(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  const std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  Bytes out(s.size());
-  std::memcpy(out.data(), s.data(), s.size());
-  return out;
-}
+using test::error_of;
+using test::read_bytes;
+using test::TempDir;
 
 void write_text(const fs::path& p, std::string_view text) { std::ofstream(p) << text; }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "(no exception)";
-}
 
 struct Tensor {
   TensorDecl decl;

@@ -25,11 +25,12 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 namespace {
@@ -86,29 +87,6 @@ void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, con
     }
   }
 }
-
-// exp(x) in fp32 without a libm call so that the softmax loops vectorise: Cephes' expf (range
-// reduction by ln 2 in two parts, degree-6 polynomial), within 1.4 ulp of exp on [-87, 0]; 0 below
-// -87 (including -inf), which is where exp underflows anyway. Inputs here are <= 0 (minus a max).
-inline float exp_approx(float x) {
-  const float xc = std::clamp(x, -87.0f, 88.0f);
-  const float n = std::nearbyint(xc * 1.44269504088896341f);
-  const float r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const float two_n = std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
-  return x < -87.0f ? 0.0f : p * two_n;
-}
-
-// sigmoid through exp_approx, so the gate loops vectorise too: within 2.3 ulp of the exact value on
-// [-80, 80], like 1 / (1 + expf(-x)). The cap of exp's argument at 88 only lifts sigmoid(x < -88), which
-// is below 6e-39, to 6e-39.
-inline float sigmoid_approx(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
 // Geometry shared by the passes.
 struct Geometry {
@@ -169,7 +147,7 @@ void probs_and_dscores(float* S, float* dP, const float* lse, const float* D, in
     const int64_t vis = i < nq ? visible_keys(qt, kt, i, nk) : 0;
     const float l = i < nq ? lse[i] : 0.0f, d = i < nq ? D[i] : 0.0f;
     for (int64_t j = 0; j < kTile; ++j) {
-      const float p = j < vis ? exp_approx(s[j] - l) : 0.0f;
+      const float p = j < vis ? exp_vec(s[j] - l) : 0.0f;
       s[j] = p;
       dp[j] = p * (dp[j] - d);
     }
@@ -185,7 +163,7 @@ void probs_and_dscores_transposed(float* St, float* dPt, const float* lse, const
     float* dp = dPt + j * kTile;
     const int64_t first = j < nk ? first_query(qt, kt, j) : kTile;
     for (int64_t i = 0; i < kTile; ++i) {
-      const float p = i >= first ? exp_approx(s[i] - lse[i]) : 0.0f;
+      const float p = i >= first ? exp_vec(s[i] - lse[i]) : 0.0f;
       s[i] = p;
       dp[i] = p * (dp[i] - D[i]);
     }
@@ -258,13 +236,13 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
         for (int64_t j = 0; j < kTile; ++j)
           for (int64_t i = 0; i < kTile; ++i) m_new[i] = std::max(m_new[i], St[j * kTile + i]);
         for (int64_t i = 0; i < kTile; ++i) {
-          corr[i] = exp_approx(m[i] - m_new[i]);  // 0 on the first tile (m = -inf)
+          corr[i] = exp_vec(m[i] - m_new[i]);  // 0 on the first tile (m = -inf)
           l[i] *= corr[i];
           m[i] = m_new[i];
         }
         for (int64_t j = 0; j < kTile; ++j)
           for (int64_t i = 0; i < kTile; ++i) {
-            const float p = exp_approx(St[j * kTile + i] - m[i]);
+            const float p = exp_vec(St[j * kTile + i] - m[i]);
             St[j * kTile + i] = p;
             l[i] += p;
           }
@@ -278,7 +256,7 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
         const int64_t row = g.row(b, q0 + i, h, g.H);
         for (int64_t d = 0; d < g.hd; ++d) {
           const float a = O[i * g.hdp + d] * inv_l;
-          out[row + d] = from_f32<T>(a * sigmoid_approx(to_f32(gate[row + d])));
+          out[row + d] = from_f32<T>(a * sigmoid_vec(to_f32(gate[row + d])));
           if (attn_out) attn_out[row + d] = from_f32<T>(a);
         }
         if (lse_out) lse_out[(b * g.H + h) * g.T + q0 + i] = m[i] + std::log(l[i]);
@@ -324,7 +302,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
     const int64_t o = g.row(b, t, h, g.H);
     float rowdot = 0.0f;
     for (int64_t d = 0; d < g.hd; ++d) {
-      const float sg = sigmoid_approx(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
+      const float sg = sigmoid_vec(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
       dgate[o + d] += go * a * sg * (1.0f - sg);
       da[d] = go * sg;
       rowdot += da[d] * a;

@@ -18,7 +18,9 @@
 //   in double), the oracle for its tests together with central finite differences.
 #pragma once
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "core/dtype.h"
 #include "core/memory.h"
@@ -29,5 +31,17 @@ inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float siluf(float x) { return x * sigmoidf(x); }
 // softplus with the same threshold PyTorch uses (beta 1, threshold 20).
 inline float softplusf(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+// An fp32 array (a gradient) in the storage type T, for a product that runs in T: x itself for float, else x
+// converted into `scratch`, which holds n elements of T (callers allocate it only when T is not float).
+template <typename T>
+const T* in_storage_type(const float* x, const Buffer& scratch, size_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    convert(x, scratch.as<T>(), n);
+    return scratch.as<T>();
+  }
+}
 
 }  // namespace hs::kernels

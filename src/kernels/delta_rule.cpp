@@ -19,10 +19,11 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 namespace {
@@ -32,27 +33,9 @@ constexpr int64_t kLanes = 16;  // one AVX-512 register of floats
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// exp(x) for x <= 0 in a form the compiler vectorises (the library expf is a scalar call): x = n ln2 + r
-// with |r| <= ln2/2 (n rounded by the 1.5 * 2^23 shift, whose low bits then hold n), a degree-7 Taylor
-// polynomial (truncation < 3e-9), and 2^n put in the exponent bits. Measured against double exp over every
-// float in [-87, 0]: at most 1.3 ulp. Below -87 (where 2^n would be denormal) it returns 0.
-inline float exp_nonpositive(float x) {
-  constexpr float kShift = 12582912.0f;
-  const float xc = std::min(std::max(x, -87.0f), 0.0f);
-  const float t = xc * 1.44269504f + kShift;
-  const float n = t - kShift;
-  const float r = (xc - n * 0.693145752f) - n * 1.42860677e-6f;  // ln2 split in a high and a low part
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(kShift) + 127;
-  return x < -87.0f ? 0.0f : p * std::bit_cast<float>(e << 23);
-}
+// exp of a gate difference, which is <= 0 for valid gates (g <= 0); a positive one (an invalid g) is taken as
+// 0, so no decay factor exceeds 1.
+inline float exp_nonpositive(float x) { return exp_vec(std::min(x, 0.0f)); }
 
 // ---- Small dense products ---------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@
 #include <type_traits>
 
 #include "kernels/matmul.h"
-#include "kernels/mlp.h"
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 
@@ -58,7 +58,7 @@ XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t 
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t v = 0; v < vocab; ++v) {
-        const float e = detail::exp_simd(l[v] - mx);
+        const float e = exp_vec(l[v] - mx);
         l[v] = e;
         s += e;
       }

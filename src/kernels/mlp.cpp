@@ -4,6 +4,7 @@
 
 #include "kernels/common.h"
 #include "kernels/matmul.h"
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 namespace {
@@ -26,7 +27,7 @@ void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float*
 #pragma omp simd
     for (int64_t i = 0; i < inter; ++i) {
       const float gi = to_f32(g[i]);
-      a[i] = from_f32<T>(s * gi * sigmoid_simd(gi) * to_f32(u[i]));
+      a[i] = from_f32<T>(s * gi * sigmoid_vec(gi) * to_f32(u[i]));
     }
   }
 }
@@ -46,7 +47,7 @@ void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < inter; ++i) {
       const float gi = to_f32(g[i]), ui = to_f32(u[i]);
-      const float sg = sigmoid_simd(gi);
+      const float sg = sigmoid_vec(gi);
       const float silu = gi * sg;
       dot += da[i] * silu * ui;
       // silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
@@ -89,13 +90,7 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   Buffer d_gate_up = mem.allocate_n<T>(2 * n_ti, MemCategory::Workspace, "swiglu.d_gate_up");
   if (mem.planning()) return;
 
-  const T* dyt;
-  if constexpr (std::is_same_v<T, float>) {
-    dyt = dy;
-  } else {
-    convert(dy, dy_cast.as<T>(), n_th);
-    dyt = dy_cast.as<T>();
-  }
+  const T* dyt = in_storage_type<T>(dy, dy_cast, n_th);
   const T* gu = saved.gate_up.as<T>();
   detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
   matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act

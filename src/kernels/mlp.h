@@ -2,9 +2,7 @@
 // y = down(silu(gate(x)) * up(x)), weights in the Hugging Face [out, in] layout, all products through
 // kernels/matmul.h in the storage type T (bf16 x bf16 -> fp32 accumulate).
 #pragma once
-#include <bit>
 #include <cstdint>
-#include <limits>
 
 #include "core/dtype.h"
 #include "core/memory.h"
@@ -33,30 +31,6 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
                      float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr);
 
 namespace detail {
-// exp(x) in fp32 (max error ~1.3 ulp) written so that loops calling it vectorise: std::exp stays a
-// scalar libm call without -ffast-math, which made the SwiGLU and cross-entropy element loops cost as
-// much as their matmuls. Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2, degree-7 Taylor polynomial
-// (truncation < 1e-8 relative), 2^n through the exponent bits. (A candidate for kernels/common.h.)
-inline float exp_simd(float x) {
-  constexpr float kLo = -87.0f, kHi = 88.0f;  // 2^n stays a normal float
-  float xc = x < kLo ? kLo : x;
-  xc = xc > kHi ? kHi : xc;
-  // Round to nearest by the 1.5 * 2^23 trick (std::floor blocks GCC's vectoriser).
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (xc - n * 0.693145751953125f) - n * 1.428606765330187e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const float v = p * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-  return x < kLo ? 0.0f : (x > kHi ? std::numeric_limits<float>::infinity() : v);
-}
-inline float sigmoid_simd(float x) { return 1.0f / (1.0f + exp_simd(-x)); }
-
 // Row-wise SwiGLU pieces shared with the MoE's grouped experts. gate_up is [rows, 2 * inter] in T.
 // act[r, i] = T(scale[r] * silu(g) * u) (scale == nullptr: 1). g and u are the stored T values, so the
 // forward and the recomputation in backward agree bit for bit.

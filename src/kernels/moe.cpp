@@ -390,13 +390,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     for (int64_t e = 0; e < E; ++e) pd += p[e] * d[e];
     for (int64_t e = 0; e < E; ++e) d[e] = p[e] * (d[e] - pd);
   }
-  const T* dlt;
-  if constexpr (std::is_same_v<T, float>) {
-    dlt = dl;
-  } else {
-    convert(dl, dlogits_cast.as<T>(), ne);
-    dlt = dlogits_cast.as<T>();
-  }
+  const T* dlt = in_storage_type<T>(dl, dlogits_cast, ne);
   matmul(dlt, x, g.router, E, H, N, true, false, true);    // dW_router += dlogits^T x
   matmul(dlt, w.router, dx, N, H, E, false, false, true);  // dx += dlogits W_router
 }

@@ -3,35 +3,11 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
+
+#include "kernels/vec_math.h"
 
 namespace hs::kernels {
 namespace {
-
-// exp that vectorises (std::exp is a libm call that blocks vectorisation without -ffast-math):
-// x = n ln2 + r by Cody-Waite with n rounded by the 1.5 * 2^23 trick, Cephes' polynomial for e^r,
-// 2^n built in the exponent bits. Within ~1 ulp of exp on [-87, 88]; inputs are clamped there, which
-// leaves sigmoid correct to fp32 precision (1 above 87, < 1e-38 below -88). NaN stays NaN.
-inline float exp_vec(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f + 12582912.0f;
-  const float n = t - 12582912.0f;
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  uint32_t bits;
-  std::memcpy(&bits, &t, 4);
-  bits = (bits - 0x4B400000u + 127u) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return (p * r * r + r + 1.0f) * scale;
-}
-inline float sigmoid_vec(float x) { return 1.0f / (1.0f + exp_vec(-x)); }
-inline float silu_vec(float x) { return x * sigmoid_vec(x); }
 
 template <typename T> float row_sum_squares(const T* x, int64_t dim) {
   float ss = 0.0f;
