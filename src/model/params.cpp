@@ -1,5 +1,7 @@
 #include "model/params.h"
 
+#include "core/hash.h"
+
 #include <cmath>
 #include <stdexcept>
 
@@ -160,19 +162,13 @@ void ParamSet::zero() {
 
 namespace {
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
 uint64_t hash_name(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
   for (char ch : s) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
   return h;
 }
 double uniform01(uint64_t key, uint64_t i) {
-  return (static_cast<double>(splitmix(key ^ splitmix(i)) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+  return (static_cast<double>(splitmix64(key ^ splitmix64(i)) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
 }
 
 template <typename T, typename F>
@@ -187,7 +183,7 @@ void init_params(ParamSet& params, uint64_t seed) {
   const ModelConfig& c = params.config();
   for (auto& prm : params.all()) {
     if (!prm.tensor.data()) continue;
-    const uint64_t key = splitmix(seed) ^ hash_name(prm.name);
+    const uint64_t key = splitmix64(seed) ^ hash_name(prm.name);
     const std::string& n = prm.spec.name;
     auto gen = [&](uint64_t i) -> double {
       if (prm.spec.is_matrix) {

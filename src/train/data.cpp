@@ -1,5 +1,7 @@
 #include "train/data.h"
 
+#include "core/hash.h"
+
 #include <algorithm>
 #include <fstream>
 #include <iterator>
@@ -8,12 +10,7 @@
 namespace hs::train {
 
 namespace {
-uint64_t mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
+uint64_t mix(uint64_t x) { return splitmix64(x); }
 }  // namespace
 
 std::vector<int32_t> read_byte_tokens(const std::string& path) {
