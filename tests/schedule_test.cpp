@@ -144,8 +144,11 @@ INSTANTIATE_TEST_SUITE_P(Layers, ScanVsPlain,
                          ::testing::Combine(::testing::Values(4, 5, 6, 7, 8),
                                             ::testing::Values(model::Family::Qwen3Next, model::Family::Qwen3_5)),
                          [](const auto& param_info) {
-                           return "L" + std::to_string(std::get<0>(param_info.param)) +
-                                  (std::get<1>(param_info.param) == model::Family::Qwen3Next ? "_qwen3next" : "_qwen35");
+                           std::string name = "L";
+                           name.append(std::to_string(std::get<0>(param_info.param)));
+                           name.append(std::get<1>(param_info.param) == model::Family::Qwen3Next ? "_qwen3next"
+                                                                                                 : "_qwen35");
+                           return name;
                          });
 
 class RematPolicies : public ::testing::TestWithParam<std::tuple<int, DType, DType>> {};
@@ -177,9 +180,11 @@ INSTANTIATE_TEST_SUITE_P(Policies, RematPolicies,
                          ::testing::Combine(::testing::Values(4, 7), ::testing::Values(DType::F32, DType::BF16),
                                             ::testing::Values(DType::F32, DType::BF16)),
                          [](const auto& param_info) {
-                           return "L" + std::to_string(std::get<0>(param_info.param)) + "_weights_" +
-                                  std::string(dtype_name(std::get<1>(param_info.param))) + "_compute_" +
-                                  std::string(dtype_name(std::get<2>(param_info.param)));
+                           std::string name = "L";
+                           name.append(std::to_string(std::get<0>(param_info.param)));
+                           name.append("_weights_").append(dtype_name(std::get<1>(param_info.param)));
+                           name.append("_compute_").append(dtype_name(std::get<2>(param_info.param)));
+                           return name;
                          });
 
 // The plan is the real schedule over shapes: identical peak and per-category bytes.
