@@ -157,8 +157,9 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   OptimizerConfig oc = o.opt;
   oc.total_steps = o.steps;
   AdamWOptimizer opt(params, oc, mem);
-  nlohmann::json hf_origin;
+  nlohmann::json hf_origin, source_config;  // kept so that an export reproduces the source's layout and config.json
   if (resume) {
+    source_config = resume->config_json;
     checkpoint::load_parameters(*resume, params);
     checkpoint::load_optimizer_state(*resume, opt.first_moment(), opt.second_moment());
     opt.set_steps_taken(first_step);
@@ -166,6 +167,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
     log << "resumed " << o.resume << " at step " << first_step << "\n";
   } else if (!o.init.empty()) {
     checkpoint::CheckpointDir init = checkpoint::open_checkpoint_dir(o.init);
+    source_config = init.config_json;
     for (const auto& n : checkpoint::load_parameters(init, params)) log << "init: " << n << "\n";
     hf_origin = {{"prefix", init.hf.prefix},
                  {"experts", init.hf.experts == checkpoint::ExpertLayout::Fused ? "fused" : "per_expert"},
@@ -179,6 +181,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
     const std::string dir = o.out + "/checkpoint-" + std::to_string(step);
     nlohmann::json state = {{"step", step}, {"options", options_to_json(o)}};
     if (!hf_origin.is_null()) state["hf"] = hf_origin;
+    if (!source_config.is_null()) state["config_json"] = source_config;
     checkpoint::save_native(dir, {&params, &opt.first_moment(), &opt.second_moment(), state});
     log << "saved " << dir << "\n";
   };
