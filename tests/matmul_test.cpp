@@ -1,5 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -48,6 +52,94 @@ TEST(Matmul, PrimitivesAreCachedPerShape) {
   for (int i = 0; i < 5; ++i) matmul(A.data(), B.data(), C.data(), 8, 8, 8, false, false);
   EXPECT_EQ(matmul_primitives_created(), n);
   EXPECT_FLOAT_EQ(C[0], 8.f);
+}
+
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// Products with one dimension <= 16 run on hybridscan's own skinny loops (the rest on oneDNN). Every
+// transpose combination and both output types are checked against the double reference, at each small
+// dimension's boundary (16 runs skinny, 17 does not), with and without accumulation. bf16 inputs are exact in
+// the reference, so only fp32 accumulation order differs: 1e-4 * sqrt(K) relative to unit-scale products;
+// a bf16 output adds one rounding (2^-8 relative).
+TEST(Matmul, SkinnyShapesMatchReference) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> nd;
+  struct Shape {
+    int64_t M, N, K;
+  };
+  for (const Shape& s : {Shape{300, 4, 256}, Shape{300, 16, 70}, Shape{300, 17, 70}, Shape{300, 256, 4},
+                         Shape{257, 100, 16}, Shape{4, 256, 300}, Shape{8, 130, 4096}, Shape{16, 64, 33},
+                         Shape{1, 1, 1000}, Shape{1000, 1, 1}}) {
+    const int64_t M = s.M, N = s.N, K = s.K;
+    std::vector<float> A(M * K), B(K * N);
+    for (auto& x : A) x = nd(rng);
+    for (auto& x : B) x = nd(rng);
+    std::vector<bf16> Ab(A.begin(), A.end()), Bb(B.begin(), B.end());
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (int acc = 0; acc < 2; ++acc) {
+          const double tol = 1e-4 * std::sqrt(double(K));
+          std::vector<float> C(M * N), R(M * N);
+          for (int64_t i = 0; i < M * N; ++i) C[i] = R[i] = 0.5f * static_cast<float>(i % 7);
+          matmul(A.data(), B.data(), C.data(), M, N, K, ta, tb, acc);
+          matmul_reference(A.data(), B.data(), R.data(), M, N, K, ta, tb, acc);
+          for (int64_t i = 0; i < M * N; ++i)
+            ASSERT_NEAR(C[i], R[i], tol) << "f32 " << M << "x" << N << "x" << K << " " << ta << tb << acc;
+          std::vector<float> Cb(M * N), Rb(M * N);
+          for (int64_t i = 0; i < M * N; ++i) Cb[i] = Rb[i] = 0.5f * static_cast<float>(i % 7);
+          matmul(Ab.data(), Bb.data(), Cb.data(), M, N, K, ta, tb, acc);
+          matmul_reference(Ab.data(), Bb.data(), Rb.data(), M, N, K, ta, tb, acc);
+          for (int64_t i = 0; i < M * N; ++i)
+            ASSERT_NEAR(Cb[i], Rb[i], tol) << "bf16->f32 " << M << "x" << N << "x" << K << " " << ta << tb << acc;
+          std::vector<bf16> Co(M * N);
+          std::vector<float> Ro(M * N);
+          for (int64_t i = 0; i < M * N; ++i) Co[i] = bf16(Ro[i] = 0.5f * static_cast<float>(i % 7));
+          matmul(Ab.data(), Bb.data(), Co.data(), M, N, K, ta, tb, acc);
+          matmul_reference(Ab.data(), Bb.data(), Ro.data(), M, N, K, ta, tb, acc);
+          for (int64_t i = 0; i < M * N; ++i)
+            ASSERT_NEAR(to_f32(Co[i]), Ro[i], tol + std::abs(Ro[i]) * 0x1p-8)
+                << "bf16 " << M << "x" << N << "x" << K << " " << ta << tb << acc;
+        }
+  }
+}
+
+// Leading dimensions larger than the shape (views into wider buffers) on the skinny paths.
+TEST(Matmul, SkinnyShapesWithLeadingDimensions) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> nd;
+  const int64_t M = 200, N = 8, K = 64, pad = 5;
+  std::vector<float> A(M * (K + pad)), B(N * (K + pad)), C(M * (N + pad), 1.f);
+  for (auto& x : A) x = nd(rng);
+  for (auto& x : B) x = nd(rng);
+  matmul(A.data(), B.data(), C.data(), M, N, K, false, true, false, {K + pad, K + pad, N + pad});
+  for (int64_t i = 0; i < M; ++i) {
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += double(A[i * (K + pad) + k]) * B[j * (K + pad) + k];
+      ASSERT_NEAR(C[i * (N + pad) + j], s, 1e-4 * std::sqrt(double(K)));
+    }
+    for (int64_t j = N; j < N + pad; ++j) ASSERT_EQ(C[i * (N + pad) + j], 1.f) << "wrote outside the view";
+  }
+}
+
+// The skinny loops give the same bits for any thread count (each sum runs in a fixed order).
+TEST(Matmul, SkinnyBitIdenticalAcrossThreads) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const int64_t M = 4, N = 256, K = 4096;
+  std::vector<bf16> A(K * M), B(K * N);
+  for (auto& x : A) x = bf16(nd(rng));
+  for (auto& x : B) x = bf16(nd(rng));
+  std::vector<float> C1(M * N), C2(M * N);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  matmul(A.data(), B.data(), C1.data(), M, N, K, true, false);
+  omp_set_num_threads(2);
+  matmul(A.data(), B.data(), C2.data(), M, N, K, true, false);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(0, std::memcmp(C1.data(), C2.data(), C1.size() * sizeof(float)));
 }
 
 }  // namespace hs::kernels
