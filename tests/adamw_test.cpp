@@ -1,5 +1,5 @@
 // AdamW: a two-step example worked by hand, PyTorch's torch.optim.AdamW numbers, the fast update vs the
-// double-precision reference for fp32 and bf16 weights; sum_squares and scale_inplace.
+// double-precision reference for fp32 and bf16 weights; sum_squares; clipping through grad_scale.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -118,10 +118,22 @@ TEST(AdamW, SumSquaresMatchesReferenceAndIsThreadCountIndependent) {
   EXPECT_EQ(sum_squares(x.data(), 0), 0.0);
 }
 
-TEST(AdamW, ScaleInplace) {
-  std::vector<float> x = {1.0f, -2.0f, 0.5f};
-  scale_inplace(x.data(), 3, 0.25f);
-  EXPECT_EQ(x, (std::vector<float>{0.25f, -0.5f, 0.125f}));
+// Clipping folded into the update: grad_scale s gives the same bits as scaling the gradient first.
+TEST(AdamW, GradScaleEqualsScalingTheGradientFirst) {
+  const int64_t n = 4099;
+  const auto g = randn(n, 21);
+  auto w1 = randn(n, 22), w2 = w1;
+  std::vector<float> m1(n, 0.f), v1(n, 0.f), m2(n, 0.f), v2(n, 0.f), gs(g);
+  const float s = 0.3712f;
+  for (auto& x : gs) x *= s;
+  AdamWParams p;
+  p.weight_decay = 0.1f;
+  adamw_update(w2.data(), gs.data(), m2.data(), v2.data(), n, p, 1);
+  p.grad_scale = s;
+  adamw_update(w1.data(), g.data(), m1.data(), v1.data(), n, p, 1);
+  EXPECT_EQ(std::memcmp(w1.data(), w2.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(m1.data(), m2.data(), n * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(v1.data(), v2.data(), n * sizeof(float)), 0);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <stdexcept>
 
@@ -61,6 +62,28 @@ void Buffer::reset() {
   id_ = 0;
 }
 
+void zero_bytes(void* p, size_t bytes) {
+  // A single thread clears ~10 GB/s here while the other waits; split large buffers between the threads.
+  constexpr size_t kPiece = size_t{1} << 18;
+  const int64_t pieces = static_cast<int64_t>((bytes + kPiece - 1) / kPiece);
+#pragma omp parallel for schedule(static) if (pieces > 1)
+  for (int64_t i = 0; i < pieces; ++i) {
+    const size_t off = static_cast<size_t>(i) * kPiece;
+    std::memset(static_cast<unsigned char*>(p) + off, 0, std::min(kPiece, bytes - off));
+  }
+}
+
+void copy_bytes(void* dst, const void* src, size_t bytes) {
+  constexpr size_t kPiece = size_t{1} << 18;
+  const int64_t pieces = static_cast<int64_t>((bytes + kPiece - 1) / kPiece);
+#pragma omp parallel for schedule(static) if (pieces > 1)
+  for (int64_t i = 0; i < pieces; ++i) {
+    const size_t off = static_cast<size_t>(i) * kPiece;
+    std::memcpy(static_cast<unsigned char*>(dst) + off, static_cast<const unsigned char*>(src) + off,
+                std::min(kPiece, bytes - off));
+  }
+}
+
 MemoryAccountant::MemoryAccountant(bool planning, size_t largest_tracked)
     : planning_(planning), largest_tracked_(largest_tracked) {}
 
@@ -77,7 +100,7 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
                    tag.data(), format_bytes(static_cast<double>(live_total())).c_str());
       throw std::bad_alloc();
     }
-    if (zero) std::fill_n(static_cast<unsigned char*>(p), rounded, 0);
+    if (zero) zero_bytes(p, rounded);
     b.data_ = p;
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -27,7 +27,7 @@ void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const
   const float one_minus_b1 = 1.0f - p.beta1, one_minus_b2 = 1.0f - p.beta2;
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i];
+    const float g = grad[i] * p.grad_scale;
     const float mi = m[i] + one_minus_b1 * (g - m[i]);  // lerp, as torch's exp_avg.lerp_
     const float vi = p.beta2 * v[i] + one_minus_b2 * g * g;
     const float denom = std::sqrt(vi) / bc2_sqrt + p.eps;
@@ -53,11 +53,6 @@ double sum_squares(const float* x, int64_t n) {
   double total = 0.0;
   for (int64_t blk = 0; blk < nblocks; ++blk) total += partial[blk];
   return total;
-}
-
-void scale_inplace(float* x, int64_t n, float s) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) x[i] *= s;
 }
 
 template void adamw_update<float>(float*, const float*, float*, float*, int64_t, const AdamWParams&, int64_t);

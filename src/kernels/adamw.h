@@ -1,5 +1,5 @@
-// AdamW (decoupled weight decay, bias-corrected, PyTorch torch.optim.AdamW semantics) and the two
-// reductions global grad-norm clipping needs.
+// AdamW (decoupled weight decay, bias-corrected, PyTorch torch.optim.AdamW semantics) and the reduction
+// global grad-norm clipping needs.
 #pragma once
 #include <cstdint>
 
@@ -9,6 +9,9 @@ namespace hs::kernels {
 
 struct AdamWParams {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f, weight_decay = 0.0f;
+  // g = grad * grad_scale (in fp32) is the gradient used: global-norm clipping folded into the update, the same
+  // bits as scaling the gradients first and one pass over them fewer.
+  float grad_scale = 1.0f;
 };
 
 // One step (step is 1-based) in fp32, in PyTorch's operation order:
@@ -22,9 +25,6 @@ void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const
 // sum(x^2) in double. The array is cut into blocks whose bounds depend only on n, each block is summed
 // by one thread, and the block sums are added in order: the same bits for any thread count.
 double sum_squares(const float* x, int64_t n);
-
-// x *= s.
-void scale_inplace(float* x, int64_t n, float s);
 
 // Plain references, math in double: (TW, P) in {(float, float), (bf16, float), (double, double)}.
 namespace reference {

@@ -243,7 +243,7 @@ void adamw_update(TW* w, const P* grad, P* m, P* v, int64_t n, const AdamWParams
   const double bc1 = 1.0 - std::pow(b1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(b2, static_cast<double>(step));
   for (int64_t i = 0; i < n; ++i) {
-    const double g = static_cast<double>(grad[i]);
+    const double g = static_cast<double>(grad[i]) * static_cast<double>(p.grad_scale);
     const double mi = b1 * static_cast<double>(m[i]) + (1.0 - b1) * g;
     const double vi = b2 * static_cast<double>(v[i]) + (1.0 - b2) * g * g;
     const double wi = ld(w[i]);

@@ -348,7 +348,7 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   const int f = ffn_offset(lw.kind);
   // Feed-forward branch: dh_mid = dh_out + d(FFN(norm(h_mid)))/dh_mid.
   Buffer dh_mid = scratch<float>(mem, N * H, "layer.dh_mid");
-  if (!P) std::memcpy(ptr<float>(dh_mid), dh_out, sizeof(float) * static_cast<size_t>(N * H));
+  if (!P) copy_bytes(ptr<float>(dh_mid), dh_out, sizeof(float) * static_cast<size_t>(N * H));
   {
     Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn", true);
     if (c.moe()) {
@@ -368,7 +368,7 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
                        G(gr, p::kPostNorm), N, H);
   }
   // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in.
-  if (!P) std::memcpy(dh_in, ptr<float>(dh_mid), sizeof(float) * static_cast<size_t>(N * H));
+  if (!P) copy_bytes(dh_in, ptr<float>(dh_mid), sizeof(float) * static_cast<size_t>(N * H));
   if (lw.kind == LayerKind::LinearAttention) gdn_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
   else attention_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
 }

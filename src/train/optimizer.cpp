@@ -23,11 +23,8 @@ double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
   double sq = 0;
   for (auto& g : grads.all()) sq += kernels::sum_squares(g.tensor.as<float>(), g.tensor.numel());
   const double norm = std::sqrt(sq);
-  if (cfg_.clip > 0 && norm > cfg_.clip) {
-    const float s = static_cast<float>(cfg_.clip / (norm + 1e-6));
-    for (auto& g : grads.all()) kernels::scale_inplace(g.tensor.as<float>(), g.tensor.numel(), s);
-  }
   kernels::AdamWParams p;
+  if (cfg_.clip > 0 && norm > cfg_.clip) p.grad_scale = static_cast<float>(cfg_.clip / (norm + 1e-6));
   p.lr = static_cast<float>(lr_at(cfg_, step_));
   p.beta1 = static_cast<float>(cfg_.beta1);
   p.beta2 = static_cast<float>(cfg_.beta2);

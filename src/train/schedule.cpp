@@ -181,7 +181,7 @@ struct Runner {
     reduce_scatter(dW, *grads, model::g::kLmHead);
     GlobalGrad dn = global_grad(*grads, model::g::kFinalNorm);
     if (!P) {
-      std::memset(dh_last, 0, sizeof(float) * static_cast<size_t>(N * H));
+      zero_bytes(dh_last, sizeof(float) * static_cast<size_t>(N * H));
       kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H);
     }
     reduce_scatter(dn, *grads, model::g::kFinalNorm);
