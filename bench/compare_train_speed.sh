@@ -4,9 +4,11 @@
 # shared machine slows both sides alike. Prints a table and the ratios of the medians, hybridscan / torch.
 #
 #   bench/compare_train_speed.sh [--batch B] [--seq T] [--threads N] [--dtype fp32|bf16] [--rounds R]
-#                                [--hs-steps S] [--torch-steps S] [--torch-warmup S]
-# Each flag also reads an environment variable (BATCH, SEQ, THREADS, DTYPE, ROUNDS, HS_STEPS, TORCH_STEPS,
-# TORCH_WARMUP); flags win. HYBRIDSCAN (default build/hybridscan) and PYTHON (default python3) pick the programs.
+#                                [--remat none|block|sublayer] [--hs-steps S] [--torch-steps S] [--torch-warmup S]
+# Each flag also reads an environment variable (BATCH, SEQ, THREADS, DTYPE, ROUNDS, REMAT, HS_STEPS, TORCH_STEPS,
+# TORCH_WARMUP); flags win.
+# --remat none (default) is the like-for-like comparison: PyTorch eager keeps every activation for backward and
+#   recomputes nothing, as hybridscan does with --remat none. sublayer/block add hybridscan's recomputation. HYBRIDSCAN (default build/hybridscan) and PYTHON (default python3) pick the programs.
 #
 # --dtype bf16 (default): hybridscan's default, fp32 weights with bf16 compute; torch runs fp32 weights under
 #   bf16 autocast. --dtype fp32: fp32 compute on both sides.
@@ -22,13 +24,14 @@ seq=${SEQ:-512}
 threads=${THREADS:-2}
 dtype=${DTYPE:-bf16}
 rounds=${ROUNDS:-3}
+remat=${REMAT:-none}
 hs_steps=${HS_STEPS:-4}
 torch_steps=${TORCH_STEPS:-3}
-torch_warmup=${TORCH_WARMUP:-1}
+torch_warmup=${TORCH_WARMUP:-2}
 hybridscan=${HYBRIDSCAN:-build/hybridscan}
 python=${PYTHON:-python3}
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "compare_train_speed.sh: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -38,6 +41,7 @@ while [ $# -gt 0 ]; do
     --threads) threads=${2:?--threads needs a value}; shift 2 ;;
     --dtype) dtype=${2:?--dtype needs a value}; shift 2 ;;
     --rounds) rounds=${2:?--rounds needs a value}; shift 2 ;;
+    --remat) remat=${2:?--remat needs a value}; shift 2 ;;
     --hs-steps) hs_steps=${2:?--hs-steps needs a value}; shift 2 ;;
     --torch-steps) torch_steps=${2:?--torch-steps needs a value}; shift 2 ;;
     --torch-warmup) torch_warmup=${2:?--torch-warmup needs a value}; shift 2 ;;
@@ -51,6 +55,7 @@ for v in batch seq threads rounds hs_steps torch_steps; do
 done
 [[ $torch_warmup =~ ^[0-9]+$ ]] || die "torch_warmup must be a non-negative integer, got '$torch_warmup'"
 case "$dtype" in fp32|bf16) ;; *) die "--dtype must be fp32 or bf16, got '$dtype'" ;; esac
+case "$remat" in none|block|sublayer) ;; *) die "--remat must be none, block or sublayer, got '$remat'" ;; esac
 
 if [ ! -x "$hybridscan" ]; then
   echo "compare_train_speed.sh: $hybridscan not found; build it first: scripts/setup.sh" >&2
@@ -101,11 +106,11 @@ run_side() {
 }
 
 hs_cmd=("$hybridscan" train --preset small --synthetic --steps "$hs_steps" --batch "$batch" --seq "$seq"
-        --threads "$threads" --compute-dtype "$dtype" --out "$tmp/hs" --quiet --json)
+        --threads "$threads" --compute-dtype "$dtype" --remat "$remat" --out "$tmp/hs" --quiet --json)
 torch_cmd=("$python" bench/torch_train_step.py --dtype "$dtype" --threads "$threads" --batch "$batch" --seq "$seq"
            --steps "$torch_steps" --warmup "$torch_warmup")
 
-echo "small preset, batch $batch x seq $seq, $threads threads, $dtype; $rounds rounds alternating"
+echo "small preset, batch $batch x seq $seq, $threads threads, $dtype, hybridscan --remat $remat; $rounds rounds alternating"
 echo "  A: ${hs_cmd[*]}"
 echo "  B: ${torch_cmd[*]}"
 printf '%-6s %-12s %12s %16s %13s\n' round impl tokens/s best_step_tok/s peak_rss_MiB
