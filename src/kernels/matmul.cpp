@@ -196,7 +196,7 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
   }
   auto p = get_prim(k);
   Runtime& rt = runtime();
-  dnnl::stream s(rt.engine);
+  thread_local dnnl::stream s(rt.engine);  // one per calling thread, made once
   memory ma(p->a, rt.engine, const_cast<void*>(A));
   memory mb(p->b, rt.engine, const_cast<void*>(B));
   memory mc(p->c, rt.engine, C);
