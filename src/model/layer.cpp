@@ -158,8 +158,8 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
   const int64_t Hk = c.k_heads, Hv = c.v_heads;
-  Buffer dy = scratch<float>(mem, N * VD, "gdn.dy", true);
-  linear_backward(ptr<T>(s.y), w.mat(p::kOut), dmix, ptr<float>(dy), G(gr, p::kOut), N, H, VD, mem);
+  Buffer dy = scratch<float>(mem, N * VD, "gdn.dy");
+  linear_backward(ptr<T>(s.y), w.mat(p::kOut), dmix, ptr<float>(dy), G(gr, p::kOut), N, H, VD, mem, false);
   Buffer d_o = scratch<float>(mem, N * VD, "gdn.do", true);
   Buffer dz = scratch<float>(mem, N * VD, "gdn.dz", true);
   if (!P)
@@ -201,8 +201,9 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
     causal_conv_silu_backward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<float>(dconv), ptr<float>(dqkv), G(gr, p::kConv),
                               ctx.batch, ctx.seq, CD, c.conv_width);
   dconv.reset();
-  Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn", true);
-  linear_backward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<float>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, mem);
+  Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn");
+  linear_backward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<float>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, mem,
+                  false);
   linear_backward(ptr<T>(s.xn), w.mat(p::kZ), ptr<float>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);
@@ -259,8 +260,8 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   MemoryAccountant& mem = ctx.mem;
   const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
-  Buffer dattn = scratch<float>(mem, N * nH * hd, "attn.dout", true);
-  linear_backward(ptr<T>(s.attn_out), w.mat(p::kO), dmix, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd, mem);
+  Buffer dattn = scratch<float>(mem, N * nH * hd, "attn.dout");
+  linear_backward(ptr<T>(s.attn_out), w.mat(p::kO), dmix, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd, mem, false);
   Buffer dq = scratch<float>(mem, N * nH * hd, "attn.dq", true);
   Buffer dk = scratch<float>(mem, N * nKV * hd, "attn.dk", true);
   Buffer dv = scratch<float>(mem, N * nKV * hd, "attn.dv", true);
@@ -285,8 +286,9 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   dk.reset();
   dgate.reset();
   dq_raw.reset();
-  Buffer dxn = scratch<float>(mem, N * H, "attn.dxn", true);
-  linear_backward(ptr<T>(s.xn), w.mat(p::kQ), ptr<float>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H, mem);
+  Buffer dxn = scratch<float>(mem, N * H, "attn.dxn");
+  linear_backward(ptr<T>(s.xn), w.mat(p::kQ), ptr<float>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H, mem,
+                  false);
   linear_backward(ptr<T>(s.xn), w.mat(p::kK), ptr<float>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kV), ptr<float>(dv), ptr<float>(dxn), G(gr, p::kV), N, nKV * hd, H, mem);
   if (!P)

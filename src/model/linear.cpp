@@ -10,16 +10,16 @@ template <typename T> void linear_forward(const T* x, const T* W, T* y, int64_t 
 
 template <typename T>
 void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
-                     MemoryAccountant& mem) {
+                     MemoryAccountant& mem, bool accumulate_dx) {
   if constexpr (std::is_same_v<T, float>) {
     if (mem.planning()) return;
-    if (dx) kernels::matmul(dy, W, dx, N, in, out, false, false, true);
+    if (dx) kernels::matmul(dy, W, dx, N, in, out, false, false, accumulate_dx);
     kernels::matmul(dy, x, dW, out, in, N, true, false, true);
   } else {
     Buffer dyc = mem.allocate_n<T>(static_cast<size_t>(N * out), MemCategory::Workspace, "linear.dy_cast");
     if (mem.planning()) return;
     cast(dy, dyc.as<T>(), N * out);
-    if (dx) kernels::matmul(dyc.as<T>(), W, dx, N, in, out, false, false, true);
+    if (dx) kernels::matmul(dyc.as<T>(), W, dx, N, in, out, false, false, accumulate_dx);
     kernels::matmul(dyc.as<T>(), x, dW, out, in, N, true, false, true);
   }
 }
@@ -71,7 +71,7 @@ Converted<T> as_type(const TensorView& t, MemoryAccountant& mem, MemCategory cat
 #define HS_INSTANTIATE(T)                                                                                     \
   template void linear_forward<T>(const T*, const T*, T*, int64_t, int64_t, int64_t);                           \
   template void linear_backward<T>(const T*, const T*, const float*, float*, float*, int64_t, int64_t, int64_t, \
-                                   MemoryAccountant&);                                                          \
+                                   MemoryAccountant&, bool);                                                    \
   template void add<T>(const T*, const T*, T*, int64_t);                                                        \
   template Converted<T> as_type<T>(const TensorView&, MemoryAccountant&, MemCategory, const char*);
 HS_INSTANTIATE(float)

@@ -10,11 +10,12 @@ namespace hs::model {
 
 // y[N,out] = x[N,in] W^T.
 template <typename T> void linear_forward(const T* x, const T* W, T* y, int64_t N, int64_t out, int64_t in);
-// dx[N,in] += dy W (skipped when dx is null); dW[out,in] += dy^T x. dy is fp32; with bf16 compute it is cast to
-// bf16 (a workspace of N*out) so both products run on the bf16 matmul path.
+// dx[N,in] += dy W (dx = dy W with accumulate_dx false, so dx needs no zeroing; skipped when dx is null);
+// dW[out,in] += dy^T x. dy is fp32; with bf16 compute it is cast to bf16 (a workspace of N*out) so both products run
+// on the bf16 matmul path.
 template <typename T>
 void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
-                     MemoryAccountant& mem);
+                     MemoryAccountant& mem, bool accumulate_dx = true);
 
 // y = a + b, elementwise over n values.
 template <typename T> void add(const T* a, const T* b, T* y, int64_t n);
