@@ -72,10 +72,12 @@ template <typename T> void rmsnorm_matches_reference(int64_t rows, int64_t dim) 
 TEST(RmsNorm, MatchesReferenceF32) {
   rmsnorm_matches_reference<float>(7, 67);
   rmsnorm_matches_reference<float>(65, 300);
+  rmsnorm_matches_reference<float>(1000, 64);  // many dw row blocks
 }
 TEST(RmsNorm, MatchesReferenceBf16) {
   rmsnorm_matches_reference<bf16>(7, 67);
   rmsnorm_matches_reference<bf16>(65, 300);
+  rmsnorm_matches_reference<bf16>(1000, 64);
 }
 
 TEST(RmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
@@ -95,8 +97,9 @@ TEST(RmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
   check_fd(w, dw, loss, "dw");
 }
 
+// Enough rows for many row blocks (dw is summed per block, then over blocks).
 TEST(RmsNorm, WeightGradientIndependentOfThreadCount) {
-  const int64_t rows = 129, dim = 100;
+  const int64_t rows = 3001, dim = 100;
   const auto x = cast<bf16>(randn(rows * dim, 7));
   const auto w = randn(dim, 8);
   const auto dy = randn(rows * dim, 9);
@@ -140,10 +143,12 @@ template <typename T> void gated_matches_reference(int64_t rows, int64_t dim) {
 TEST(GatedRmsNorm, MatchesReferenceF32) {
   gated_matches_reference<float>(9, 33);
   gated_matches_reference<float>(64, 128);
+  gated_matches_reference<float>(1000, 64);  // many dw row blocks
 }
 TEST(GatedRmsNorm, MatchesReferenceBf16) {
   gated_matches_reference<bf16>(9, 33);
   gated_matches_reference<bf16>(64, 128);
+  gated_matches_reference<bf16>(1000, 64);
 }
 
 TEST(GatedRmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
@@ -167,7 +172,7 @@ TEST(GatedRmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
 }
 
 TEST(GatedRmsNorm, WeightGradientIndependentOfThreadCount) {
-  const int64_t rows = 77, dim = 128;
+  const int64_t rows = 2077, dim = 128;
   const auto x = randn(rows * dim, 19), z = randn(rows * dim, 20), w = randn(dim, 21), dy = randn(rows * dim, 22);
   std::vector<float> y(rows * dim), rstd(rows);
   gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);

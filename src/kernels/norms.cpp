@@ -1,8 +1,7 @@
 #include "kernels/norms.h"
 
-#include <omp.h>
-
 #include <algorithm>
+#include <vector>
 
 #include "kernels/vec_math.h"
 
@@ -19,23 +18,24 @@ template <typename T> float row_sum_squares(const T* x, int64_t dim) {
   return ss;
 }
 
-// Columns per dw task: an equal share per thread in whole 64-byte lines. Each column is summed over the
-// rows in order by its owner, so the result does not depend on the share.
-int64_t column_block(int64_t dim) {
-  const int64_t share = (dim + omp_get_max_threads() - 1) / omp_get_max_threads();
-  return std::max<int64_t>(16, (share + 15) / 16 * 16);
-}
+// Row blocks for a backward that also sums dw over the rows: the block bounds depend only on the row count, each
+// block sums its rows in order into its own partial dw, and the partials are added in block order, so dw has the
+// same bits for any thread count. dw comes out of the same pass over the rows as dx (no second read of dy and x).
+constexpr int64_t kMaxRowBlocks = 64;
+int64_t row_blocks(int64_t rows) { return std::clamp<int64_t>(rows / 64, 1, kMaxRowBlocks); }
 
-// dw[c] += sum over rows, in row order, of term(r, c), with columns partitioned over threads.
-template <typename F> void reduce_columns(float* dw, int64_t rows, int64_t dim, F term) {
-  const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
+// body(r, partial_dw) for every row, then dw += the partials.
+template <typename F> void rows_with_dw(float* dw, int64_t rows, int64_t dim, F body) {
+  const int64_t nb = row_blocks(rows);
+  std::vector<float> partial(static_cast<size_t>(nb * dim), 0.0f);
 #pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t c0 = blk * block, c1 = std::min(dim, c0 + block);
-    for (int64_t r = 0; r < rows; ++r)
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) dw[c] += term(r, c);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    float* pw = partial.data() + blk * dim;
+    for (int64_t r = rows * blk / nb; r < rows * (blk + 1) / nb; ++r) body(r, pw);
   }
+  for (int64_t blk = 0; blk < nb; ++blk)
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) dw[c] += partial[static_cast<size_t>(blk * dim + c)];
 }
 
 }  // namespace
@@ -59,8 +59,7 @@ template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
                       int64_t rows, int64_t dim) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
+  rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
     const T* xr = x + r * dim;
     const float* dyr = dy + r * dim;
     float* dxr = dx + r * dim;
@@ -70,10 +69,12 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * (1.0f + w[c]) * to_f32(xr[c]);
     const float k = rs * rs * dot * inv_dim;
 #pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) dxr[c] += rs * (dyr[c] * (1.0f + w[c]) - to_f32(xr[c]) * k);
-  }
-  reduce_columns(dw, rows, dim,
-                 [&](int64_t r, int64_t c) { return dy[r * dim + c] * to_f32(x[r * dim + c]) * rstd[r]; });
+    for (int64_t c = 0; c < dim; ++c) {
+      const float xv = to_f32(xr[c]);
+      dxr[c] += rs * (dyr[c] * (1.0f + w[c]) - xv * k);
+      pw[c] += dyr[c] * xv * rs;
+    }
+  });
 }
 
 template <typename T>
@@ -98,8 +99,7 @@ template <typename T>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
                             float* dz, float* dw, int64_t rows, int64_t dim) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
+  rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
     const T* xr = x + r * dim;
     const T* zr = z + r * dim;
     const float* dyr = dy + r * dim;
@@ -114,12 +114,11 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
     for (int64_t c = 0; c < dim; ++c) {
       const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
       const float s = sigmoid_vec(zv);
-      dxr[c] += rs * (dyr[c] * w[c] * (zv * s) - xv * k);
+      const float silu = zv * s;
+      dxr[c] += rs * (dyr[c] * w[c] * silu - xv * k);
       dzr[c] += dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
+      pw[c] += dyr[c] * xv * rs * silu;
     }
-  }
-  reduce_columns(dw, rows, dim, [&](int64_t r, int64_t c) {
-    return dy[r * dim + c] * to_f32(x[r * dim + c]) * rstd[r] * silu_vec(to_f32(z[r * dim + c]));
   });
 }
 
