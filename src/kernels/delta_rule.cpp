@@ -25,6 +25,20 @@
 
 #include "kernels/vec_math.h"
 
+#if defined(__AVX512F__)
+// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside the shuffles; diagnostics are located in the
+// header, so the pragma must cover its inclusion.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
 namespace hs::kernels {
 namespace {
 
@@ -83,12 +97,18 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
 
 // Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
 // Column panels outermost: a K x 64 panel of B (32 KiB at K = 128) stays in L1 while A's rows stream by.
+// out == Tri::Lower: only the lower triangle of Cm (j <= i) is wanted; each block of rows stops at the 16-column
+// group holding its diagonal, so entries above the diagonal are partly computed and partly left untouched
+// (stale): a consumer must mask them, never multiply them by zero.
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
-          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None) {
+          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None,
+          Tri out = Tri::None) {
   const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
   for (int64_t j0 = 0; j0 < N; j0 += 64) {
-    const int64_t nv = std::min<int64_t>(64, N - j0) / 16;
     for (int64_t i0 = 0; i0 < M; i0 += kMR) {
+      const int64_t n_end = out == Tri::Lower ? std::min(N, round_up(i0 + kMR, 16)) : N;
+      if (j0 >= n_end) continue;
+      const int64_t nv = std::min<int64_t>(64, n_end - j0) / 16;
       const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
       const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
       const float* a = A + i0 * ars;
@@ -109,11 +129,39 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta,
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
   for (int64_t i0 = 0; i0 < rows; i0 += kLanes)
     for (int64_t j0 = 0; j0 < cols; j0 += kLanes) {
+#if defined(__AVX512F__)
+      // In registers: pairs, then quads, then 128-bit lanes twice (48 shuffles for 256 floats).
+      const float* s0 = src + i0 * lds + j0;
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(s0 + i * lds);
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 16; i += 8)
+        for (int c = 0; c < 4; ++c) {
+          t[i + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0x88);
+          t[i + 4 + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0xDD);
+        }
+      for (int c = 0; c < 8; ++c) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+      }
+      float* d0 = dst + j0 * ldd + i0;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(d0 + j * ldd, r[j]);
+#else
       float tile[kLanes][kLanes];
       for (int64_t i = 0; i < kLanes; ++i)
         for (int64_t j = 0; j < kLanes; ++j) tile[j][i] = src[(i0 + i) * lds + j0 + j];
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t i = 0; i < kLanes; ++i) dst[(j0 + j) * ldd + i0 + i] = tile[j][i];
+#endif
     }
 }
 
@@ -167,6 +215,7 @@ class Carver {
 struct ChunkTiles {
   int64_t dkp, dvp;
   float *q, *k, *v, *kt, *beta, *G, *eG, *eKd, *D, *kkt, *tinv, *kbg, *bv, *qg, *kd, *qkt;
+  const float* T = nullptr;  // the chunk's Tinv in use: tinv, or the forward's saved copy
   ChunkTiles(Carver& cv, int64_t dkp_, int64_t dvp_) : dkp(dkp_), dvp(dvp_) {
     q = cv.take(C * dkp);
     k = cv.take(C * dkp);
@@ -198,13 +247,15 @@ struct ChunkTiles {
     }
   }
 
-  // D: lower triangle including the diagonal, zeros above.
+  // D: lower triangle including the diagonal, zeros above (the exps only up to the diagonal's 16 columns).
   void decay_matrix() {
     for (int64_t i = 0; i < C; ++i) {
       float* row = D + i * C;
       const float gi = G[i];
+      const int64_t e = round_up(i + 1, kLanes);
 #pragma omp simd
-      for (int64_t j = 0; j < C; ++j) row[j] = j <= i ? exp_nonpositive(gi - G[j]) : 0.0f;
+      for (int64_t j = 0; j < e; ++j) row[j] = j <= i ? exp_nonpositive(gi - G[j]) : 0.0f;
+      std::fill(row + e, row + C, 0.0f);
     }
   }
 
@@ -221,16 +272,18 @@ struct ChunkTiles {
 };
 
 // Tinv = (I + M)^-1 for strictly lower M by forward substitution: row i = e_i - sum_{j<i} M_ij row j.
+// Row j is zero beyond column j, so row i only needs its first round_up(i, 16) columns updated.
 void unit_lower_inverse(const float* M, float* Tinv) {
   std::fill_n(Tinv, C * C, 0.0f);
   for (int64_t i = 0; i < C; ++i) {
     float* ti = Tinv + i * C;
     ti[i] = 1.0f;
+    const int64_t e = round_up(i, kLanes);
     for (int64_t j = 0; j < i; ++j) {
       const float m = M[i * C + j];
       const float* tj = Tinv + j * C;
 #pragma omp simd
-      for (int64_t l = 0; l < C; ++l) ti[l] -= m * tj[l];
+      for (int64_t l = 0; l < e; ++l) ti[l] -= m * tj[l];
     }
   }
 }
@@ -281,18 +334,20 @@ void load_chunk(const HeadView& hv, int64_t c, const T* q, const T* k, const T* 
   for (int64_t i = 0; i < C; ++i) t.beta[i] = i < n ? beta[hv.gate_offset(t0 + i)] : 0.0f;
 }
 
-// The chunk's Vn = U - W S0 from Tinv and the state, then S advanced to the chunk end.
-void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, float* S) {
+// The chunk's Vn = U - W S0 from Tinv and the start state S0, then (unless S1 is null: the last chunk, whose
+// end state nobody reads) the end state S1, which may be S0 itself.
+void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, const float* S0, float* S1) {
   t.wy_operands();
-  gemm(C, t.dkp, C, t.tinv, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, C, t.tinv, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, t.dkp, W, t.dkp, false, S, t.dvp, vn, t.dvp, -1.0f, true);
+  gemm(C, t.dkp, C, t.T, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
+  gemm(C, t.dvp, C, t.T, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
+  gemm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
+  if (!S1) return;
   scale_rows(t.eKd, t.k, t.kd, t.dkp);
   const float decay = exp_nonpositive(t.gl());
   const int64_t n = t.dkp * t.dvp;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) S[i] *= decay;
-  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S, t.dvp, 1.0f, true);
+  for (int64_t i = 0; i < n; ++i) S1[i] = decay * S0[i];
+  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
 }
 
 template <typename T>
@@ -310,23 +365,24 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     t.decay_matrix();
 
     transpose(t.k, C, dkp, dkp, t.kt, C);
-    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
     float* M = t.qkt;  // scratch until Q K^T is formed below
     for (int64_t i = 0; i < C; ++i)
 #pragma omp simd
       for (int64_t j = 0; j < C; ++j) M[i * C + j] = j < i ? t.beta[i] * t.kkt[i * C + j] * t.D[i * C + j] : 0.0f;
-    unit_lower_inverse(M, t.tinv);
-    if (tinv_out) {
-      std::copy_n(t.tinv, C * C, tinv_out + c * C * C);
-      std::copy_n(t.G, C, gcum_out + t0);
-    }
+    float* tinv = tinv_out ? tinv_out + c * C * C : t.tinv;
+    unit_lower_inverse(M, tinv);
+    t.T = tinv;
+    if (gcum_out) std::copy_n(t.G, C, gcum_out + t0);
 
     // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
     scale_rows(t.eG, t.q, t.qg, dkp);
     gemm(C, dvp, dkp, t.qg, dkp, false, w.S, dvp, w.out, dvp);
-    chunk_values_and_state(t, w.W, w.vn, w.S);
-    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C);
-    for (int64_t i = 0; i < C * C; ++i) t.qkt[i] *= t.D[i];
+    chunk_values_and_state(t, w.W, w.vn, w.S, c + 1 < nchunks ? w.S : nullptr);
+    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
+    for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+      for (int64_t j = 0; j < C; ++j) t.qkt[i * C + j] = j <= i ? t.qkt[i * C + j] * t.D[i * C + j] : 0.0f;
     gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, true, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
@@ -397,9 +453,11 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   std::fill_n(w.dbeta, C, 0.0f);
 
   transpose(t.k, C, dkp, dkp, t.kt, C);
-  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C);
-  for (int64_t i = 0; i < C * C; ++i) P[i] *= t.D[i];
-  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C, 1.0f, false, Tri::None, Tri::Lower);
+  for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) P[i * C + j] = j <= i ? P[i * C + j] * t.D[i * C + j] : 0.0f;
+  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
   scale_rows(t.eG, t.q, t.qg, dkp);
   scale_rows(t.eKd, t.k, t.kd, dkp);
   t.wy_operands();
@@ -420,11 +478,14 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // Through O += P Vn: dP = dO Vn^T (lower), then P = (Q K^T) o D.
   transpose(vn, C, dvp, dvp, w.vnt, C);
-  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C);
-  for (int64_t i = 0; i < C * C; ++i) {
-    w.X[i] = w.dP[i] * P[i];  // zero above the diagonal, where P is
-    w.dP[i] *= t.D[i];
-  }
+  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C, 1.0f, false, Tri::None, Tri::Lower);
+  for (int64_t i = 0; i < C; ++i)
+#pragma omp simd
+    for (int64_t j = 0; j < C; ++j) {
+      const float dp = w.dP[i * C + j];
+      w.X[i * C + j] = j <= i ? dp * P[i * C + j] : 0.0f;
+      w.dP[i * C + j] = j <= i ? dp * t.D[i * C + j] : 0.0f;
+    }
   decay_gate_grad(w.X, dG);
   gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
   gemm(C, dkp, C, w.dP, C, true, t.q, dkp, w.dk, dkp, 1.0f, false, Tri::Upper);
@@ -453,8 +514,8 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
   // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, dKbg = Tinv^T dW.
-  gemm(C, dvp, C, t.tinv, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
-  gemm(C, dkp, C, t.tinv, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
+  gemm(C, dvp, C, t.T, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
+  gemm(C, dkp, C, t.T, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i], e = t.eG[i];
     const float* dbv = w.dbv + i * dvp;
@@ -469,13 +530,15 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // Through Tinv = (I + M)^-1 with dTinv = dU (beta V)^T + dW Kbg^T: dM = -Tinv^T dTinv Tinv^T, where
   // Tinv^T dTinv = d(beta V) (beta V)^T + dKbg Kbg^T; only its strictly lower part counts.
-  // M = beta (K K^T) o D.
+  // M = beta (K K^T) o D. The strictly lower dM_ij = -sum_b X_ib Tinv_jb reads X only at b <= j < i: both
+  // products need just their lower triangles (what a row block computes above it is finite and meets zeros
+  // of Tinv).
   transpose(t.bv, C, dvp, dvp, w.bvt, C);
   transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
-  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C);
-  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true);
-  transpose(t.tinv, C, C, C, w.tinvt, C);
-  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f);
+  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C, 1.0f, false, Tri::None, Tri::Lower);
+  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true, Tri::None, Tri::Lower);
+  transpose(t.T, C, C, C, w.tinvt, C);
+  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f, false, Tri::Lower, Tri::Lower);
   float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
   float* F = w.X;
   for (int64_t i = 0; i < C; ++i) {
@@ -484,9 +547,10 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 #pragma omp simd reduction(+ : db)
     for (int64_t j = 0; j < C; ++j) {
       const float dmd = j < i ? E[i * C + j] * t.D[i * C + j] : 0.0f;
-      db += dmd * t.kkt[i * C + j];
+      const float kk = j < i ? t.kkt[i * C + j] : 0.0f;  // stale above the diagonal
+      db += dmd * kk;
       E[i * C + j] = b * dmd;
-      F[i * C + j] = b * dmd * t.kkt[i * C + j];
+      F[i * C + j] = b * dmd * kk;
     }
     w.dbeta[i] += db;
   }
@@ -515,17 +579,17 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
   auto load = [&](int64_t c, const T* q_or_null) {
     load_chunk(hv, c, q_or_null, k, v, beta, t);
     std::copy_n(gcum + c * C, C, t.G);
-    std::copy_n(tinv + c * C * C, C * C, t.tinv);
+    t.T = tinv + c * C * C;
     t.state_decays();
   };
 
   // Forward over the chunks: every chunk's start state, W and Vn.
-  float* S = w.dS;  // the running state; dS takes this buffer over afterwards
-  std::fill_n(S, dkp * dvp, 0.0f);
+  const int64_t nS = dkp * dvp;
+  std::fill_n(w.S_all, nS, 0.0f);
   for (int64_t c = 0; c < nchunks; ++c) {
     load(c, nullptr);
-    std::copy_n(S, dkp * dvp, w.S_all + c * dkp * dvp);
-    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, S);
+    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, w.S_all + c * nS,
+                           c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
   }
 
   // Reverse over the chunks carrying dS (zero after the last token: the final state is not an output).
