@@ -184,13 +184,28 @@ void scale_rows(const float* scale, const float* src, float* dst, int64_t d) {
 // ---- Chunk tiles ------------------------------------------------------------------------------------------
 
 // Rows [t0, t0 + n) of one head of a [B, T, H, d] tensor (row stride `stride`) into a zero-padded C x dp tile.
+// Widens a row of n bf16 (exactly: the bits move to the top half) or copies floats.
+inline void widen_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen_row(const bf16* src, int64_t n, float* dst) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+
 template <typename S>
 void load_tile(const S* src, int64_t stride, int64_t n, int64_t d, float* dst, int64_t dp) {
   for (int64_t i = 0; i < C; ++i) {
     float* row = dst + i * dp;
     int64_t j = 0;
-    if (i < n)
-      for (; j < d; ++j) row[j] = to_f32(src[i * stride + j]);
+    if (i < n) {
+      widen_row(src + i * stride, d, row);
+      j = d;
+    }
     for (; j < dp; ++j) row[j] = 0.0f;
   }
 }
@@ -272,16 +287,18 @@ struct ChunkTiles {
 };
 
 // Tinv = (I + M)^-1 for strictly lower M by forward substitution: row i = e_i - sum_{j<i} M_ij row j.
-// Row j is zero beyond column j, so row i only needs its first round_up(i, 16) columns updated.
+// Right-looking: once row j is final it is subtracted from every later row, so the updates of one step are
+// independent (no chain through one row's accumulators); row j is zero beyond column j, so only its first
+// round_up(j + 1, 16) columns move. Each row still sums its terms in order j = 0, 1, ...
 void unit_lower_inverse(const float* M, float* Tinv) {
   std::fill_n(Tinv, C * C, 0.0f);
-  for (int64_t i = 0; i < C; ++i) {
-    float* ti = Tinv + i * C;
-    ti[i] = 1.0f;
-    const int64_t e = round_up(i, kLanes);
-    for (int64_t j = 0; j < i; ++j) {
+  for (int64_t i = 0; i < C; ++i) Tinv[i * C + i] = 1.0f;
+  for (int64_t j = 0; j < C - 1; ++j) {
+    const float* tj = Tinv + j * C;
+    const int64_t e = round_up(j + 1, kLanes);
+    for (int64_t i = j + 1; i < C; ++i) {
       const float m = M[i * C + j];
-      const float* tj = Tinv + j * C;
+      float* ti = Tinv + i * C;
 #pragma omp simd
       for (int64_t l = 0; l < e; ++l) ti[l] -= m * tj[l];
     }
@@ -336,17 +353,18 @@ void load_chunk(const HeadView& hv, int64_t c, const T* q, const T* k, const T* 
 
 // The chunk's Vn = U - W S0 from Tinv and the start state S0, then (unless S1 is null: the last chunk, whose
 // end state nobody reads) the end state S1, which may be S0 itself.
+// S0 == nullptr stands for a zero start state (the first chunk).
 void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, const float* S0, float* S1) {
   t.wy_operands();
   gemm(C, t.dkp, C, t.T, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
   gemm(C, t.dvp, C, t.T, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
+  if (S0) gemm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
   if (!S1) return;
   scale_rows(t.eKd, t.k, t.kd, t.dkp);
   const float decay = exp_nonpositive(t.gl());
   const int64_t n = t.dkp * t.dvp;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) S1[i] = decay * S0[i];
+  for (int64_t i = 0; i < n; ++i) S1[i] = S0 ? decay * S0[i] : 0.0f;
   gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
 }
 
@@ -355,7 +373,6 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
                   float* tinv_out, float* gcum_out, ForwardScratch& w) {
   ChunkTiles& t = w.t;
   const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks();
-  std::fill_n(w.S, dkp * dvp, 0.0f);
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
     load_chunk(hv, c, q, k, v, beta, t);
@@ -376,14 +393,18 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     if (gcum_out) std::copy_n(t.G, C, gcum_out + t0);
 
     // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
-    scale_rows(t.eG, t.q, t.qg, dkp);
-    gemm(C, dvp, dkp, t.qg, dkp, false, w.S, dvp, w.out, dvp);
-    chunk_values_and_state(t, w.W, w.vn, w.S, c + 1 < nchunks ? w.S : nullptr);
+    // The first chunk starts from a zero state (w.S is only written at its end).
+    const float* S0 = c > 0 ? w.S : nullptr;
+    if (S0) {
+      scale_rows(t.eG, t.q, t.qg, dkp);
+      gemm(C, dvp, dkp, t.qg, dkp, false, S0, dvp, w.out, dvp);
+    }
+    chunk_values_and_state(t, w.W, w.vn, S0, c + 1 < nchunks ? w.S : nullptr);
     gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
     for (int64_t i = 0; i < C; ++i)
 #pragma omp simd
       for (int64_t j = 0; j < C; ++j) t.qkt[i * C + j] = j <= i ? t.qkt[i * C + j] * t.D[i * C + j] : 0.0f;
-    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, true, Tri::Lower);
+    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
     for (int64_t i = 0; i < n; ++i)
@@ -397,7 +418,7 @@ struct BackwardScratch {
   ChunkTiles t;
   // Whole head: W and Vn of every chunk, and every chunk's start state.
   float *W_all, *vn_all, *S_all;
-  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *X, *dM,
+  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
   BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
     W_all = cv.take(nchunks * C * dkp);
@@ -418,7 +439,6 @@ struct BackwardScratch {
     dv = cv.take(C * dvp);
     dP = cv.take(C * C);
     dkd = cv.take(C * dkp);
-    dW = cv.take(C * dkp);
     X = cv.take(C * C);
     dM = cv.take(C * C);
     dbv = cv.take(C * dvp);
@@ -444,7 +464,9 @@ void decay_gate_grad(const float* F, float* dG) {
 // Gradients of one chunk given d_o and dS = the gradient of the chunk's end state; leaves dS as the
 // gradient of its start state. Tiles t hold the chunk's inputs and gate factors; W, vn, S0 come from the
 // forward pass over the head.
-void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const float* S0) {
+// S0 == nullptr: the first chunk, whose start state is zero; ds_zero: the last chunk (dS1 = 0). Terms known
+// to be zero are skipped.
+void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const float* S0, bool ds_zero) {
   ChunkTiles& t = w.t;
   const int64_t dkp = t.dkp, dvp = t.dvp;
   float* P = t.qkt;
@@ -464,16 +486,20 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // dVn = P^T dO + Kd dS1.
   gemm(C, dvp, C, P, C, true, w.dO, dvp, w.dvn, dvp, 1.0f, false, Tri::Upper);
-  gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
+  if (!ds_zero) gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
 
   // Through O = Qg S0: dQg = dO S0^T.
-  transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
-  gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
-  for (int64_t i = 0; i < C; ++i) {
-    dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
-    const float e = t.eG[i];
+  if (S0) {
+    transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
+    gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
+    for (int64_t i = 0; i < C; ++i) {
+      dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
+      const float e = t.eG[i];
 #pragma omp simd
-    for (int64_t j = 0; j < dkp; ++j) w.dq[i * dkp + j] = e * w.dqg[i * dkp + j];
+      for (int64_t j = 0; j < dkp; ++j) w.dq[i * dkp + j] = e * w.dqg[i * dkp + j];
+    }
+  } else {
+    std::fill_n(w.dq, C * dkp, 0.0f);
   }
 
   // Through O += P Vn: dP = dO Vn^T (lower), then P = (Q K^T) o D.
@@ -492,30 +518,35 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // Through S1 = exp(G_last) S0 + Kd^T Vn with Kd = exp(G_last - G) K.
   const float gl = t.gl(), decay = exp_nonpositive(gl);
-  transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
-  gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
-  float dgl = decay * dot(w.dS, S0, dkp * dvp);
-  for (int64_t i = 0; i < C; ++i) {
-    const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
-    dG[i] -= x;
-    dgl += x;
-    const float e = t.eKd[i];
+  if (!ds_zero) {
+    transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
+    gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
+    float dgl = S0 ? decay * dot(w.dS, S0, dkp * dvp) : 0.0f;
+    for (int64_t i = 0; i < C; ++i) {
+      const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
+      dG[i] -= x;
+      dgl += x;
+      const float e = t.eKd[i];
 #pragma omp simd
-    for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += e * w.dkd[i * dkp + j];
+      for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += e * w.dkd[i * dkp + j];
+    }
+    dG[C - 1] += dgl;
   }
-  dG[C - 1] += dgl;
 
-  // Through Vn = U - W S0: dW = -dVn S0^T; the state gradient moves to the chunk start.
-  gemm(C, dkp, dvp, w.dvn, dvp, false, w.S0t, dkp, w.dW, dkp, -1.0f);
+  // Through Vn = U - W S0 the state gradient moves to the chunk start.
   const int64_t nS = dkp * dvp;
 #pragma omp simd
-  for (int64_t i = 0; i < nS; ++i) w.dS[i] *= decay;
+  for (int64_t i = 0; i < nS; ++i) w.dS[i] = ds_zero ? 0.0f : decay * w.dS[i];
   gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
   gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
-  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, dKbg = Tinv^T dW.
+  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, and with dW = -dU S0^T,
+  // dKbg = Tinv^T dW = -d(beta V) S0^T.
   gemm(C, dvp, C, t.T, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
-  gemm(C, dkp, C, t.T, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
+  if (S0)
+    gemm(C, dkp, dvp, w.dbv, dvp, false, w.S0t, dkp, w.dkbg, dkp, -1.0f);
+  else
+    std::fill_n(w.dkbg, C * dkp, 0.0f);
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i], e = t.eG[i];
     const float* dbv = w.dbv + i * dvp;
@@ -585,10 +616,9 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
 
   // Forward over the chunks: every chunk's start state, W and Vn.
   const int64_t nS = dkp * dvp;
-  std::fill_n(w.S_all, nS, 0.0f);
   for (int64_t c = 0; c < nchunks; ++c) {
     load(c, nullptr);
-    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, w.S_all + c * nS,
+    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
                            c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
   }
 
@@ -599,7 +629,8 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
     load_tile(d_o + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, w.dO, dvp);
     load(c, q);
     t.decay_matrix();
-    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, w.S_all + c * dkp * dvp);
+    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
+                   c == nchunks - 1);
     for (int64_t i = 0; i < n; ++i) {
       float* dqr = dqk.dq + (t0 + i) * dqk.stride;
       float* dkr = dqk.dk + (t0 + i) * dqk.stride;
