@@ -181,6 +181,31 @@ void scale_rows(const float* scale, const float* src, float* dst, int64_t d) {
   }
 }
 
+// ---- Masked lower-triangle passes ----------------------------------------------------------------------
+// Elementwise work on C x C tiles runs only over the 16-column groups up to the diagonal, with the lanes past it
+// masked to zero (GCC splits `j <= i ? ... : 0` loops into scalar pieces instead of vectorising them).
+
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+inline f32x16 ld16(const float* p) {
+  f32x16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+inline void st16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
+inline f32x16 splat16(float a) { return f32x16{} + a; }
+// All ones in the lanes j0 + l <= last, zero elsewhere.
+inline i32x16 lanes_upto(int64_t j0, int64_t last) {
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+}
+inline f32x16 keep(f32x16 x, i32x16 m) { return reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(x) & m); }
+inline float hsum16(f32x16 x) {
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += x[l];
+  return s;
+}
+
 // ---- Chunk tiles ------------------------------------------------------------------------------------------
 
 // Rows [t0, t0 + n) of one head of a [B, T, H, d] tensor (row stride `stride`) into a zero-padded C x dp tile.
@@ -286,6 +311,15 @@ struct ChunkTiles {
   }
 };
 
+// X = X o D on and below the diagonal, zeros above (X may hold anything there).
+void mask_decay(float* X, const float* D) {
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      st16(X + o, j0 > i ? f32x16{} : keep(ld16(X + o) * ld16(D + o), lanes_upto(j0, i)));
+    }
+}
+
 // Tinv = (I + M)^-1 for strictly lower M by forward substitution: row i = e_i - sum_{j<i} M_ij row j.
 // Right-looking: once row j is final it is subtracted from every later row, so the updates of one step are
 // independent (no chain through one row's accumulators); row j is zero beyond column j, so only its first
@@ -384,9 +418,11 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     transpose(t.k, C, dkp, dkp, t.kt, C);
     gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
     float* M = t.qkt;  // scratch until Q K^T is formed below
-    for (int64_t i = 0; i < C; ++i)
-#pragma omp simd
-      for (int64_t j = 0; j < C; ++j) M[i * C + j] = j < i ? t.beta[i] * t.kkt[i * C + j] * t.D[i * C + j] : 0.0f;
+    for (int64_t i = 1; i < C; ++i)  // unit_lower_inverse reads M only below the diagonal
+      for (int64_t j0 = 0; j0 < i; j0 += kLanes) {
+        const int64_t at = i * C + j0;
+        st16(M + at, keep(t.beta[i] * ld16(t.kkt + at) * ld16(t.D + at), lanes_upto(j0, i - 1)));
+      }
     float* tinv = tinv_out ? tinv_out + c * C * C : t.tinv;
     unit_lower_inverse(M, tinv);
     t.T = tinv;
@@ -401,9 +437,7 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     }
     chunk_values_and_state(t, w.W, w.vn, S0, c + 1 < nchunks ? w.S : nullptr);
     gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
-    for (int64_t i = 0; i < C; ++i)
-#pragma omp simd
-      for (int64_t j = 0; j < C; ++j) t.qkt[i * C + j] = j <= i ? t.qkt[i * C + j] * t.D[i * C + j] : 0.0f;
+    mask_decay(t.qkt, t.D);
     gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
@@ -476,9 +510,7 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   transpose(t.k, C, dkp, dkp, t.kt, C);
   gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C, 1.0f, false, Tri::None, Tri::Lower);
-  for (int64_t i = 0; i < C; ++i)
-#pragma omp simd
-    for (int64_t j = 0; j < C; ++j) P[i * C + j] = j <= i ? P[i * C + j] * t.D[i * C + j] : 0.0f;
+  mask_decay(P, t.D);
   gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
   scale_rows(t.eG, t.q, t.qg, dkp);
   scale_rows(t.eKd, t.k, t.kd, dkp);
@@ -506,11 +538,17 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   transpose(vn, C, dvp, dvp, w.vnt, C);
   gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C, 1.0f, false, Tri::None, Tri::Lower);
   for (int64_t i = 0; i < C; ++i)
-#pragma omp simd
-    for (int64_t j = 0; j < C; ++j) {
-      const float dp = w.dP[i * C + j];
-      w.X[i * C + j] = j <= i ? dp * P[i * C + j] : 0.0f;
-      w.dP[i * C + j] = j <= i ? dp * t.D[i * C + j] : 0.0f;
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      if (j0 > i) {
+        st16(w.X + o, f32x16{});
+        st16(w.dP + o, f32x16{});
+        continue;
+      }
+      const i32x16 m = lanes_upto(j0, i);
+      const f32x16 dp = ld16(w.dP + o);
+      st16(w.X + o, keep(dp * ld16(P + o), m));
+      st16(w.dP + o, keep(dp * ld16(t.D + o), m));
     }
   decay_gate_grad(w.X, dG);
   gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
@@ -574,16 +612,22 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   float* F = w.X;
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i];
-    float db = 0.0f;
-#pragma omp simd reduction(+ : db)
-    for (int64_t j = 0; j < C; ++j) {
-      const float dmd = j < i ? E[i * C + j] * t.D[i * C + j] : 0.0f;
-      const float kk = j < i ? t.kkt[i * C + j] : 0.0f;  // stale above the diagonal
+    f32x16 db = {};
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      if (j0 >= i) {  // nothing strictly below the diagonal here
+        st16(E + o, f32x16{});
+        st16(F + o, f32x16{});
+        continue;
+      }
+      const i32x16 m = lanes_upto(j0, i - 1);
+      const f32x16 dmd = keep(ld16(E + o) * ld16(t.D + o), m);
+      const f32x16 kk = keep(ld16(t.kkt + o), m);  // stale above the diagonal
       db += dmd * kk;
-      E[i * C + j] = b * dmd;
-      F[i * C + j] = b * dmd * kk;
+      st16(E + o, b * dmd);
+      st16(F + o, b * dmd * kk);
     }
-    w.dbeta[i] += db;
+    w.dbeta[i] += hsum16(db);
   }
   decay_gate_grad(F, dG);
   gemm(C, dkp, C, E, C, false, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Lower);
