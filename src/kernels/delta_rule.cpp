@@ -66,8 +66,9 @@ using f32x16 = float __attribute__((vector_size(64)));
 
 // Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
+// Never inlined: inside a large caller GCC may keep the accumulators on the stack (zeroed by memset).
 template <int NV>
-inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B,
+__attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B,
                        int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
   f32x16 acc[kMR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
