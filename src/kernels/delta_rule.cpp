@@ -66,10 +66,40 @@ using f32x16 = float __attribute__((vector_size(64)));
 
 // Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
-// Never inlined: inside a large caller GCC may keep the accumulators on the stack (zeroed by memset).
+// Never inlined, and the accumulators are named registers: with `acc[..] = {}` GCC zeroes a stack copy with
+// memset on every call.
 template <int NV>
-__attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B,
-                       int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
+__attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks,
+                                          const float* B, int64_t ldb, float* Cm, int64_t ldc, float alpha,
+                                          bool accumulate) {
+#if defined(__AVX512F__)
+  __m512 acc[kMR][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = kb; k < ke; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kMR; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * ars + k * aks]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 4
+  for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* cp = Cm + r * ldc + 16 * v;
+      __m512 c = _mm512_mul_ps(al, acc[r][v]);
+      if (accumulate) c = _mm512_add_ps(c, _mm512_loadu_ps(cp));
+      _mm512_storeu_ps(cp, c);
+    }
+#else
   f32x16 acc[kMR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
     f32x16 b[NV];
@@ -94,6 +124,7 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
       }
       std::memcpy(cp, &c, sizeof c);
     }
+#endif
 }
 
 // Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
