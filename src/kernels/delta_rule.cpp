@@ -57,41 +57,42 @@ inline float exp_nonpositive(float x) { return exp_vec(std::min(x, 0.0f)); }
 // (k >= i). The skipped entries must be stored as zeros: blocks of rows read a superset.
 enum class Tri { None, Lower, Upper };
 
-constexpr int kMR = 4;  // rows of C per register block; every M here is a multiple of 16
+constexpr int kMR = 4;  // rows of C per register block (8 where the block is at most 32 columns wide); every M
+                        // here is a multiple of 16
 
 // Sixteen floats as one value: GCC and Clang keep it in a 512-bit register where there is one (auto-
 // vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere. Loads and stores go
 // through memcpy (unaligned), and no function takes or returns one (that would be ABI-dependent).
 using f32x16 = float __attribute__((vector_size(64)));
 
-// Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
+// Cm[MR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
 // Never inlined, and the accumulators are named registers: with `acc[..] = {}` GCC zeroes a stack copy with
 // memset on every call.
-template <int NV>
+template <int MR, int NV>
 __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks,
                                           const float* B, int64_t ldb, float* Cm, int64_t ldc, float alpha,
                                           bool accumulate) {
 #if defined(__AVX512F__)
-  __m512 acc[kMR][NV];
-#pragma GCC unroll 4
-  for (int r = 0; r < kMR; ++r)
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = kb; k < ke; ++k) {
     __m512 b[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
-#pragma GCC unroll 4
-    for (int r = 0; r < kMR; ++r) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(A[r * ars + k * aks]);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
     }
   }
   const __m512 al = _mm512_set1_ps(alpha);
-#pragma GCC unroll 4
-  for (int r = 0; r < kMR; ++r)
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
       float* cp = Cm + r * ldc + 16 * v;
@@ -100,7 +101,7 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
       _mm512_storeu_ps(cp, c);
     }
 #else
-  f32x16 acc[kMR][NV] = {};
+  f32x16 acc[MR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
     f32x16 b[NV];
     for (int v = 0; v < NV; ++v) {
@@ -108,12 +109,12 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
       std::memcpy(&x, B + k * ldb + 16 * v, sizeof x);
       b[v] = x;
     }
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const float a = A[r * ars + k * aks];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) {
       float* cp = Cm + r * ldc + 16 * v;
       f32x16 c = alpha * acc[r][v];
@@ -137,21 +138,36 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta,
           Tri out = Tri::None) {
   const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
   for (int64_t j0 = 0; j0 < N; j0 += 64) {
-    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-      const int64_t n_end = out == Tri::Lower ? std::min(N, round_up(i0 + kMR, 16)) : N;
-      if (j0 >= n_end) continue;
-      const int64_t nv = std::min<int64_t>(64, n_end - j0) / 16;
-      const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
-      const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
-      const float* a = A + i0 * ars;
-      const float* b = B + j0;
-      float* c = Cm + i0 * ldc + j0;
-      switch (nv) {
-        case 4: gemm_block<4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        case 3: gemm_block<3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        case 2: gemm_block<2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        default: gemm_block<1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+    for (int64_t i0 = 0; i0 < M;) {
+      // Narrow blocks (one or two vectors wide) take 8 rows, to keep enough independent accumulators.
+      auto width = [&](int64_t mr) {
+        const int64_t n_end = out == Tri::Lower ? std::min(N, round_up(i0 + mr, 16)) : N;
+        return j0 >= n_end ? int64_t{0} : std::min<int64_t>(64, n_end - j0) / 16;
+      };
+      const int64_t nv8 = i0 % 8 == 0 && i0 + 8 <= M ? width(8) : 4;
+      const int64_t mr = nv8 <= 2 ? 8 : kMR;
+      const int64_t nv = mr == 8 ? nv8 : width(kMR);
+      if (nv > 0) {
+        const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
+        const int64_t ke = tri == Tri::Lower ? std::min(i0 + mr, K) : K;
+        const float* a = A + i0 * ars;
+        const float* b = B + j0;
+        float* c = Cm + i0 * ldc + j0;
+        if (mr == 8) {
+          if (nv == 2)
+            gemm_block<8, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
+          else
+            gemm_block<8, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
+        } else {
+          switch (nv) {
+            case 4: gemm_block<kMR, 4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            case 3: gemm_block<kMR, 3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            case 2: gemm_block<kMR, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            default: gemm_block<kMR, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+          }
+        }
       }
+      i0 += mr;
     }
   }
 }
@@ -371,6 +387,22 @@ void unit_lower_inverse(const float* M, float* Tinv) {
   }
 }
 
+// Asks for the cache lines of rows [t0, t0 + 64) of one head of a [B, T, H, d] tensor (clipped to the sequence)
+// ahead of their use: the rows of a head are strided, which the hardware prefetchers follow poorly.
+template <typename S>
+void prefetch_chunk(const S* base, int64_t stride, int64_t rows, int64_t d, bool for_write) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(S));
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + i * stride);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (for_write)
+        __builtin_prefetch(row + b, 1);
+      else
+        __builtin_prefetch(row + b, 0);
+    }
+  }
+}
+
 // Indexing of one (batch, value head) in the [B, T, H, d] inputs.
 struct HeadView {
   const DeltaRuleShape& s;
@@ -381,6 +413,18 @@ struct HeadView {
   int64_t vo_offset(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
   int64_t vo_stride() const { return s.v_heads * s.dv; }
   int64_t gate_offset(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
+  int64_t rows(int64_t c) const {
+    return c < 0 || c >= s.chunks() ? 0 : std::min(kDeltaRuleChunk, s.seq - c * kDeltaRuleChunk);
+  }
+  // Prefetches chunk c (if it exists) of q (unless null), k and v.
+  template <typename T>
+  void prefetch_inputs(int64_t c, const T* q, const T* k, const T* v) const {
+    const int64_t n = rows(c), t0 = c * kDeltaRuleChunk;
+    if (n == 0) return;
+    if (q) prefetch_chunk(q + qk_offset(t0), qk_stride(), n, s.dk, false);
+    prefetch_chunk(k + qk_offset(t0), qk_stride(), n, s.dk, false);
+    prefetch_chunk(v + vo_offset(t0), vo_stride(), n, s.dv, false);
+  }
 };
 
 void check_shape(const DeltaRuleShape& s) {
@@ -442,6 +486,7 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
     load_chunk(hv, c, q, k, v, beta, t);
+    hv.prefetch_inputs(c + 1, q, k, v);
     float acc = 0.0f;
     for (int64_t i = 0; i < C; ++i) t.G[i] = acc += i < n ? g[hv.gate_offset(t0 + i)] : 0.0f;
     t.state_decays();
@@ -694,6 +739,7 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
   const int64_t nS = dkp * dvp;
   for (int64_t c = 0; c < nchunks; ++c) {
     load(c, nullptr);
+    hv.prefetch_inputs(c + 1, static_cast<const T*>(nullptr), k, v);
     chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
                            c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
   }
@@ -704,6 +750,14 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
     const int64_t t0 = c * C, n = std::min(C, s.seq - t0);
     load_tile(d_o + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, w.dO, dvp);
     load(c, q);
+    // This chunk's gradient rows (added to below) and the next chunk's inputs.
+    prefetch_chunk(dqk.dq + t0 * dqk.stride, dqk.stride, n, s.dk, true);
+    prefetch_chunk(dqk.dk + t0 * dqk.stride, dqk.stride, n, s.dk, true);
+    prefetch_chunk(dv + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, true);
+    if (c > 0) {
+      prefetch_chunk(d_o + hv.vo_offset(t0 - C), hv.vo_stride(), C, s.dv, false);
+      hv.prefetch_inputs(c - 1, q, k, v);
+    }
     t.decay_matrix();
     chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
                    c == nchunks - 1);
