@@ -14,6 +14,13 @@
 // small register-blocked products (gemm below; oneDNN's per-call overhead would dominate at these sizes
 // and it must not be called inside the parallel region anyway); feature dims are zero-padded to a multiple
 // of 16 so every vector loop is whole.
+//
+// Where the work goes (the products are ~55% of the time and run near the FMA peak): products whose result is
+// only read on and below the diagonal (Q K^T, K K^T, dO Vn^T and the dM chain) compute just the 16-column
+// groups that reach it; terms known to be zero are skipped (the first chunk's zero start state, the last
+// chunk's zero dS1, and the last chunk's end state, which nobody reads); the backward's dKbg comes from
+// d(beta V) directly (-d(beta V) S0^T) instead of through dW. Everything stays fp32 (bf16 storage is only
+// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
