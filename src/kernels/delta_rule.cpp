@@ -242,24 +242,32 @@ void scale_rows(const float* scale, const float* src, float* dst, int64_t d) {
 
 using i32x16 = int32_t __attribute__((vector_size(64)));
 
-inline f32x16 ld16(const float* p) {
-  f32x16 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-inline void st16(float* p, f32x16 x) { std::memcpy(p, &x, sizeof x); }
-inline f32x16 splat16(float a) { return f32x16{} + a; }
-// All ones in the lanes j0 + l <= last, zero elsewhere.
-inline i32x16 lanes_upto(int64_t j0, int64_t last) {
+// dst[0, 16) = s a b in the lanes j0 + l <= last, 0 elsewhere (dst may be a or b). Vectors stay local: no
+// function passes or returns one (the ABI for that depends on the target).
+inline void mul_masked(float* dst, const float* a, const float* b, float s, int64_t j0, int64_t last) {
   const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+  const i32x16 m = (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+  f32x16 x, y;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
+  x = reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(s * x * y) & m);
+  std::memcpy(dst, &x, sizeof x);
 }
-inline f32x16 keep(f32x16 x, i32x16 m) { return reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(x) & m); }
-inline float hsum16(f32x16 x) {
-  float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += x[l];
-  return s;
+
+// sum_l a[l] b[l] over the lanes j0 + l <= last.
+inline float dot_masked(const float* a, const float* b, int64_t j0, int64_t last) {
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const i32x16 m = (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+  f32x16 x, y;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
+  x = reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(x * y) & m);
+  float sum = 0.0f;
+  for (int l = 0; l < 16; ++l) sum += x[l];
+  return sum;
 }
+
+inline void zero16(float* dst) { std::fill_n(dst, 16, 0.0f); }
 
 // ---- Chunk tiles ------------------------------------------------------------------------------------------
 
@@ -371,7 +379,10 @@ void mask_decay(float* X, const float* D) {
   for (int64_t i = 0; i < C; ++i)
     for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
       const int64_t o = i * C + j0;
-      st16(X + o, j0 > i ? f32x16{} : keep(ld16(X + o) * ld16(D + o), lanes_upto(j0, i)));
+      if (j0 > i)
+        zero16(X + o);
+      else
+        mul_masked(X + o, X + o, D + o, 1.0f, j0, i);
     }
 }
 
@@ -505,7 +516,7 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     for (int64_t i = 1; i < C; ++i)  // unit_lower_inverse reads M only below the diagonal
       for (int64_t j0 = 0; j0 < i; j0 += kLanes) {
         const int64_t at = i * C + j0;
-        st16(M + at, keep(t.beta[i] * ld16(t.kkt + at) * ld16(t.D + at), lanes_upto(j0, i - 1)));
+        mul_masked(M + at, t.kkt + at, t.D + at, t.beta[i], j0, i - 1);
       }
     float* tinv = tinv_out ? tinv_out + c * C * C : t.tinv;
     unit_lower_inverse(M, tinv);
@@ -625,14 +636,12 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
     for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
       const int64_t o = i * C + j0;
       if (j0 > i) {
-        st16(w.X + o, f32x16{});
-        st16(w.dP + o, f32x16{});
+        zero16(w.X + o);
+        zero16(w.dP + o);
         continue;
       }
-      const i32x16 m = lanes_upto(j0, i);
-      const f32x16 dp = ld16(w.dP + o);
-      st16(w.X + o, keep(dp * ld16(P + o), m));
-      st16(w.dP + o, keep(dp * ld16(t.D + o), m));
+      mul_masked(w.X + o, w.dP + o, P + o, 1.0f, j0, i);  // before dP is overwritten
+      mul_masked(w.dP + o, w.dP + o, t.D + o, 1.0f, j0, i);
     }
   decay_gate_grad(w.X, dG);
   gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
@@ -696,22 +705,21 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   float* F = w.X;
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i];
-    f32x16 db = {};
+    float db = 0.0f;
     for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
       const int64_t o = i * C + j0;
       if (j0 >= i) {  // nothing strictly below the diagonal here
-        st16(E + o, f32x16{});
-        st16(F + o, f32x16{});
+        zero16(E + o);
+        zero16(F + o);
         continue;
       }
-      const i32x16 m = lanes_upto(j0, i - 1);
-      const f32x16 dmd = keep(ld16(E + o) * ld16(t.D + o), m);
-      const f32x16 kk = keep(ld16(t.kkt + o), m);  // stale above the diagonal
-      db += dmd * kk;
-      st16(E + o, b * dmd);
-      st16(F + o, b * dmd * kk);
+      // t.kkt is stale above the diagonal: every read of it is masked.
+      mul_masked(E + o, E + o, t.D + o, 1.0f, j0, i - 1);  // dM o D
+      db += dot_masked(E + o, t.kkt + o, j0, i - 1);
+      mul_masked(F + o, E + o, t.kkt + o, b, j0, i - 1);
+      for (int64_t l = 0; l < kLanes; ++l) E[o + l] *= b;
     }
-    w.dbeta[i] += hsum16(db);
+    w.dbeta[i] += db;
   }
   decay_gate_grad(F, dG);
   gemm(C, dkp, C, E, C, false, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Lower);
