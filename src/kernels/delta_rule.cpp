@@ -14,6 +14,13 @@
 // small register-blocked products (gemm below; oneDNN's per-call overhead would dominate at these sizes
 // and it must not be called inside the parallel region anyway); feature dims are zero-padded to a multiple
 // of 16 so every vector loop is whole.
+//
+// Where the work goes (the products are ~55% of the time and run near the FMA peak): products whose result is
+// only read on and below the diagonal (Q K^T, K K^T, dO Vn^T and the dM chain) compute just the 16-column
+// groups that reach it; terms known to be zero are skipped (the first chunk's zero start state, the last
+// chunk's zero dS1, and the last chunk's end state, which nobody reads); the backward's dKbg comes from
+// d(beta V) directly (-d(beta V) S0^T) instead of through dW. Everything stays fp32 (bf16 storage is only
+// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
@@ -24,6 +31,20 @@
 #include <stdexcept>
 
 #include "kernels/vec_math.h"
+
+#if defined(__AVX512F__)
+// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside the shuffles; diagnostics are located in the
+// header, so the pragma must cover its inclusion.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
 
 namespace hs::kernels {
 namespace {
@@ -43,19 +64,51 @@ inline float exp_nonpositive(float x) { return exp_vec(std::min(x, 0.0f)); }
 // (k >= i). The skipped entries must be stored as zeros: blocks of rows read a superset.
 enum class Tri { None, Lower, Upper };
 
-constexpr int kMR = 4;  // rows of C per register block; every M here is a multiple of 16
+constexpr int kMR = 4;  // rows of C per register block (8 where the block is at most 32 columns wide); every M
+                        // here is a multiple of 16
 
 // Sixteen floats as one value: GCC and Clang keep it in a 512-bit register where there is one (auto-
 // vectorisation prefers 256-bit ones on AVX-512 machines) and split it elsewhere. Loads and stores go
 // through memcpy (unaligned), and no function takes or returns one (that would be ABI-dependent).
 using f32x16 = float __attribute__((vector_size(64)));
 
-// Cm[kMR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
+// Cm[MR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
 // B streams row by row.
-template <int NV>
-inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B,
-                       int64_t ldb, float* Cm, int64_t ldc, float alpha, bool accumulate) {
-  f32x16 acc[kMR][NV] = {};
+// Never inlined, and the accumulators are named registers: with `acc[..] = {}` GCC zeroes a stack copy with
+// memset on every call.
+template <int MR, int NV>
+__attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks,
+                                          const float* B, int64_t ldb, float* Cm, int64_t ldc, float alpha,
+                                          bool accumulate) {
+#if defined(__AVX512F__)
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = kb; k < ke; ++k) {
+    __m512 b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(A[r * ars + k * aks]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_fmadd_ps(a, b[v], acc[r][v]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* cp = Cm + r * ldc + 16 * v;
+      __m512 c = _mm512_mul_ps(al, acc[r][v]);
+      if (accumulate) c = _mm512_add_ps(c, _mm512_loadu_ps(cp));
+      _mm512_storeu_ps(cp, c);
+    }
+#else
+  f32x16 acc[MR][NV] = {};
   for (int64_t k = kb; k < ke; ++k) {
     f32x16 b[NV];
     for (int v = 0; v < NV; ++v) {
@@ -63,12 +116,12 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
       std::memcpy(&x, B + k * ldb + 16 * v, sizeof x);
       b[v] = x;
     }
-    for (int r = 0; r < kMR; ++r) {
+    for (int r = 0; r < MR; ++r) {
       const float a = A[r * ars + k * aks];
       for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
     }
   }
-  for (int r = 0; r < kMR; ++r)
+  for (int r = 0; r < MR; ++r)
     for (int v = 0; v < NV; ++v) {
       float* cp = Cm + r * ldc + 16 * v;
       f32x16 c = alpha * acc[r][v];
@@ -79,27 +132,49 @@ inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int6
       }
       std::memcpy(cp, &c, sizeof c);
     }
+#endif
 }
 
 // Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
 // Column panels outermost: a K x 64 panel of B (32 KiB at K = 128) stays in L1 while A's rows stream by.
+// out == Tri::Lower: only the lower triangle of Cm (j <= i) is wanted; each block of rows stops at the 16-column
+// group holding its diagonal, so entries above the diagonal are partly computed and partly left untouched
+// (stale): a consumer must mask them, never multiply them by zero.
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
-          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None) {
+          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None,
+          Tri out = Tri::None) {
   const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
   for (int64_t j0 = 0; j0 < N; j0 += 64) {
-    const int64_t nv = std::min<int64_t>(64, N - j0) / 16;
-    for (int64_t i0 = 0; i0 < M; i0 += kMR) {
-      const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
-      const int64_t ke = tri == Tri::Lower ? std::min(i0 + kMR, K) : K;
-      const float* a = A + i0 * ars;
-      const float* b = B + j0;
-      float* c = Cm + i0 * ldc + j0;
-      switch (nv) {
-        case 4: gemm_block<4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        case 3: gemm_block<3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        case 2: gemm_block<2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-        default: gemm_block<1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+    for (int64_t i0 = 0; i0 < M;) {
+      // Narrow blocks (one or two vectors wide) take 8 rows, to keep enough independent accumulators.
+      auto width = [&](int64_t mr) {
+        const int64_t n_end = out == Tri::Lower ? std::min(N, round_up(i0 + mr, 16)) : N;
+        return j0 >= n_end ? int64_t{0} : std::min<int64_t>(64, n_end - j0) / 16;
+      };
+      const int64_t nv8 = i0 % 8 == 0 && i0 + 8 <= M ? width(8) : 4;
+      const int64_t mr = nv8 <= 2 ? 8 : kMR;
+      const int64_t nv = mr == 8 ? nv8 : width(kMR);
+      if (nv > 0) {
+        const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
+        const int64_t ke = tri == Tri::Lower ? std::min(i0 + mr, K) : K;
+        const float* a = A + i0 * ars;
+        const float* b = B + j0;
+        float* c = Cm + i0 * ldc + j0;
+        if (mr == 8) {
+          if (nv == 2)
+            gemm_block<8, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
+          else
+            gemm_block<8, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
+        } else {
+          switch (nv) {
+            case 4: gemm_block<kMR, 4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            case 3: gemm_block<kMR, 3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            case 2: gemm_block<kMR, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+            default: gemm_block<kMR, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
+          }
+        }
       }
+      i0 += mr;
     }
   }
 }
@@ -109,11 +184,39 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta,
 void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
   for (int64_t i0 = 0; i0 < rows; i0 += kLanes)
     for (int64_t j0 = 0; j0 < cols; j0 += kLanes) {
+#if defined(__AVX512F__)
+      // In registers: pairs, then quads, then 128-bit lanes twice (48 shuffles for 256 floats).
+      const float* s0 = src + i0 * lds + j0;
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(s0 + i * lds);
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 16; i += 8)
+        for (int c = 0; c < 4; ++c) {
+          t[i + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0x88);
+          t[i + 4 + c] = _mm512_shuffle_f32x4(r[i + c], r[i + 4 + c], 0xDD);
+        }
+      for (int c = 0; c < 8; ++c) {
+        r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+        r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+      }
+      float* d0 = dst + j0 * ldd + i0;
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(d0 + j * ldd, r[j]);
+#else
       float tile[kLanes][kLanes];
       for (int64_t i = 0; i < kLanes; ++i)
         for (int64_t j = 0; j < kLanes; ++j) tile[j][i] = src[(i0 + i) * lds + j0 + j];
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t i = 0; i < kLanes; ++i) dst[(j0 + j) * ldd + i0 + i] = tile[j][i];
+#endif
     }
 }
 
@@ -133,16 +236,64 @@ void scale_rows(const float* scale, const float* src, float* dst, int64_t d) {
   }
 }
 
+// ---- Masked lower-triangle passes ----------------------------------------------------------------------
+// Elementwise work on C x C tiles runs only over the 16-column groups up to the diagonal, with the lanes past it
+// masked to zero (GCC splits `j <= i ? ... : 0` loops into scalar pieces instead of vectorising them).
+
+using i32x16 = int32_t __attribute__((vector_size(64)));
+
+// dst[0, 16) = s a b in the lanes j0 + l <= last, 0 elsewhere (dst may be a or b). Vectors stay local: no
+// function passes or returns one (the ABI for that depends on the target).
+inline void mul_masked(float* dst, const float* a, const float* b, float s, int64_t j0, int64_t last) {
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const i32x16 m = (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+  f32x16 x, y;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
+  x = reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(s * x * y) & m);
+  std::memcpy(dst, &x, sizeof x);
+}
+
+// sum_l a[l] b[l] over the lanes j0 + l <= last.
+inline float dot_masked(const float* a, const float* b, int64_t j0, int64_t last) {
+  const i32x16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const i32x16 m = (iota + static_cast<int32_t>(j0)) <= static_cast<int32_t>(last);
+  f32x16 x, y;
+  std::memcpy(&x, a, sizeof x);
+  std::memcpy(&y, b, sizeof y);
+  x = reinterpret_cast<f32x16>(reinterpret_cast<i32x16>(x * y) & m);
+  float sum = 0.0f;
+  for (int l = 0; l < 16; ++l) sum += x[l];
+  return sum;
+}
+
+inline void zero16(float* dst) { std::fill_n(dst, 16, 0.0f); }
+
 // ---- Chunk tiles ------------------------------------------------------------------------------------------
 
 // Rows [t0, t0 + n) of one head of a [B, T, H, d] tensor (row stride `stride`) into a zero-padded C x dp tile.
+// Widens a row of n bf16 (exactly: the bits move to the top half) or copies floats.
+inline void widen_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void widen_row(const bf16* src, int64_t n, float* dst) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + kLanes <= n; j += kLanes) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
+    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+}
+
 template <typename S>
 void load_tile(const S* src, int64_t stride, int64_t n, int64_t d, float* dst, int64_t dp) {
   for (int64_t i = 0; i < C; ++i) {
     float* row = dst + i * dp;
     int64_t j = 0;
-    if (i < n)
-      for (; j < d; ++j) row[j] = to_f32(src[i * stride + j]);
+    if (i < n) {
+      widen_row(src + i * stride, d, row);
+      j = d;
+    }
     for (; j < dp; ++j) row[j] = 0.0f;
   }
 }
@@ -167,6 +318,7 @@ class Carver {
 struct ChunkTiles {
   int64_t dkp, dvp;
   float *q, *k, *v, *kt, *beta, *G, *eG, *eKd, *D, *kkt, *tinv, *kbg, *bv, *qg, *kd, *qkt;
+  const float* T = nullptr;  // the chunk's Tinv in use: tinv, or the forward's saved copy
   ChunkTiles(Carver& cv, int64_t dkp_, int64_t dvp_) : dkp(dkp_), dvp(dvp_) {
     q = cv.take(C * dkp);
     k = cv.take(C * dkp);
@@ -198,13 +350,15 @@ struct ChunkTiles {
     }
   }
 
-  // D: lower triangle including the diagonal, zeros above.
+  // D: lower triangle including the diagonal, zeros above (the exps only up to the diagonal's 16 columns).
   void decay_matrix() {
     for (int64_t i = 0; i < C; ++i) {
       float* row = D + i * C;
       const float gi = G[i];
+      const int64_t e = round_up(i + 1, kLanes);
 #pragma omp simd
-      for (int64_t j = 0; j < C; ++j) row[j] = j <= i ? exp_nonpositive(gi - G[j]) : 0.0f;
+      for (int64_t j = 0; j < e; ++j) row[j] = j <= i ? exp_nonpositive(gi - G[j]) : 0.0f;
+      std::fill(row + e, row + C, 0.0f);
     }
   }
 
@@ -220,17 +374,49 @@ struct ChunkTiles {
   }
 };
 
+// X = X o D on and below the diagonal, zeros above (X may hold anything there).
+void mask_decay(float* X, const float* D) {
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      if (j0 > i)
+        zero16(X + o);
+      else
+        mul_masked(X + o, X + o, D + o, 1.0f, j0, i);
+    }
+}
+
 // Tinv = (I + M)^-1 for strictly lower M by forward substitution: row i = e_i - sum_{j<i} M_ij row j.
+// Right-looking: once row j is final it is subtracted from every later row, so the updates of one step are
+// independent (no chain through one row's accumulators); row j is zero beyond column j, so only its first
+// round_up(j + 1, 16) columns move. Each row still sums its terms in order j = 0, 1, ...
 void unit_lower_inverse(const float* M, float* Tinv) {
   std::fill_n(Tinv, C * C, 0.0f);
-  for (int64_t i = 0; i < C; ++i) {
-    float* ti = Tinv + i * C;
-    ti[i] = 1.0f;
-    for (int64_t j = 0; j < i; ++j) {
+  for (int64_t i = 0; i < C; ++i) Tinv[i * C + i] = 1.0f;
+  for (int64_t j = 0; j < C - 1; ++j) {
+    const float* tj = Tinv + j * C;
+    const int64_t e = round_up(j + 1, kLanes);
+    for (int64_t i = j + 1; i < C; ++i) {
       const float m = M[i * C + j];
-      const float* tj = Tinv + j * C;
+      float* ti = Tinv + i * C;
 #pragma omp simd
-      for (int64_t l = 0; l < C; ++l) ti[l] -= m * tj[l];
+      for (int64_t l = 0; l < e; ++l) ti[l] -= m * tj[l];
+    }
+  }
+}
+
+// Asks for the cache lines of rows [t0, t0 + 64) of one head of a [B, T, H, d] tensor (clipped to the sequence)
+// ahead of their use: the rows of a head are strided, which the hardware prefetchers follow poorly.
+template <typename S>
+void prefetch_chunk(const S* base, int64_t stride, int64_t rows, int64_t d, bool for_write) {
+  const int64_t bytes = d * static_cast<int64_t>(sizeof(S));
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* row = reinterpret_cast<const char*>(base + i * stride);
+    for (int64_t b = 0; b < bytes; b += 64) {
+      if (for_write)
+        __builtin_prefetch(row + b, 1);
+      else
+        __builtin_prefetch(row + b, 0);
     }
   }
 }
@@ -245,6 +431,18 @@ struct HeadView {
   int64_t vo_offset(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
   int64_t vo_stride() const { return s.v_heads * s.dv; }
   int64_t gate_offset(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
+  int64_t rows(int64_t c) const {
+    return c < 0 || c >= s.chunks() ? 0 : std::min(kDeltaRuleChunk, s.seq - c * kDeltaRuleChunk);
+  }
+  // Prefetches chunk c (if it exists) of q (unless null), k and v.
+  template <typename T>
+  void prefetch_inputs(int64_t c, const T* q, const T* k, const T* v) const {
+    const int64_t n = rows(c), t0 = c * kDeltaRuleChunk;
+    if (n == 0) return;
+    if (q) prefetch_chunk(q + qk_offset(t0), qk_stride(), n, s.dk, false);
+    prefetch_chunk(k + qk_offset(t0), qk_stride(), n, s.dk, false);
+    prefetch_chunk(v + vo_offset(t0), vo_stride(), n, s.dv, false);
+  }
 };
 
 void check_shape(const DeltaRuleShape& s) {
@@ -281,18 +479,21 @@ void load_chunk(const HeadView& hv, int64_t c, const T* q, const T* k, const T* 
   for (int64_t i = 0; i < C; ++i) t.beta[i] = i < n ? beta[hv.gate_offset(t0 + i)] : 0.0f;
 }
 
-// The chunk's Vn = U - W S0 from Tinv and the state, then S advanced to the chunk end.
-void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, float* S) {
+// The chunk's Vn = U - W S0 from Tinv and the start state S0, then (unless S1 is null: the last chunk, whose
+// end state nobody reads) the end state S1, which may be S0 itself.
+// S0 == nullptr stands for a zero start state (the first chunk).
+void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, const float* S0, float* S1) {
   t.wy_operands();
-  gemm(C, t.dkp, C, t.tinv, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, C, t.tinv, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, t.dkp, W, t.dkp, false, S, t.dvp, vn, t.dvp, -1.0f, true);
+  gemm(C, t.dkp, C, t.T, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
+  gemm(C, t.dvp, C, t.T, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
+  if (S0) gemm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
+  if (!S1) return;
   scale_rows(t.eKd, t.k, t.kd, t.dkp);
   const float decay = exp_nonpositive(t.gl());
   const int64_t n = t.dkp * t.dvp;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) S[i] *= decay;
-  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S, t.dvp, 1.0f, true);
+  for (int64_t i = 0; i < n; ++i) S1[i] = S0 ? decay * S0[i] : 0.0f;
+  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
 }
 
 template <typename T>
@@ -300,34 +501,39 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
                   float* tinv_out, float* gcum_out, ForwardScratch& w) {
   ChunkTiles& t = w.t;
   const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks();
-  std::fill_n(w.S, dkp * dvp, 0.0f);
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
     load_chunk(hv, c, q, k, v, beta, t);
+    hv.prefetch_inputs(c + 1, q, k, v);
     float acc = 0.0f;
     for (int64_t i = 0; i < C; ++i) t.G[i] = acc += i < n ? g[hv.gate_offset(t0 + i)] : 0.0f;
     t.state_decays();
     t.decay_matrix();
 
     transpose(t.k, C, dkp, dkp, t.kt, C);
-    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
     float* M = t.qkt;  // scratch until Q K^T is formed below
-    for (int64_t i = 0; i < C; ++i)
-#pragma omp simd
-      for (int64_t j = 0; j < C; ++j) M[i * C + j] = j < i ? t.beta[i] * t.kkt[i * C + j] * t.D[i * C + j] : 0.0f;
-    unit_lower_inverse(M, t.tinv);
-    if (tinv_out) {
-      std::copy_n(t.tinv, C * C, tinv_out + c * C * C);
-      std::copy_n(t.G, C, gcum_out + t0);
-    }
+    for (int64_t i = 1; i < C; ++i)  // unit_lower_inverse reads M only below the diagonal
+      for (int64_t j0 = 0; j0 < i; j0 += kLanes) {
+        const int64_t at = i * C + j0;
+        mul_masked(M + at, t.kkt + at, t.D + at, t.beta[i], j0, i - 1);
+      }
+    float* tinv = tinv_out ? tinv_out + c * C * C : t.tinv;
+    unit_lower_inverse(M, tinv);
+    t.T = tinv;
+    if (gcum_out) std::copy_n(t.G, C, gcum_out + t0);
 
     // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
-    scale_rows(t.eG, t.q, t.qg, dkp);
-    gemm(C, dvp, dkp, t.qg, dkp, false, w.S, dvp, w.out, dvp);
-    chunk_values_and_state(t, w.W, w.vn, w.S);
-    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C);
-    for (int64_t i = 0; i < C * C; ++i) t.qkt[i] *= t.D[i];
-    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, true, Tri::Lower);
+    // The first chunk starts from a zero state (w.S is only written at its end).
+    const float* S0 = c > 0 ? w.S : nullptr;
+    if (S0) {
+      scale_rows(t.eG, t.q, t.qg, dkp);
+      gemm(C, dvp, dkp, t.qg, dkp, false, S0, dvp, w.out, dvp);
+    }
+    chunk_values_and_state(t, w.W, w.vn, S0, c + 1 < nchunks ? w.S : nullptr);
+    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
+    mask_decay(t.qkt, t.D);
+    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
     for (int64_t i = 0; i < n; ++i)
@@ -341,7 +547,7 @@ struct BackwardScratch {
   ChunkTiles t;
   // Whole head: W and Vn of every chunk, and every chunk's start state.
   float *W_all, *vn_all, *S_all;
-  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *dW, *X, *dM,
+  float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
   BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
     W_all = cv.take(nchunks * C * dkp);
@@ -362,7 +568,6 @@ struct BackwardScratch {
     dv = cv.take(C * dvp);
     dP = cv.take(C * C);
     dkd = cv.take(C * dkp);
-    dW = cv.take(C * dkp);
     X = cv.take(C * C);
     dM = cv.take(C * C);
     dbv = cv.take(C * dvp);
@@ -388,7 +593,9 @@ void decay_gate_grad(const float* F, float* dG) {
 // Gradients of one chunk given d_o and dS = the gradient of the chunk's end state; leaves dS as the
 // gradient of its start state. Tiles t hold the chunk's inputs and gate factors; W, vn, S0 come from the
 // forward pass over the head.
-void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const float* S0) {
+// S0 == nullptr: the first chunk, whose start state is zero; ds_zero: the last chunk (dS1 = 0). Terms known
+// to be zero are skipped.
+void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const float* S0, bool ds_zero) {
   ChunkTiles& t = w.t;
   const int64_t dkp = t.dkp, dvp = t.dvp;
   float* P = t.qkt;
@@ -397,64 +604,80 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   std::fill_n(w.dbeta, C, 0.0f);
 
   transpose(t.k, C, dkp, dkp, t.kt, C);
-  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C);
-  for (int64_t i = 0; i < C * C; ++i) P[i] *= t.D[i];
-  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C);
+  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C, 1.0f, false, Tri::None, Tri::Lower);
+  mask_decay(P, t.D);
+  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
   scale_rows(t.eG, t.q, t.qg, dkp);
   scale_rows(t.eKd, t.k, t.kd, dkp);
   t.wy_operands();
 
   // dVn = P^T dO + Kd dS1.
   gemm(C, dvp, C, P, C, true, w.dO, dvp, w.dvn, dvp, 1.0f, false, Tri::Upper);
-  gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
+  if (!ds_zero) gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
 
   // Through O = Qg S0: dQg = dO S0^T.
-  transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
-  gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
-  for (int64_t i = 0; i < C; ++i) {
-    dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
-    const float e = t.eG[i];
+  if (S0) {
+    transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
+    gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
+    for (int64_t i = 0; i < C; ++i) {
+      dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
+      const float e = t.eG[i];
 #pragma omp simd
-    for (int64_t j = 0; j < dkp; ++j) w.dq[i * dkp + j] = e * w.dqg[i * dkp + j];
+      for (int64_t j = 0; j < dkp; ++j) w.dq[i * dkp + j] = e * w.dqg[i * dkp + j];
+    }
+  } else {
+    std::fill_n(w.dq, C * dkp, 0.0f);
   }
 
   // Through O += P Vn: dP = dO Vn^T (lower), then P = (Q K^T) o D.
   transpose(vn, C, dvp, dvp, w.vnt, C);
-  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C);
-  for (int64_t i = 0; i < C * C; ++i) {
-    w.X[i] = w.dP[i] * P[i];  // zero above the diagonal, where P is
-    w.dP[i] *= t.D[i];
-  }
+  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C, 1.0f, false, Tri::None, Tri::Lower);
+  for (int64_t i = 0; i < C; ++i)
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      if (j0 > i) {
+        zero16(w.X + o);
+        zero16(w.dP + o);
+        continue;
+      }
+      mul_masked(w.X + o, w.dP + o, P + o, 1.0f, j0, i);  // before dP is overwritten
+      mul_masked(w.dP + o, w.dP + o, t.D + o, 1.0f, j0, i);
+    }
   decay_gate_grad(w.X, dG);
   gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
   gemm(C, dkp, C, w.dP, C, true, t.q, dkp, w.dk, dkp, 1.0f, false, Tri::Upper);
 
   // Through S1 = exp(G_last) S0 + Kd^T Vn with Kd = exp(G_last - G) K.
   const float gl = t.gl(), decay = exp_nonpositive(gl);
-  transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
-  gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
-  float dgl = decay * dot(w.dS, S0, dkp * dvp);
-  for (int64_t i = 0; i < C; ++i) {
-    const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
-    dG[i] -= x;
-    dgl += x;
-    const float e = t.eKd[i];
+  if (!ds_zero) {
+    transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
+    gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
+    float dgl = S0 ? decay * dot(w.dS, S0, dkp * dvp) : 0.0f;
+    for (int64_t i = 0; i < C; ++i) {
+      const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
+      dG[i] -= x;
+      dgl += x;
+      const float e = t.eKd[i];
 #pragma omp simd
-    for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += e * w.dkd[i * dkp + j];
+      for (int64_t j = 0; j < dkp; ++j) w.dk[i * dkp + j] += e * w.dkd[i * dkp + j];
+    }
+    dG[C - 1] += dgl;
   }
-  dG[C - 1] += dgl;
 
-  // Through Vn = U - W S0: dW = -dVn S0^T; the state gradient moves to the chunk start.
-  gemm(C, dkp, dvp, w.dvn, dvp, false, w.S0t, dkp, w.dW, dkp, -1.0f);
+  // Through Vn = U - W S0 the state gradient moves to the chunk start.
   const int64_t nS = dkp * dvp;
 #pragma omp simd
-  for (int64_t i = 0; i < nS; ++i) w.dS[i] *= decay;
+  for (int64_t i = 0; i < nS; ++i) w.dS[i] = ds_zero ? 0.0f : decay * w.dS[i];
   gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
   gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
-  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, dKbg = Tinv^T dW.
-  gemm(C, dvp, C, t.tinv, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
-  gemm(C, dkp, C, t.tinv, C, true, w.dW, dkp, w.dkbg, dkp, 1.0f, false, Tri::Upper);
+  // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, and with dW = -dU S0^T,
+  // dKbg = Tinv^T dW = -d(beta V) S0^T.
+  gemm(C, dvp, C, t.T, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
+  if (S0)
+    gemm(C, dkp, dvp, w.dbv, dvp, false, w.S0t, dkp, w.dkbg, dkp, -1.0f);
+  else
+    std::fill_n(w.dkbg, C * dkp, 0.0f);
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i], e = t.eG[i];
     const float* dbv = w.dbv + i * dvp;
@@ -469,24 +692,32 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // Through Tinv = (I + M)^-1 with dTinv = dU (beta V)^T + dW Kbg^T: dM = -Tinv^T dTinv Tinv^T, where
   // Tinv^T dTinv = d(beta V) (beta V)^T + dKbg Kbg^T; only its strictly lower part counts.
-  // M = beta (K K^T) o D.
+  // M = beta (K K^T) o D. The strictly lower dM_ij = -sum_b X_ib Tinv_jb reads X only at b <= j < i: both
+  // products need just their lower triangles (what a row block computes above it is finite and meets zeros
+  // of Tinv).
   transpose(t.bv, C, dvp, dvp, w.bvt, C);
   transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
-  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C);
-  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true);
-  transpose(t.tinv, C, C, C, w.tinvt, C);
-  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f);
+  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C, 1.0f, false, Tri::None, Tri::Lower);
+  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true, Tri::None, Tri::Lower);
+  transpose(t.T, C, C, C, w.tinvt, C);
+  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f, false, Tri::Lower, Tri::Lower);
   float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
   float* F = w.X;
   for (int64_t i = 0; i < C; ++i) {
     const float b = t.beta[i];
     float db = 0.0f;
-#pragma omp simd reduction(+ : db)
-    for (int64_t j = 0; j < C; ++j) {
-      const float dmd = j < i ? E[i * C + j] * t.D[i * C + j] : 0.0f;
-      db += dmd * t.kkt[i * C + j];
-      E[i * C + j] = b * dmd;
-      F[i * C + j] = b * dmd * t.kkt[i * C + j];
+    for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
+      const int64_t o = i * C + j0;
+      if (j0 >= i) {  // nothing strictly below the diagonal here
+        zero16(E + o);
+        zero16(F + o);
+        continue;
+      }
+      // t.kkt is stale above the diagonal: every read of it is masked.
+      mul_masked(E + o, E + o, t.D + o, 1.0f, j0, i - 1);  // dM o D
+      db += dot_masked(E + o, t.kkt + o, j0, i - 1);
+      mul_masked(F + o, E + o, t.kkt + o, b, j0, i - 1);
+      for (int64_t l = 0; l < kLanes; ++l) E[o + l] *= b;
     }
     w.dbeta[i] += db;
   }
@@ -515,17 +746,17 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
   auto load = [&](int64_t c, const T* q_or_null) {
     load_chunk(hv, c, q_or_null, k, v, beta, t);
     std::copy_n(gcum + c * C, C, t.G);
-    std::copy_n(tinv + c * C * C, C * C, t.tinv);
+    t.T = tinv + c * C * C;
     t.state_decays();
   };
 
   // Forward over the chunks: every chunk's start state, W and Vn.
-  float* S = w.dS;  // the running state; dS takes this buffer over afterwards
-  std::fill_n(S, dkp * dvp, 0.0f);
+  const int64_t nS = dkp * dvp;
   for (int64_t c = 0; c < nchunks; ++c) {
     load(c, nullptr);
-    std::copy_n(S, dkp * dvp, w.S_all + c * dkp * dvp);
-    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, S);
+    hv.prefetch_inputs(c + 1, static_cast<const T*>(nullptr), k, v);
+    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
+                           c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
   }
 
   // Reverse over the chunks carrying dS (zero after the last token: the final state is not an output).
@@ -534,8 +765,17 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
     const int64_t t0 = c * C, n = std::min(C, s.seq - t0);
     load_tile(d_o + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, w.dO, dvp);
     load(c, q);
+    // This chunk's gradient rows (added to below) and the next chunk's inputs.
+    prefetch_chunk(dqk.dq + t0 * dqk.stride, dqk.stride, n, s.dk, true);
+    prefetch_chunk(dqk.dk + t0 * dqk.stride, dqk.stride, n, s.dk, true);
+    prefetch_chunk(dv + hv.vo_offset(t0), hv.vo_stride(), n, s.dv, true);
+    if (c > 0) {
+      prefetch_chunk(d_o + hv.vo_offset(t0 - C), hv.vo_stride(), C, s.dv, false);
+      hv.prefetch_inputs(c - 1, q, k, v);
+    }
     t.decay_matrix();
-    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, w.S_all + c * dkp * dvp);
+    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
+                   c == nchunks - 1);
     for (int64_t i = 0; i < n; ++i) {
       float* dqr = dqk.dq + (t0 + i) * dqk.stride;
       float* dkr = dqk.dk + (t0 + i) * dqk.stride;
