@@ -36,6 +36,13 @@
 #else
 #define HS_ATTENTION_BF16_DOT 0
 #endif
+#if HS_ATTENTION_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HS_ATTENTION_AMX 1
+#else
+#define HS_ATTENTION_AMX 0
+#endif
 
 #include "kernels/vec_math.h"
 
@@ -128,11 +135,90 @@ inline void micro_kernel(int64_t K, const bf16* A, int64_t lda, const bf16* B, i
 }
 #endif
 
+// AMX (bf16 tile products): the operand layouts above are exactly what TDPBF16PS reads (A rows of 32
+// bf16, B pairs of rows interleaved). Linux hands out the AMX register state only on request; where that
+// fails the AVX512_BF16 kernels run instead (a property of the machine, so results stay deterministic).
+#if HS_ATTENTION_AMX
+bool amx_available() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-3: C blocks [16, 16] fp32; 4-5: A [16 rows, 32 bf16]; 6-7: B [16 pair rows, 16 x 2 bf16].
+struct AmxScope {
+  bool on;
+  AmxScope() : on(amx_available()) {
+    if (!on) return;
+    alignas(64) unsigned char cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    for (int t = 0; t < 8; ++t) {
+      const uint16_t colsb = 64;
+      std::memcpy(cfg + 16 + 2 * t, &colsb, sizeof colsb);
+      cfg[48 + t] = 16;
+    }
+    _tile_loadconfig(cfg);
+  }
+  ~AmxScope() {
+    if (on) _tile_release();
+  }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
+
+// C[M, N] (+)= A[M, K] B[K, N] with M, N multiples of 32 and K of 32, in 32 x 32 blocks of 2 x 2 tiles.
+void amx_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float* C,
+              int64_t ldc, bool accumulate) {
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
+  for (int64_t i = 0; i < M; i += 32)
+    for (int64_t j = 0; j < N; j += 32) {
+      float* c = C + i * ldc + j;
+      if (accumulate) {
+        _tile_loadd(0, c, sc);
+        _tile_loadd(1, c + 16, sc);
+        _tile_loadd(2, c + 16 * ldc, sc);
+        _tile_loadd(3, c + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        const bf16* a = A + i * lda + k;
+        const bf16* b = B + k * ldb + 2 * j;  // pair row k / 2
+        _tile_loadd(4, a, sa);
+        _tile_loadd(5, a + 16 * lda, sa);
+        _tile_loadd(6, b, sb);
+        _tile_loadd(7, b + 32, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, sc);
+      _tile_stored(1, c + 16, sc);
+      _tile_stored(2, c + 16 * ldc, sc);
+      _tile_stored(3, c + 16 * ldc + 16, sc);
+    }
+}
+#else
+struct AmxScope {};
+#endif
+
 // C[M, N] (+)= A[M, K] B[K, N]: A row-major (row stride lda), B in the B layout with row length ldb
-// (pointing at its column 0 of row 0). M is a multiple of 8, N of 16 and K of 2 (tiles are padded).
+// (pointing at its column 0 of row 0). M is a multiple of 8, N of 16 and K of 2 (tiles are padded);
+// for bf16 all three are multiples of 32 (hd is padded to 32 there).
 template <typename E>
 void tile_gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t lda, const E* B, int64_t ldb, float* C,
                int64_t ldc, bool accumulate) {
+#if HS_ATTENTION_AMX
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (amx_available()) return amx_gemm(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  }
+#endif
   // Column blocks outside: a [K, 32] panel of B stays in L1 while the row blocks stream past it.
   for (int64_t j = 0; j < N; j += 32) {
     for (int64_t i = 0; i < M; i += 8) {
@@ -190,8 +276,10 @@ inline E to_e(float x) {
 struct Geometry {
   int64_t B, T, H, KVH, hd, hdp, group, tiles, Tp;
   float scale;
-  explicit Geometry(const AttentionShape& s)
-      : B(s.batch), T(s.seq), H(s.q_heads), KVH(s.kv_heads), hd(s.head_dim), hdp(round_up16(s.head_dim)),
+  // hd is padded to a multiple of 16 (fp32 products) or 32 (bf16: AMX's K step).
+  Geometry(const AttentionShape& s, bool bf16_products)
+      : B(s.batch), T(s.seq), H(s.q_heads), KVH(s.kv_heads), hd(s.head_dim),
+        hdp(bf16_products ? (s.head_dim + 31) / 32 * 32 : round_up16(s.head_dim)),
         group(s.kv_heads > 0 ? s.q_heads / s.kv_heads : 0), tiles((s.seq + kTile - 1) / kTile),
         Tp(tiles * kTile), scale(1.0f / std::sqrt(static_cast<float>(s.head_dim))) {
     if (B < 0 || T < 0 || H <= 0 || KVH <= 0 || hd <= 0 || H % KVH != 0)
@@ -264,7 +352,7 @@ template <typename T>
 void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* gate,
                              T* out, AttentionSaved* saved, MemoryAccountant& mem) {
   using E = typename ComputeType<T>::type;
-  const Geometry g(shape);
+  const Geometry g(shape, !std::is_same_v<E, float>);
   if (saved) {
     saved->lse = mem.allocate_n<float>(static_cast<size_t>(g.B * g.H * g.T), MemCategory::Activations,
                                        "attention.lse");
@@ -300,6 +388,7 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
 
 #pragma omp parallel num_threads(nthreads)
   {
+    const AmxScope amx;
     float* base = scratch.as<float>() + omp_get_thread_num() * per_thread;
     E* Qr = reinterpret_cast<E*>(base);           // q rows (unscaled)
     float* S = base + kTile * g.hdp;              // scores [query, key], then probabilities
@@ -395,7 +484,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
                               const AttentionSaved& saved, const float* dout, float* dq, float* dk, float* dv,
                               float* dgate, MemoryAccountant& mem) {
   using E = typename ComputeType<T>::type;
-  const Geometry g(shape);
+  const Geometry g(shape, !std::is_same_v<E, float>);
   // Enough (batch, KV head, chunk) tasks to keep a few threads busy; a function of the shape only.
   constexpr int64_t kMinTasks = 8;
   const int64_t chunks = std::max<int64_t>(1, (kMinTasks + g.B * g.KVH - 1) / std::max<int64_t>(1, g.B * g.KVH));
@@ -487,6 +576,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
   const int64_t tasks = g.B * g.KVH * chunks;
 #pragma omp parallel num_threads(nthreads)
   {
+    const AmxScope amx;
     float* S = scratch.as<float>() + omp_get_thread_num() * per_thread;
     float* dP = S + kTile * kTile;
     E* Pb = reinterpret_cast<E*>(dP + kTile * kTile);  // each of these three: kTile * kTile elements
