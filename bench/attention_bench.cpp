@@ -29,12 +29,12 @@ std::vector<T> random_values(size_t n, uint32_t seed) {
   return x;
 }
 
-// Args: seq, q_heads, kv_heads, head_dim; batch 1.
+// Args: seq, q_heads, kv_heads, head_dim, batch.
 template <typename T, bool kBackward>
 void BM_GatedAttention(benchmark::State& state) {
-  const AttentionShape s{1, state.range(0), state.range(1), state.range(2), state.range(3)};
-  const size_t nq = static_cast<size_t>(s.seq * s.q_heads * s.head_dim);
-  const size_t nkv = static_cast<size_t>(s.seq * s.kv_heads * s.head_dim);
+  const AttentionShape s{state.range(4), state.range(0), state.range(1), state.range(2), state.range(3)};
+  const size_t nq = static_cast<size_t>(s.batch * s.seq * s.q_heads * s.head_dim);
+  const size_t nkv = static_cast<size_t>(s.batch * s.seq * s.kv_heads * s.head_dim);
   const std::vector<T> q = random_values<T>(nq, 1), k = random_values<T>(nkv, 2), v = random_values<T>(nkv, 3),
                        gate = random_values<T>(nq, 4);
   const std::vector<float> dout = random_values<float>(nq, 5);
@@ -64,17 +64,21 @@ void BM_GatedAttention(benchmark::State& state) {
     peer_seconds += seconds_since(t0);
   }
   const double products = kBackward ? 7.0 : 2.0;
-  const double flops = products * static_cast<double>(s.seq * s.seq) * static_cast<double>(s.head_dim * s.q_heads);
+  const double flops = products * static_cast<double>(s.seq * s.seq) *
+                       static_cast<double>(s.batch * s.head_dim * s.q_heads);
   const double peer_flops = 2.0 * static_cast<double>(s.seq * s.seq * s.head_dim);
   const double iters = static_cast<double>(state.iterations());
-  state.counters["tokens/s"] = benchmark::Counter(iters * static_cast<double>(s.seq), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(iters * static_cast<double>(s.batch * s.seq), benchmark::Counter::kIsRate);
   state.counters["GFLOP/s"] = benchmark::Counter(iters * flops * 1e-9, benchmark::Counter::kIsRate);
   state.counters["peer_GFLOP/s"] = iters * peer_flops / peer_seconds * 1e-9;
   state.counters["vs_peer"] = (flops / attention_seconds) / (peer_flops / peer_seconds);
 }
 
+// The last shape is one full-attention layer of the `small` training preset (batch 8 x seq 512).
 void shapes(benchmark::internal::Benchmark* b) {
-  b->Args({2048, 4, 1, 64})->Args({1024, 16, 2, 256})->UseManualTime()->Unit(benchmark::kMillisecond);
+  b->Args({2048, 4, 1, 64, 1})->Args({1024, 16, 2, 256, 1})->Args({512, 4, 1, 64, 8});
+  b->UseManualTime()->Unit(benchmark::kMillisecond);
 }
 
 BENCHMARK(BM_GatedAttention<float, true>)->Name("fwd_bwd/f32")->Apply(shapes);

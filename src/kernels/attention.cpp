@@ -1,25 +1,23 @@
 // Flash-style gated attention on the CPU. Work is cut into tiles of kTile queries x kTile keys.
 //
-// Each call first converts what the tile products read many times (k and v; in backward also q * scale
-// and dA) to fp32 in a per-head layout [B, heads, Tp, hdp]: T padded to whole tiles, hd to a multiple
-// of 16, padding zero. A tile is then one contiguous block that the products read in place, with no
-// per-tile copies and no edge cases. This workspace is linear in T. Transposed operands are built once
-// per task (its own query or key tile) in per-thread scratch.
-//
-// Where a task owns a query tile, scores are kept transposed, S^T [key, query], so the per-query
-// softmax statistics (max, sum, lse, D) are vertical vector operations instead of reductions across
-// lanes.
+// Products run in an operand element type E: fp32 for T = float, and bf16 (AVX512_BF16 dot products
+// with fp32 accumulation, as flash-attention does in bf16) for T = bf16 where the CPU has them; the
+// portable build runs the bf16 storage type through the fp32 products. Every product is
+// C[M, N] (+)= A[M, K] B[K, N] with A row-major and B in the "B layout": row-major for fp32, and for
+// bf16 pairs of K rows interleaved ([K/2, N, 2], what _mm512_dpbf16_ps multiplies), so the kernels need
+// no transposed operand. Each call first packs q, k, v (and in backward dA = dL/d(attn)) once into the
+// layouts its products read, padded to whole tiles (T to a multiple of kTile, hd to 16, padding zero);
+// this workspace is linear in T. Scores are [query, key] throughout; the softmax scale is applied to the
+// fp32 scores.
 //
 // Forward: one task per (batch, query head, query tile) runs an online softmax over the key tiles up
 // to the diagonal and keeps only the log-sum-exp of each query.
-// Backward (flash-attention-2: P recomputed from the log-sum-exp, D = rowsum(dA * attn)) runs as two
-// passes so that every gradient row has exactly one writer and the result is deterministic:
-//   pass 1, one task per (batch, KV head, key tile): dK and dV of that tile over all query heads of
-//           its group and all later query tiles (scores [query, key]);
-//   pass 2, one task per (batch, query head, query tile): dQ of that tile over the earlier key tiles
-//           (scores [key, query]).
-// That recomputes S and dP once more than an atomic or locked dQ would, in exchange for determinism and
-// no synchronisation.
+// Backward (flash-attention-2: P recomputed from the log-sum-exp, D = rowsum(dA * attn)) is one pass
+// over key tiles: a task owns (batch, KV head, a fixed chunk of key tiles), computes S, dP, P and dS once
+// per (query head of the group, query tile, key tile), accumulates dK^T, dV^T of its key tile and dQ of
+// every query tile into its own dQ partial; a last pass adds the partials in chunk order. The chunk count
+// depends on the shape only (enough tasks for parallelism when batch * kv_heads is small), so the
+// result is the same for any thread count.
 #include "kernels/attention.h"
 
 #include <omp.h>
@@ -29,6 +27,22 @@
 #include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HS_ATTENTION_BF16_DOT 1
+#else
+#define HS_ATTENTION_BF16_DOT 0
+#endif
+#if HS_ATTENTION_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HS_ATTENTION_AMX 1
+#else
+#define HS_ATTENTION_AMX 0
+#endif
 
 #include "kernels/vec_math.h"
 
@@ -37,7 +51,32 @@ namespace {
 
 constexpr int64_t kTile = 64;  // a 64 x 64 fp32 score tile is 16 KiB: it and its operands stay in L1/L2
 
-// Explicit 16-lane vectors (GCC/Clang vector extension) for the tile products: GCC's tuning for this
+// The element type of the products for storage type T.
+template <typename T>
+struct ComputeType {
+  using type = float;
+};
+#if HS_ATTENTION_BF16_DOT
+template <>
+struct ComputeType<bf16> {
+  using type = bf16;
+};
+#endif
+
+// K rows interleaved per 32-bit lane in the B layout.
+template <typename E>
+constexpr int64_t kPair = std::is_same_v<E, float> ? 1 : 2;
+
+// Index of element (r, c) of a B operand with row length ld.
+template <typename E>
+inline int64_t b_index(int64_t r, int64_t c, int64_t ld) {
+  if constexpr (kPair<E> == 1)
+    return r * ld + c;
+  else
+    return (r / 2) * ld * 2 + c * 2 + (r & 1);
+}
+
+// Explicit 16-lane vectors (GCC/Clang vector extension) for the fp32 tile products: GCC's tuning for this
 // CPU auto-vectorises with 256-bit vectors, and 512-bit ones double the products' throughput (measured
 // ~90 -> ~185 GFLOP/s per core on 64 x 64 tiles). Without AVX-512 the compiler splits them.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -51,8 +90,8 @@ inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
 
 int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
 
-// C[8, 16*NV] (+)= op(A)[8, K] B[K, 16*NV]: 8 x NV accumulators live in registers across K.
-template <bool kTransA, int NV>
+// C[8, 16*NV] (+)= A[8, K] B[K, 16*NV], fp32: 8 x NV accumulators live in registers across K.
+template <int NV>
 inline void micro_kernel(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
                          int64_t ldc, bool accumulate) {
   constexpr int kRows = 8;
@@ -63,7 +102,7 @@ inline void micro_kernel(int64_t K, const float* A, int64_t lda, const float* B,
     f32x16 b[NV];
     for (int j = 0; j < NV; ++j) b[j] = load16(B + k * ldb + 16 * j);
     for (int r = 0; r < kRows; ++r) {
-      const float a = kTransA ? A[k * lda + r] : A[r * lda + k];
+      const float a = A[r * lda + k];
       for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
     }
   }
@@ -71,29 +110,176 @@ inline void micro_kernel(int64_t K, const float* A, int64_t lda, const float* B,
     for (int j = 0; j < NV; ++j) store16(C + r * ldc + 16 * j, acc[r][j]);
 }
 
-// C[M, N] (+)= op(A)[M, K] B[K, N], all row-major; op(A) is A ([M, K], row stride lda) or, with
-// kTransA, A^T where A is stored [K, M]. M is a multiple of 8 and N of 16 (tiles are padded).
-template <bool kTransA>
-void tile_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+#if HS_ATTENTION_BF16_DOT
+// The same with bf16 operands: each step multiplies a pair of K (A's two adjacent elements broadcast,
+// B's interleaved pair rows) into fp32 accumulators.
+template <int NV>
+inline void micro_kernel(int64_t K, const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float* C,
+                         int64_t ldc, bool accumulate) {
+  constexpr int kRows = 8;
+  __m512 acc[kRows][NV];
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < NV; ++j) acc[r][j] = accumulate ? _mm512_loadu_ps(C + r * ldc + 16 * j) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    __m512bh b[NV];
+    for (int j = 0; j < NV; ++j) b[j] = (__m512bh)_mm512_loadu_si512(B + k * ldb + 32 * j);
+    for (int r = 0; r < kRows; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, A + r * lda + k, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, b[j]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(C + r * ldc + 16 * j, acc[r][j]);
+}
+#endif
+
+// AMX (bf16 tile products): the operand layouts above are exactly what TDPBF16PS reads (A rows of 32
+// bf16, B pairs of rows interleaved). Linux hands out the AMX register state only on request; where that
+// fails the AVX512_BF16 kernels run instead (a property of the machine, so results stay deterministic).
+#if HS_ATTENTION_AMX
+bool amx_available() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-3: C blocks [16, 16] fp32; 4-5: A [16 rows, 32 bf16]; 6-7: B [16 pair rows, 16 x 2 bf16].
+struct AmxScope {
+  bool on;
+  AmxScope() : on(amx_available()) {
+    if (!on) return;
+    alignas(64) unsigned char cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    for (int t = 0; t < 8; ++t) {
+      const uint16_t colsb = 64;
+      std::memcpy(cfg + 16 + 2 * t, &colsb, sizeof colsb);
+      cfg[48 + t] = 16;
+    }
+    _tile_loadconfig(cfg);
+  }
+  ~AmxScope() {
+    if (on) _tile_release();
+  }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
+
+// C[M, N] (+)= A[M, K] B[K, N] with M, N multiples of 32 and K of 32, in 32 x 32 blocks of 2 x 2 tiles.
+void amx_gemm(int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float* C,
+              int64_t ldc, bool accumulate) {
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
+  for (int64_t i = 0; i < M; i += 32)
+    for (int64_t j = 0; j < N; j += 32) {
+      float* c = C + i * ldc + j;
+      if (accumulate) {
+        _tile_loadd(0, c, sc);
+        _tile_loadd(1, c + 16, sc);
+        _tile_loadd(2, c + 16 * ldc, sc);
+        _tile_loadd(3, c + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t k = 0; k < K; k += 32) {
+        const bf16* a = A + i * lda + k;
+        const bf16* b = B + k * ldb + 2 * j;  // pair row k / 2
+        _tile_loadd(4, a, sa);
+        _tile_loadd(5, a + 16 * lda, sa);
+        _tile_loadd(6, b, sb);
+        _tile_loadd(7, b + 32, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, sc);
+      _tile_stored(1, c + 16, sc);
+      _tile_stored(2, c + 16 * ldc, sc);
+      _tile_stored(3, c + 16 * ldc + 16, sc);
+    }
+}
+#else
+struct AmxScope {};
+#endif
+
+// C[M, N] (+)= A[M, K] B[K, N]: A row-major (row stride lda), B in the B layout with row length ldb
+// (pointing at its column 0 of row 0). M is a multiple of 8, N of 16 and K of 2 (tiles are padded);
+// for bf16 all three are multiples of 32 (hd is padded to 32 there).
+template <typename E>
+void tile_gemm(int64_t M, int64_t N, int64_t K, const E* A, int64_t lda, const E* B, int64_t ldb, float* C,
                int64_t ldc, bool accumulate) {
+#if HS_ATTENTION_AMX
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (amx_available()) return amx_gemm(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+  }
+#endif
   // Column blocks outside: a [K, 32] panel of B stays in L1 while the row blocks stream past it.
   for (int64_t j = 0; j < N; j += 32) {
     for (int64_t i = 0; i < M; i += 8) {
-      const float* Ai = kTransA ? A + i : A + i * lda;
       if (j + 32 <= N)
-        micro_kernel<kTransA, 2>(K, Ai, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        micro_kernel<2>(K, A + i * lda, lda, B + j * kPair<E>, ldb, C + i * ldc + j, ldc, accumulate);
       else
-        micro_kernel<kTransA, 1>(K, Ai, lda, B + j, ldb, C + i * ldc + j, ldc, accumulate);
+        micro_kernel<1>(K, A + i * lda, lda, B + j * kPair<E>, ldb, C + i * ldc + j, ldc, accumulate);
     }
   }
+}
+
+// fp32 tile [kTile, kTile] -> the operand layouts. For fp32 both are the tile itself (returned as is);
+// for bf16 they are rounded (round to nearest even) into dst.
+template <typename E>
+const E* as_rows(const float* src, E* dst) {
+  if constexpr (std::is_same_v<E, float>) {
+    return src;
+  } else {
+#if HS_ATTENTION_BF16_DOT
+    for (int64_t i = 0; i < kTile * kTile; i += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+      _mm512_storeu_si512(dst + i, (__m512i)v);
+    }
+#endif
+    return dst;
+  }
+}
+template <typename E>
+const E* as_b_operand(const float* src, E* dst) {
+  if constexpr (std::is_same_v<E, float>) {
+    return src;
+  } else {
+#if HS_ATTENTION_BF16_DOT
+    // Rows 2p and 2p+1 interleaved: lane 2n <- row 2p's n, lane 2n+1 <- row 2p+1's n.
+    alignas(64) static constexpr uint16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i idx = _mm512_load_si512(kIdx);
+    for (int64_t p = 0; p < kTile / 2; ++p)
+      for (int64_t v = 0; v < kTile; v += 16) {
+        const __m512bh c = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + (2 * p + 1) * kTile + v),
+                                               _mm512_loadu_ps(src + 2 * p * kTile + v));
+        _mm512_storeu_si512(dst + p * 2 * kTile + 2 * v, _mm512_permutexvar_epi16(idx, (__m512i)c));
+      }
+#endif
+    return dst;
+  }
+}
+
+template <typename E>
+inline E to_e(float x) {
+  return from_f32<E>(x);
 }
 
 // Geometry shared by the passes.
 struct Geometry {
   int64_t B, T, H, KVH, hd, hdp, group, tiles, Tp;
   float scale;
-  explicit Geometry(const AttentionShape& s)
-      : B(s.batch), T(s.seq), H(s.q_heads), KVH(s.kv_heads), hd(s.head_dim), hdp(round_up16(s.head_dim)),
+  // hd is padded to a multiple of 16 (fp32 products) or 32 (bf16: AMX's K step).
+  Geometry(const AttentionShape& s, bool bf16_products)
+      : B(s.batch), T(s.seq), H(s.q_heads), KVH(s.kv_heads), hd(s.head_dim),
+        hdp(bf16_products ? (s.head_dim + 31) / 32 * 32 : round_up16(s.head_dim)),
         group(s.kv_heads > 0 ? s.q_heads / s.kv_heads : 0), tiles((s.seq + kTile - 1) / kTile),
         Tp(tiles * kTile), scale(1.0f / std::sqrt(static_cast<float>(s.head_dim))) {
     if (B < 0 || T < 0 || H <= 0 || KVH <= 0 || hd <= 0 || H % KVH != 0)
@@ -101,72 +287,62 @@ struct Geometry {
   }
   // Offset of row t of head h in the caller's [B, T, heads, hd] layout.
   int64_t row(int64_t b, int64_t t, int64_t h, int64_t heads) const { return ((b * T + t) * heads + h) * hd; }
-  // Offset of row t of head h in the padded fp32 layout [B, heads, Tp, hdp].
-  int64_t padded(int64_t b, int64_t h, int64_t heads, int64_t t) const { return ((b * heads + h) * Tp + t) * hdp; }
-  size_t padded_size(int64_t heads) const { return static_cast<size_t>(B * heads * Tp * hdp); }
+  // Elements of one (batch, head) in a padded layout ([Tp, hdp] or [hdp, Tp]).
+  int64_t per_head() const { return Tp * hdp; }
+  size_t padded_size(int64_t heads) const { return static_cast<size_t>(B * heads * per_head()); }
   int64_t tile_len(int64_t tile) const { return std::min(kTile, T - tile * kTile); }
 };
 
-// dst [B, heads, Tp, hdp] fp32 <- src [B, T, heads, hd] * scale, padding zero.
+// Packed copies of one (batch, head) matrix X [Tp, hdp] (padding zero); any of the pointers may be null.
+template <typename E>
+struct Packs {
+  E* rows = nullptr;    // X row-major: the A operand with K = hd
+  E* rows_b = nullptr;  // X in the B layout [Tp, hdp]: the B operand with K = time
+  E* cols = nullptr;    // X^T row-major [hdp, Tp]: the A operand with K = time
+  E* cols_b = nullptr;  // X^T in the B layout [hdp, Tp]: the B operand with K = hd
+};
+
+// Writes time tile `tile` of tmp [kTile, hdp] (fp32) into the packs of one (batch, head).
+template <typename E>
+void emit_tile(const float* tmp, int64_t tile, const Geometry& g, const Packs<E>& p) {
+  const int64_t t0 = tile * kTile;
+  for (int64_t i = 0; i < kTile; ++i)
+    for (int64_t d = 0; d < g.hdp; ++d) {
+      const E x = to_e<E>(tmp[i * g.hdp + d]);
+      if (p.rows) p.rows[(t0 + i) * g.hdp + d] = x;
+      if (p.rows_b) p.rows_b[b_index<E>(t0 + i, d, g.hdp)] = x;
+    }
+  if (p.cols || p.cols_b)
+    for (int64_t d = 0; d < g.hdp; ++d)
+      for (int64_t i = 0; i < kTile; ++i) {
+        const E x = to_e<E>(tmp[i * g.hdp + d]);
+        if (p.cols) p.cols[d * g.Tp + t0 + i] = x;
+        if (p.cols_b) p.cols_b[b_index<E>(d, t0 + i, g.Tp)] = x;
+      }
+}
+
+// tmp [kTile, hdp] <- rows [t0, t0 + kTile) of head h of src [B, T, heads, hd], padding zero.
 template <typename T>
-void to_padded(float* dst, const T* src, const Geometry& g, int64_t heads, float scale) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < g.B * heads * g.Tp; ++r) {
-    const int64_t t = r % g.Tp, h = r / g.Tp % heads, b = r / g.Tp / heads;
-    float* d = dst + r * g.hdp;
-    const int64_t n = t < g.T ? g.hd : 0;
-    const T* s = src + (t < g.T ? g.row(b, t, h, heads) : 0);
-    for (int64_t i = 0; i < n; ++i) d[i] = scale * to_f32(s[i]);
-    std::fill(d + n, d + g.hdp, 0.0f);
-  }
-}
-
-// dst [hdp, kTile] <- the transpose of a padded tile [kTile, hdp].
-void transpose_tile(float* dst, const float* src, int64_t hdp) {
-  for (int64_t d = 0; d < hdp; ++d)
-    for (int64_t j = 0; j < kTile; ++j) dst[d * kTile + j] = src[j * hdp + d];
-}
-
-// Query i of query tile qt sees keys j < visible_keys(...) of key tile kt (kt <= qt).
-inline int64_t visible_keys(int64_t qt, int64_t kt, int64_t i, int64_t nk) {
-  return std::min(nk, (qt - kt) * kTile + i + 1);
-}
-// Key j of key tile kt is seen by queries i >= first_query(...) of query tile qt (kt <= qt).
-inline int64_t first_query(int64_t qt, int64_t kt, int64_t j) { return std::max<int64_t>(0, j - (qt - kt) * kTile); }
-
-// Scratch floats per thread: four [kTile, hdp] tiles, two score tiles and four per-query vectors.
-int64_t scratch_per_thread(const Geometry& g) { return 4 * kTile * g.hdp + 2 * kTile * kTile + 4 * kTile; }
-
-// Scores as [query, key]: S <- P = exp(S - lse), dP <- dS = P * (dP - D); masked entries and padded
-// rows become zero.
-void probs_and_dscores(float* S, float* dP, const float* lse, const float* D, int64_t qt, int64_t kt, int64_t nq,
-                       int64_t nk) {
+void load_tile(float* tmp, const T* src, const Geometry& g, int64_t b, int64_t h, int64_t heads, int64_t tile) {
+  const int64_t t0 = tile * kTile, n = g.tile_len(tile);
   for (int64_t i = 0; i < kTile; ++i) {
-    float* s = S + i * kTile;
-    float* dp = dP + i * kTile;
-    const int64_t vis = i < nq ? visible_keys(qt, kt, i, nk) : 0;
-    const float l = i < nq ? lse[i] : 0.0f, d = i < nq ? D[i] : 0.0f;
-    for (int64_t j = 0; j < kTile; ++j) {
-      const float p = j < vis ? exp_vec(s[j] - l) : 0.0f;
-      s[j] = p;
-      dp[j] = p * (dp[j] - d);
-    }
+    float* d = tmp + i * g.hdp;
+    const int64_t len = i < n ? g.hd : 0;
+    const T* s = src + (i < n ? g.row(b, t0 + i, h, heads) : 0);
+    for (int64_t c = 0; c < len; ++c) d[c] = to_f32(s[c]);
+    std::fill(d + len, d + g.hdp, 0.0f);
   }
 }
 
-// The same with scores as [key, query]; lse and D are per-query vectors whose padding is +inf and 0,
-// which makes P zero in padded columns.
-void probs_and_dscores_transposed(float* St, float* dPt, const float* lse, const float* D, int64_t qt, int64_t kt,
-                                  int64_t nk) {
-  for (int64_t j = 0; j < kTile; ++j) {
-    float* s = St + j * kTile;
-    float* dp = dPt + j * kTile;
-    const int64_t first = j < nk ? first_query(qt, kt, j) : kTile;
-    for (int64_t i = 0; i < kTile; ++i) {
-      const float p = i >= first ? exp_vec(s[i] - lse[i]) : 0.0f;
-      s[i] = p;
-      dp[i] = p * (dp[i] - D[i]);
-    }
+// Packs every (batch, head) of src [B, T, heads, hd]; packs(b, h) gives the destinations.
+template <typename E, typename T, typename F>
+void pack_all(const T* src, const Geometry& g, int64_t heads, float* tmp_all, F packs) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < g.B * heads * g.tiles; ++r) {
+    const int64_t tile = r % g.tiles, h = r / g.tiles % heads, b = r / g.tiles / heads;
+    float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
+    load_tile(tmp, src, g, b, h, heads, tile);
+    emit_tile<E>(tmp, tile, g, packs(b, h));
   }
 }
 
@@ -175,23 +351,36 @@ void probs_and_dscores_transposed(float* St, float* dPt, const float* lse, const
 template <typename T>
 void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* gate,
                              T* out, AttentionSaved* saved, MemoryAccountant& mem) {
-  const Geometry g(shape);
+  using E = typename ComputeType<T>::type;
+  const Geometry g(shape, !std::is_same_v<E, float>);
   if (saved) {
     saved->lse = mem.allocate_n<float>(static_cast<size_t>(g.B * g.H * g.T), MemCategory::Activations,
                                        "attention.lse");
     saved->attn = mem.allocate_n<T>(static_cast<size_t>(g.B * g.T * g.H * g.hd), MemCategory::Activations,
                                     "attention.attn");
   }
-  Buffer k_buf = mem.allocate_n<float>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.k_f32");
-  Buffer v_buf = mem.allocate_n<float>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.v_f32");
+  // K^T as the B operand of S = q K^T, V as the B operand of O = P V.
+  Buffer k_buf = mem.allocate_n<E>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.k_packed");
+  Buffer v_buf = mem.allocate_n<E>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.v_packed");
   const int nthreads = omp_get_max_threads();
-  Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(nthreads * scratch_per_thread(g)),
-                                         MemCategory::Workspace, "attention.tiles");
+  // Per thread: q rows (E), S (fp32), P (E), O (fp32), m, l.
+  const int64_t per_thread = 2 * kTile * g.hdp + 2 * kTile * kTile + kTile * g.hdp + 2 * kTile + 32;
+  Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(nthreads * per_thread), MemCategory::Workspace,
+                                         "attention.tiles");
   if (mem.planning()) return;
-  float* kf = k_buf.as<float>();
-  float* vf = v_buf.as<float>();
-  to_padded(kf, k, g, g.KVH, 1.0f);
-  to_padded(vf, v, g, g.KVH, 1.0f);
+  E* kp = k_buf.as<E>();
+  E* vp = v_buf.as<E>();
+  float* tmp_all = scratch.as<float>();  // pack_all's tiles, before the tiles below are used
+  pack_all<E>(k, g, g.KVH, tmp_all, [&](int64_t b, int64_t h) {
+    Packs<E> p;
+    p.cols_b = kp + (b * g.KVH + h) * g.per_head();
+    return p;
+  });
+  pack_all<E>(v, g, g.KVH, tmp_all, [&](int64_t b, int64_t h) {
+    Packs<E> p;
+    p.rows_b = vp + (b * g.KVH + h) * g.per_head();
+    return p;
+  });
   float* lse_out = saved ? saved->lse.as<float>() : nullptr;
   T* attn_out = saved ? saved->attn.as<T>() : nullptr;
   const int64_t tasks = g.B * g.H * g.tiles;
@@ -199,14 +388,14 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
 
 #pragma omp parallel num_threads(nthreads)
   {
-    float* Qt = scratch.as<float>() + omp_get_thread_num() * scratch_per_thread(g);  // (q * scale)^T
-    float* q_rows = Qt + kTile * g.hdp;  // q * scale, before the transpose
-    float* O = q_rows + kTile * g.hdp;   // unnormalised output rows
-    float* St = O + 2 * kTile * g.hdp;   // scores, then probabilities, [key, query]
-    float* m = St + 2 * kTile * kTile;   // running max per query
-    float* l = m + kTile;                // running sum per query
-    float* m_new = l + kTile;
-    float* corr = m_new + kTile;
+    const AmxScope amx;
+    float* base = scratch.as<float>() + omp_get_thread_num() * per_thread;
+    E* Qr = reinterpret_cast<E*>(base);           // q rows (unscaled)
+    float* S = base + kTile * g.hdp;              // scores [query, key], then probabilities
+    E* P = reinterpret_cast<E*>(S + kTile * kTile);  // probabilities as the A operand (bf16)
+    float* O = S + 2 * kTile * kTile;             // unnormalised output rows
+    float* m = O + kTile * g.hdp;                 // running max per query
+    float* l = m + kTile;                         // running sum per query
     // Longest tasks (last query tiles) first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
@@ -215,41 +404,51 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
       for (int64_t i = 0; i < kTile; ++i) {
         const int64_t n = i < nq ? g.hd : 0;
         const T* src = q + (i < nq ? g.row(b, q0 + i, h, g.H) : 0);
-        for (int64_t d = 0; d < n; ++d) q_rows[i * g.hdp + d] = g.scale * to_f32(src[d]);
-        std::fill(q_rows + i * g.hdp + n, q_rows + (i + 1) * g.hdp, 0.0f);
+        for (int64_t d = 0; d < n; ++d) Qr[i * g.hdp + d] = to_e<E>(to_f32(src[d]));
+        std::fill(Qr + i * g.hdp + n, Qr + (i + 1) * g.hdp, to_e<E>(0.0f));
       }
-      transpose_tile(Qt, q_rows, g.hdp);
       std::fill(O, O + kTile * g.hdp, 0.0f);
       std::fill(m, m + kTile, -kInf);
       std::fill(l, l + kTile, 0.0f);
+      const E* Kb = kp + (b * g.KVH + kvh) * g.per_head();
+      const E* Vb = vp + (b * g.KVH + kvh) * g.per_head();
       for (int64_t kt = 0; kt <= qt; ++kt) {
-        const int64_t nk = g.tile_len(kt);
-        const float* K = kf + g.padded(b, kvh, g.KVH, kt * kTile);
-        const float* V = vf + g.padded(b, kvh, g.KVH, kt * kTile);
-        tile_gemm<false>(kTile, kTile, g.hdp, K, g.hdp, Qt, kTile, St, kTile, false);
-        // Mask padded keys and future keys. Every query column keeps a finite entry (key 0 of the first
-        // tile, the diagonal for real queries), so the max is finite and no exp sees inf - inf.
-        for (int64_t j = 0; j < kTile; ++j)
-          std::fill(St + j * kTile, St + j * kTile + (j < nk ? first_query(qt, kt, j) : kTile), -kInf);
-        // Online softmax, per query column: rescale what was accumulated by exp(m_old - m_new).
-        std::copy(m, m + kTile, m_new);
-        for (int64_t j = 0; j < kTile; ++j)
-          for (int64_t i = 0; i < kTile; ++i) m_new[i] = std::max(m_new[i], St[j * kTile + i]);
+        tile_gemm<E>(kTile, kTile, g.hdp, Qr, g.hdp, Kb + kt * kTile * kPair<E>, g.Tp, S, kTile, false);
+        // Online softmax per query row. Row i sees keys j < vis: all of an earlier tile, up to the
+        // diagonal on the last (padded keys there are only seen by padded queries, whose rows are
+        // finite and never written out). vis >= 1, so the max is finite and no exp sees inf - inf.
+        const bool diagonal = kt == qt;
         for (int64_t i = 0; i < kTile; ++i) {
-          corr[i] = exp_vec(m[i] - m_new[i]);  // 0 on the first tile (m = -inf)
-          l[i] *= corr[i];
-          m[i] = m_new[i];
-        }
-        for (int64_t j = 0; j < kTile; ++j)
-          for (int64_t i = 0; i < kTile; ++i) {
-            const float p = exp_vec(St[j * kTile + i] - m[i]);
-            St[j * kTile + i] = p;
-            l[i] += p;
+          float* s = S + i * kTile;
+          const int64_t vis = diagonal ? i + 1 : kTile;
+          float mx = m[i];
+#pragma omp simd reduction(max : mx)
+          for (int64_t j = 0; j < kTile; ++j) {
+            const float x = j < vis ? s[j] * g.scale : -kInf;
+            s[j] = x;
+            mx = std::max(mx, x);
           }
-        for (int64_t i = 0; i < kTile; ++i)
-          if (corr[i] != 1.0f)
-            for (int64_t d = 0; d < g.hdp; ++d) O[i * g.hdp + d] *= corr[i];
-        tile_gemm<true>(kTile, g.hdp, kTile, St, kTile, V, g.hdp, O, g.hdp, true);  // O += P V
+          float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < kTile; ++j) {
+            const float p = exp_vec(s[j] - mx);  // exactly 0 for masked keys (-inf)
+            s[j] = p;
+            sum += p;
+          }
+          const float corr = exp_vec(m[i] - mx);  // 0 on the first tile (m = -inf)
+          l[i] = l[i] * corr + sum;
+          m[i] = mx;
+          if (corr != 1.0f)
+            for (int64_t d = 0; d < g.hdp; ++d) O[i * g.hdp + d] *= corr;
+        }
+        const E* Vt = Vb + kt * kTile * g.hdp;
+        tile_gemm<E>(kTile, g.hdp, kTile, as_rows<E>(S, P), kTile, Vt, g.hdp, O, g.hdp, true);  // O += P V
+        if constexpr (!std::is_same_v<E, float>) {
+          // bf16: P = hi + lo, both bf16 (P's relative error 2^-9 -> 2^-17), so the output keeps fp32-like
+          // accuracy (an O(1e-3) error in P would show in outputs that average to near zero).
+          for (int64_t e = 0; e < kTile * kTile; ++e) S[e] -= to_f32(P[e]);
+          tile_gemm<E>(kTile, g.hdp, kTile, as_rows<E>(S, P), kTile, Vt, g.hdp, O, g.hdp, true);
+        }
       }
       for (int64_t i = 0; i < nq; ++i) {
         const float inv_l = 1.0f / l[i];
@@ -265,123 +464,202 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
   }
 }
 
+namespace {
+// Key tiles [start[c], start[c + 1]) form chunk c, cut so that the chunks' causal work (key tile kt
+// meets tiles - kt query tiles) is about equal. Some chunks are empty when tiles < chunks.
+std::vector<int64_t> chunk_starts(int64_t tiles, int64_t chunks) {
+  std::vector<int64_t> start(static_cast<size_t>(chunks + 1), tiles);
+  const int64_t total = tiles * (tiles + 1) / 2;
+  int64_t kt = 0, done = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    while (kt < tiles && done * chunks < c * total) done += tiles - kt++;
+    start[static_cast<size_t>(c)] = kt;
+  }
+  return start;
+}
+}  // namespace
+
 template <typename T>
 void gated_attention_backward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* gate,
                               const AttentionSaved& saved, const float* dout, float* dq, float* dk, float* dv,
                               float* dgate, MemoryAccountant& mem) {
-  const Geometry g(shape);
-  Buffer q_buf = mem.allocate_n<float>(g.padded_size(g.H), MemCategory::Workspace, "attention.q_f32");
-  Buffer k_buf = mem.allocate_n<float>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.k_f32");
-  Buffer v_buf = mem.allocate_n<float>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.v_f32");
-  // dA = dL/d(attn) = dout * sigmoid(gate), padded like q, and D = rowsum(dA * attn) [B, H, T].
-  Buffer dA_buf = mem.allocate_n<float>(g.padded_size(g.H), MemCategory::Workspace, "attention.d_attn");
-  Buffer D_buf = mem.allocate_n<float>(static_cast<size_t>(g.B * g.H * g.T), MemCategory::Workspace,
-                                       "attention.rowdot");
+  using E = typename ComputeType<T>::type;
+  const Geometry g(shape, !std::is_same_v<E, float>);
+  // Enough (batch, KV head, chunk) tasks to keep a few threads busy; a function of the shape only.
+  constexpr int64_t kMinTasks = 8;
+  const int64_t chunks = std::max<int64_t>(1, (kMinTasks + g.B * g.KVH - 1) / std::max<int64_t>(1, g.B * g.KVH));
+  // K^T and V^T as B operands of S = q K^T and dP = dA V^T, K as the B operand of dQ = dS K; q and dA
+  // as rows (A operands of S and dP) and transposed (A operands of dK^T = q^T dS and dV^T = dA^T P).
+  Buffer kc_buf = mem.allocate_n<E>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.k_packed");
+  Buffer vc_buf = mem.allocate_n<E>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.v_packed");
+  Buffer kr_buf = mem.allocate_n<E>(g.padded_size(g.KVH), MemCategory::Workspace, "attention.k_rows");
+  Buffer qr_buf = mem.allocate_n<E>(g.padded_size(g.H), MemCategory::Workspace, "attention.q_rows");
+  Buffer qc_buf = mem.allocate_n<E>(g.padded_size(g.H), MemCategory::Workspace, "attention.q_cols");
+  Buffer dar_buf = mem.allocate_n<E>(g.padded_size(g.H), MemCategory::Workspace, "attention.d_attn_rows");
+  Buffer dac_buf = mem.allocate_n<E>(g.padded_size(g.H), MemCategory::Workspace, "attention.d_attn_cols");
+  // Per query, padded to Tp: lse (+inf in padding, so P = 0 there) and D = rowsum(dA * attn).
+  Buffer stats_buf = mem.allocate_n<float>(static_cast<size_t>(2 * g.B * g.H * g.Tp), MemCategory::Workspace,
+                                           "attention.stats");
+  Buffer dq_buf = mem.allocate_n<float>(static_cast<size_t>(chunks) * g.padded_size(g.H), MemCategory::Workspace,
+                                        "attention.dq_partials");
   const int nthreads = omp_get_max_threads();
-  Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(nthreads * scratch_per_thread(g)),
-                                         MemCategory::Workspace, "attention.tiles");
+  // Per thread: S, dP (fp32); P, dS in the B layout and dS as rows (E); dK^T, dV^T (fp32).
+  const int64_t per_thread = 2 * kTile * kTile + 3 * kTile * kTile + 2 * kTile * g.hdp + 32;
+  Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(nthreads * per_thread), MemCategory::Workspace,
+                                         "attention.tiles");
   if (mem.planning()) return;
-  float* qf = q_buf.as<float>();  // q * scale
-  float* kf = k_buf.as<float>();
-  float* vf = v_buf.as<float>();
-  float* dA = dA_buf.as<float>();
-  float* D = D_buf.as<float>();
+  E* kc = kc_buf.as<E>();
+  E* vc = vc_buf.as<E>();
+  E* kr = kr_buf.as<E>();
+  E* qr = qr_buf.as<E>();
+  E* qc = qc_buf.as<E>();
+  E* dar = dar_buf.as<E>();
+  E* dac = dac_buf.as<E>();
+  float* lse_p = stats_buf.as<float>();
+  float* D_p = lse_p + g.B * g.H * g.Tp;
+  float* dq_part = dq_buf.as<float>();
   const float* lse = saved.lse.as<float>();
   const T* attn = saved.attn.as<T>();
-  to_padded(qf, q, g, g.H, g.scale);
-  to_padded(kf, k, g, g.KVH, 1.0f);
-  to_padded(vf, v, g, g.KVH, 1.0f);
+  float* tmp_all = scratch.as<float>();
+  pack_all<E>(k, g, g.KVH, tmp_all, [&](int64_t b, int64_t h) {
+    Packs<E> p;
+    p.cols_b = kc + (b * g.KVH + h) * g.per_head();
+    p.rows_b = kr + (b * g.KVH + h) * g.per_head();
+    return p;
+  });
+  pack_all<E>(v, g, g.KVH, tmp_all, [&](int64_t b, int64_t h) {
+    Packs<E> p;
+    p.cols_b = vc + (b * g.KVH + h) * g.per_head();
+    return p;
+  });
+  pack_all<E>(q, g, g.H, tmp_all, [&](int64_t b, int64_t h) {
+    Packs<E> p;
+    p.rows = qr + (b * g.H + h) * g.per_head();
+    p.cols = qc + (b * g.H + h) * g.per_head();
+    return p;
+  });
 
-  // Pass 0: through the gate.
+  // Through the gate: dgate, dA = dout * sigmoid(gate) (packed) and D; lse padded.
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < g.B * g.H * g.Tp; ++r) {
-    const int64_t t = r % g.Tp, h = r / g.Tp % g.H, b = r / g.Tp / g.H;
-    float* da = dA + r * g.hdp;
-    std::fill(da, da + g.hdp, 0.0f);
-    if (t >= g.T) continue;
-    const int64_t o = g.row(b, t, h, g.H);
-    float rowdot = 0.0f;
-    for (int64_t d = 0; d < g.hd; ++d) {
-      const float sg = sigmoid_vec(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
-      dgate[o + d] += go * a * sg * (1.0f - sg);
-      da[d] = go * sg;
-      rowdot += da[d] * a;
+  for (int64_t r = 0; r < g.B * g.H * g.tiles; ++r) {
+    const int64_t tile = r % g.tiles, h = r / g.tiles % g.H, b = r / g.tiles / g.H;
+    float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
+    const int64_t t0 = tile * kTile, n = g.tile_len(tile);
+    float* lse_row = lse_p + (b * g.H + h) * g.Tp + t0;
+    float* D_row = D_p + (b * g.H + h) * g.Tp + t0;
+    for (int64_t i = 0; i < kTile; ++i) {
+      float* da = tmp + i * g.hdp;
+      std::fill(da, da + g.hdp, 0.0f);
+      lse_row[i] = std::numeric_limits<float>::infinity();
+      D_row[i] = 0.0f;
+      if (i >= n) continue;
+      const int64_t o = g.row(b, t0 + i, h, g.H);
+      float rowdot = 0.0f;
+      for (int64_t d = 0; d < g.hd; ++d) {
+        const float sg = sigmoid_vec(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
+        dgate[o + d] += go * a * sg * (1.0f - sg);
+        // dA as the products see it (rounded to bf16 when E is), so that D = rowsum(P * dP) holds for
+        // the dP computed from it: dS = P (dP - D) cancels, and an inconsistent D would be amplified.
+        da[d] = to_f32(to_e<E>(go * sg));
+        rowdot += da[d] * a;
+      }
+      D_row[i] = rowdot;
+      lse_row[i] = lse[(b * g.H + h) * g.T + t0 + i];
     }
-    D[(b * g.H + h) * g.T + t] = rowdot;
+    Packs<E> p;
+    p.rows = dar + (b * g.H + h) * g.per_head();
+    p.cols = dac + (b * g.H + h) * g.per_head();
+    emit_tile<E>(tmp, tile, g, p);
   }
 
+  const std::vector<int64_t> start = chunk_starts(g.tiles, chunks);
+  const int64_t tasks = g.B * g.KVH * chunks;
 #pragma omp parallel num_threads(nthreads)
   {
-    float* tile0 = scratch.as<float>() + omp_get_thread_num() * scratch_per_thread(g);
-    float* tile1 = tile0 + kTile * g.hdp;
-    float* tile2 = tile1 + kTile * g.hdp;
-    float* tile3 = tile2 + kTile * g.hdp;
-    float* S = tile3 + kTile * g.hdp;
+    const AmxScope amx;
+    float* S = scratch.as<float>() + omp_get_thread_num() * per_thread;
     float* dP = S + kTile * kTile;
-    float* lse_t = dP + kTile * kTile;  // pass 2: this tile's lse and D, padded with +inf and 0
-    float* D_t = lse_t + kTile;
+    E* Pb = reinterpret_cast<E*>(dP + kTile * kTile);  // each of these three: kTile * kTile elements
+    E* dSb = Pb + kTile * kTile;
+    E* dSr = dSb + kTile * kTile;
+    float* dKt = dP + kTile * kTile + 3 * kTile * kTile;  // dK^T [hdp, kTile] (/ scale)
+    float* dVt = dKt + kTile * g.hdp;                      // dV^T [hdp, kTile]
 
-    // Pass 1: dK, dV per key tile, scores [query, key]. Longest tasks (first key tiles) first.
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < g.B * g.KVH * g.tiles; ++task) {
-      const int64_t kt = task / (g.B * g.KVH), b = task % (g.B * g.KVH) / g.KVH, kvh = task % g.KVH;
-      const int64_t k0 = kt * kTile, nk = g.tile_len(kt);
-      float* Kt = tile0;
-      float* Vt = tile1;
-      float* dK = tile2;
-      float* dV = tile3;
-      transpose_tile(Kt, kf + g.padded(b, kvh, g.KVH, k0), g.hdp);
-      transpose_tile(Vt, vf + g.padded(b, kvh, g.KVH, k0), g.hdp);
-      std::fill(dK, dK + 2 * kTile * g.hdp, 0.0f);
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t c = task % chunks, b = task / chunks / g.KVH, kvh = task / chunks % g.KVH;
+      const int64_t kt_begin = start[static_cast<size_t>(c)], kt_end = start[static_cast<size_t>(c + 1)];
+      if (kt_begin == kt_end) continue;
+      float* dQc = dq_part + static_cast<int64_t>(c) * g.B * g.H * g.per_head();
       for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h)
-        for (int64_t qt = kt; qt < g.tiles; ++qt) {
-          const int64_t q0 = qt * kTile, nq = g.tile_len(qt);
-          const float* Qs = qf + g.padded(b, h, g.H, q0);
-          const float* dAq = dA + g.padded(b, h, g.H, q0);
-          tile_gemm<false>(kTile, kTile, g.hdp, Qs, g.hdp, Kt, kTile, S, kTile, false);
-          tile_gemm<false>(kTile, kTile, g.hdp, dAq, g.hdp, Vt, kTile, dP, kTile, false);
-          const int64_t stats = (b * g.H + h) * g.T + q0;
-          probs_and_dscores(S, dP, lse + stats, D + stats, qt, kt, nq, nk);
-          tile_gemm<true>(kTile, g.hdp, kTile, S, kTile, dAq, g.hdp, dV, g.hdp, true);  // dV += P^T dA
-          tile_gemm<true>(kTile, g.hdp, kTile, dP, kTile, Qs, g.hdp, dK, g.hdp, true);  // dK += dS^T (q*scale)
+        std::fill(dQc + (b * g.H + h) * g.per_head() + kt_begin * kTile * g.hdp,
+                  dQc + (b * g.H + h + 1) * g.per_head(), 0.0f);
+      const E* Kc = kc + (b * g.KVH + kvh) * g.per_head();
+      const E* Vc = vc + (b * g.KVH + kvh) * g.per_head();
+      const E* Kr = kr + (b * g.KVH + kvh) * g.per_head();
+      for (int64_t kt = kt_begin; kt < kt_end; ++kt) {
+        const int64_t k0 = kt * kTile, nk = g.tile_len(kt);
+        std::fill(dKt, dKt + 2 * kTile * g.hdp, 0.0f);
+        for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h) {
+          const int64_t bh = b * g.H + h;
+          const E* Qr = qr + bh * g.per_head();
+          const E* Qc = qc + bh * g.per_head();
+          const E* dAr = dar + bh * g.per_head();
+          const E* dAc = dac + bh * g.per_head();
+          float* dQ = dQc + bh * g.per_head();
+          for (int64_t qt = kt; qt < g.tiles; ++qt) {
+            const int64_t q0 = qt * kTile;
+            tile_gemm<E>(kTile, kTile, g.hdp, Qr + q0 * g.hdp, g.hdp, Kc + k0 * kPair<E>, g.Tp, S, kTile, false);
+            tile_gemm<E>(kTile, kTile, g.hdp, dAr + q0 * g.hdp, g.hdp, Vc + k0 * kPair<E>, g.Tp, dP, kTile, false);
+            // P = exp(S * scale - lse) (0 for masked keys and, by lse = +inf, padded queries) and
+            // dS = P (dP - D). Padded keys are only seen on the diagonal by padded queries.
+            const bool diagonal = qt == kt;
+            const float* lse_t = lse_p + bh * g.Tp + q0;
+            const float* D_t = D_p + bh * g.Tp + q0;
+            for (int64_t i = 0; i < kTile; ++i) {
+              float* s = S + i * kTile;
+              float* dp = dP + i * kTile;
+              const int64_t vis = diagonal ? i + 1 : kTile;
+              const float li = lse_t[i], di = D_t[i];
+#pragma omp simd
+              for (int64_t j = 0; j < kTile; ++j) {
+                const float p = j < vis ? exp_vec(s[j] * g.scale - li) : 0.0f;
+                s[j] = p;
+                dp[j] = p * (dp[j] - di);
+              }
+            }
+            const E* P_b = as_b_operand<E>(S, Pb);
+            const E* dS_b = as_b_operand<E>(dP, dSb);
+            const E* dS_r = as_rows<E>(dP, dSr);
+            tile_gemm<E>(g.hdp, kTile, kTile, dAc + q0, g.Tp, P_b, kTile, dVt, kTile, true);  // dV^T += dA^T P
+            tile_gemm<E>(g.hdp, kTile, kTile, Qc + q0, g.Tp, dS_b, kTile, dKt, kTile, true);  // dK^T += q^T dS
+            tile_gemm<E>(kTile, g.hdp, kTile, dS_r, kTile, Kr + k0 * g.hdp, g.hdp, dQ + q0 * g.hdp, g.hdp,
+                         true);  // dQ += dS K
+          }
         }
-      for (int64_t j = 0; j < nk; ++j) {
-        const int64_t row = g.row(b, k0 + j, kvh, g.KVH);
-        for (int64_t d = 0; d < g.hd; ++d) {
-          dk[row + d] += dK[j * g.hdp + d];
-          dv[row + d] += dV[j * g.hdp + d];
+        for (int64_t j = 0; j < nk; ++j) {
+          const int64_t row = g.row(b, k0 + j, kvh, g.KVH);
+          for (int64_t d = 0; d < g.hd; ++d) {
+            dk[row + d] += g.scale * dKt[d * kTile + j];
+            dv[row + d] += dVt[d * kTile + j];
+          }
         }
       }
     }
 
-    // Pass 2: dQ per query tile, scores [key, query]. Longest tasks (last query tiles) first.
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < g.B * g.H * g.tiles; ++task) {
-      const int64_t qt = g.tiles - 1 - task / (g.B * g.H), b = task % (g.B * g.H) / g.H, h = task % g.H;
-      const int64_t kvh = h / g.group, q0 = qt * kTile, nq = g.tile_len(qt);
-      float* Qst = tile0;  // (q * scale)^T
-      float* dAt = tile1;  // dA^T
-      float* dQ = tile2;   // dq / scale
-      transpose_tile(Qst, qf + g.padded(b, h, g.H, q0), g.hdp);
-      transpose_tile(dAt, dA + g.padded(b, h, g.H, q0), g.hdp);
-      const int64_t stats = (b * g.H + h) * g.T + q0;
-      for (int64_t i = 0; i < kTile; ++i) {
-        lse_t[i] = i < nq ? lse[stats + i] : std::numeric_limits<float>::infinity();
-        D_t[i] = i < nq ? D[stats + i] : 0.0f;
-      }
-      std::fill(dQ, dQ + kTile * g.hdp, 0.0f);
-      for (int64_t kt = 0; kt <= qt; ++kt) {
-        const int64_t nk = g.tile_len(kt);
-        const float* K = kf + g.padded(b, kvh, g.KVH, kt * kTile);
-        const float* V = vf + g.padded(b, kvh, g.KVH, kt * kTile);
-        tile_gemm<false>(kTile, kTile, g.hdp, K, g.hdp, Qst, kTile, S, kTile, false);
-        tile_gemm<false>(kTile, kTile, g.hdp, V, g.hdp, dAt, kTile, dP, kTile, false);
-        probs_and_dscores_transposed(S, dP, lse_t, D_t, qt, kt, nk);
-        tile_gemm<true>(kTile, g.hdp, kTile, dP, kTile, K, g.hdp, dQ, g.hdp, true);  // dQ += dS K
-      }
-      for (int64_t i = 0; i < nq; ++i) {
-        const int64_t row = g.row(b, q0 + i, h, g.H);
-        for (int64_t d = 0; d < g.hd; ++d) dq[row + d] += g.scale * dQ[i * g.hdp + d];
+    // dq += scale * (the chunks' partials, in chunk order).
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < g.B * g.H * g.T; ++r) {
+      const int64_t t = r % g.T, bh = r / g.T, b = bh / g.H, h = bh % g.H;
+      float* dst = dq + g.row(b, t, h, g.H);
+      for (int64_t d = 0; d < g.hd; ++d) {
+        float sum = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const int64_t kb = start[static_cast<size_t>(c)];
+          if (kb == start[static_cast<size_t>(c + 1)] || t / kTile < kb) continue;
+          sum += dq_part[(c * g.B * g.H + bh) * g.per_head() + t * g.hdp + d];
+        }
+        dst[d] += g.scale * sum;
       }
     }
   }
