@@ -45,6 +45,16 @@ template <typename T> void matches_reference(Shape s) {
                                        s.channels, s.width);
   EXPECT_TRUE(close(dx, dx_ref, 1e-5, 1e-6)) << s.width;
   EXPECT_TRUE(close(dw, dw_ref, 1e-5, 1e-6 * std::sqrt(double(s.batch * s.seq)))) << s.width;
+
+  // accumulate_dx = false: dx is overwritten (garbage before), dw still accumulates.
+  std::vector<float> dx_over(s.n(), std::nanf("")), dw_over(s.channels * s.width, -1.0f);
+  std::vector<float> dx_zero(s.n(), 0.0f), dw_zero(dw_over);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx_over.data(), dw_over.data(), s.batch, s.seq, s.channels,
+                            s.width, false);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx_zero.data(), dw_zero.data(), s.batch, s.seq, s.channels,
+                            s.width);
+  EXPECT_EQ(0, std::memcmp(dx_over.data(), dx_zero.data(), dx_over.size() * sizeof(float))) << s.width;
+  EXPECT_EQ(0, std::memcmp(dw_over.data(), dw_zero.data(), dw_over.size() * sizeof(float))) << s.width;
 }
 
 // With 2 threads 70 channels split into blocks of 64 + 6; seq 300 crosses the 256-step time block;

@@ -97,7 +97,7 @@ void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, i
 // across threads.
 template <typename T>
 void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
-                               int64_t seq, int64_t channels, int64_t width) {
+                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
   check_width(width);
   const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
 #pragma omp parallel for schedule(static)
@@ -132,8 +132,12 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
           for (int64_t c = 0; c < nc; ++c) gx[c] += wt[j][c] * d[c];
         }
         float* dxt = dx + (b * seq + t) * channels + c0;
+        if (accumulate_dx) {
 #pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+          for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+        } else {
+          std::copy_n(gx, nc, dxt);
+        }
         for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
           const T* xs = xb + (t - width + 1 + j) * channels + c0;
 #pragma omp simd
@@ -149,7 +153,7 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
 #define HS_CONV(T)                                                                                                   \
   template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t);         \
   template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t, int64_t, \
-                                             int64_t, int64_t);
+                                             int64_t, int64_t, bool);
 HS_CONV(float)
 HS_CONV(bf16)
 #undef HS_CONV

@@ -18,11 +18,12 @@ template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
                               int64_t width);
 
-// Recomputes the pre-activation from x and accumulates dx and dw. Channels are partitioned over
-// threads and each thread sums its dw over (batch, time) in order: bit-identical for any thread count.
+// Recomputes the pre-activation from x and accumulates dx and dw (with accumulate_dx false dx is overwritten
+// instead, so the caller need not zero it). Channels are partitioned over threads and each thread sums its dw over
+// (batch, time) in order: bit-identical for any thread count.
 template <typename T>
 void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
-                               int64_t seq, int64_t channels, int64_t width);
+                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx = true);
 
 // Plain references, math in double: (T, P) in {(float, float), (bf16, float), (double, double)}.
 namespace reference {

@@ -168,7 +168,8 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   dy.reset();
   Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
   Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
-  Buffer dconv = scratch<float>(mem, N * CD, "gdn.dconv", true);  // [dq | dk | dv] per token, the conv output grad
+  // [dq | dk | dv] per token, the conv output grad: the three column scatters below write all of it.
+  Buffer dconv = scratch<float>(mem, N * CD, "gdn.dconv");
   Buffer dv = scratch<float>(mem, N * VD, "gdn.dv", true);
   Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta", true);
   Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg", true);
@@ -196,10 +197,10 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   dqn.reset();
   dkn.reset();
   dv.reset();
-  Buffer dqkv = scratch<float>(mem, N * CD, "gdn.dqkv", true);
+  Buffer dqkv = scratch<float>(mem, N * CD, "gdn.dqkv");
   if (!P)
     causal_conv_silu_backward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<float>(dconv), ptr<float>(dqkv), G(gr, p::kConv),
-                              ctx.batch, ctx.seq, CD, c.conv_width);
+                              ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false);
   dconv.reset();
   Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn");
   linear_backward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<float>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, mem,
