@@ -24,10 +24,10 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 #define HS_WIDE_SIMD
 #endif
 
-namespace detail {
+namespace {
 
 template <typename T>
-HS_WIDE_SIMD void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
+HS_WIDE_SIMD void act_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
 #pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * 2 * inter;
@@ -43,7 +43,7 @@ HS_WIDE_SIMD void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up,
 }
 
 template <typename T>
-HS_WIDE_SIMD void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
+HS_WIDE_SIMD void grad_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                       T* d_gate_up, float* row_dot) {
 #pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
@@ -69,7 +69,7 @@ HS_WIDE_SIMD void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up
 }
 
 template <typename T>
-HS_WIDE_SIMD void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact,
+HS_WIDE_SIMD void act_grad_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* dact,
                                        const float* scale, T* act, T* d_gate_up, float* row_dot) {
 #pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
   for (int64_t r = 0; r < rows; ++r) {
@@ -93,6 +93,28 @@ HS_WIDE_SIMD void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gat
     }
     if (row_dot) row_dot[r] = dot;
   }
+}
+
+}  // namespace
+
+namespace detail {
+
+// (A target attribute is ignored on a definition whose declaration lacks it, hence the wrappers.)
+template <typename T>
+void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
+  act_rows_impl(rows, inter, gate_up, scale, act);
+}
+
+template <typename T>
+void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
+                      T* d_gate_up, float* row_dot) {
+  grad_rows_impl(rows, inter, gate_up, dact, scale, d_gate_up, row_dot);
+}
+
+template <typename T>
+void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
+                          T* act, T* d_gate_up, float* row_dot) {
+  act_grad_rows_impl(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot);
 }
 
 template <typename T>
