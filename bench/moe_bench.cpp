@@ -5,6 +5,8 @@
 // the ratio.
 #include <benchmark/benchmark.h>
 
+#include <malloc.h>
+
 #include <cstdio>
 #include <map>
 #include <random>
@@ -146,6 +148,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace hs::kernels
 
 int main(int argc, char** argv) {
+  // As the trainer (src/cli/main.cpp): keep freed workspace in the heap, so each iteration does not pay for
+  // fresh zeroed pages. (The trainer also runs libgomp with OMP_WAIT_POLICY=passive; set it to compare.)
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   benchmark::Initialize(&argc, argv);
   hs::kernels::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
