@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/vec_math.h"
 #include "test_util.h"
 
 namespace hs::kernels {
@@ -137,6 +138,30 @@ TEST(SwigluMlp, FusedActGradRowsMatchSeparatePasses) {
   check_fused_rows<float>(70, 37, 11);  // odd width: vector remainders
   check_fused_rows<bf16>(70, 37, 12);
   check_fused_rows<bf16>(300, 256, 13);  // above the parallel threshold
+}
+
+// The bf16 rounding of the row kernels (vcvtneps2bf16 where the CPU has it, which flushes subnormals that
+// the kernel then rounds separately) equals from_f32 on every bf16 value of u, subnormals, infinities and
+// NaNs included: act = g * sigmoid(g) * u with g = 100 (sigmoid exactly 1), 1 and -3.
+TEST(SwigluMlp, ActRowsRoundLikeFromF32) {
+  const int64_t rows = 256, inter = 256;
+  for (const float g : {100.0f, 1.0f, -3.0f}) {
+    std::vector<bf16> gu(rows * 2 * inter), act(rows * inter);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        gu[r * 2 * inter + i] = from_f32<bf16>(g);
+        gu[r * 2 * inter + inter + i].bits = static_cast<uint16_t>(r * inter + i);
+      }
+    detail::swiglu_act_rows<bf16>(rows, inter, gu.data(), nullptr, act.data());
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float u = to_f32(gu[r * 2 * inter + inter + i]);
+        const float gi = to_f32(from_f32<bf16>(g));
+        bad += act[r * inter + i].bits != from_f32<bf16>(1.0f * gi * sigmoid_vec(gi) * u).bits;
+      }
+    EXPECT_EQ(bad, 0) << "g = " << g;
+  }
 }
 
 TEST(SwigluMlp, PlannedPeakEqualsMeasured) {
