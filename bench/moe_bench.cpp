@@ -5,6 +5,8 @@
 // the ratio.
 #include <benchmark/benchmark.h>
 
+#include <malloc.h>
+
 #include <cstdio>
 #include <map>
 #include <random>
@@ -80,6 +82,40 @@ void BM_DenseSwigluPeer(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * kTokens);
 }
 
+// The SwiGLU row kernels alone over the routed rows of one layer (N * k rows of width I): forward act, and
+// backward's fused act + grad.
+template <typename T>
+void BM_SwigluActRows(benchmark::State& state) {
+  const int64_t rows = kTokens * kTopK;
+  const auto gu = random_vector<T>(rows * 2 * kInter, 1.0f, 1);
+  std::vector<T> act(rows * kInter);
+  for (auto _ : state) {
+    detail::swiglu_act_rows<T>(rows, kInter, gu.data(), nullptr, act.data());
+    benchmark::DoNotOptimize(act.data());
+  }
+  state.SetItemsProcessed(state.iterations() * rows * kInter);
+}
+template <typename T>
+void BM_SwigluActGradRows(benchmark::State& state) {
+  const int64_t rows = kTokens * kTopK;
+  const auto gu = random_vector<T>(rows * 2 * kInter, 1.0f, 1);
+  const auto dact = random_vector<float>(rows * kInter, 1.0f, 2);
+  const auto scale = random_vector<float>(rows, 1.0f, 3);
+  std::vector<T> act(rows * kInter), dgu(rows * 2 * kInter);
+  std::vector<float> dot(rows);
+  for (auto _ : state) {
+    detail::swiglu_act_grad_rows<T>(rows, kInter, gu.data(), dact.data(), scale.data(), act.data(), dgu.data(),
+                                    dot.data());
+    benchmark::DoNotOptimize(dgu.data());
+  }
+  state.SetItemsProcessed(state.iterations() * rows * kInter);
+}
+
+BENCHMARK(BM_SwigluActRows<bf16>)->Name("swiglu_act_rows/bf16")->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_SwigluActGradRows<bf16>)
+    ->Name("swiglu_act_grad_rows/bf16")
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(BM_MoeForwardBackward<float>)->Name("moe_fwd_bwd/f32")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DenseSwigluPeer<float>)->Name("dense_peer_fwd_bwd/f32")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MoeForwardBackward<bf16>)->Name("moe_fwd_bwd/bf16")->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -112,6 +148,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
 }  // namespace hs::kernels
 
 int main(int argc, char** argv) {
+  // As the trainer (src/cli/main.cpp): keep freed workspace in the heap, so each iteration does not pay for
+  // fresh zeroed pages. (The trainer also runs libgomp with OMP_WAIT_POLICY=passive; set it to compare.)
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   benchmark::Initialize(&argc, argv);
   hs::kernels::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);

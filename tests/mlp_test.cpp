@@ -3,9 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "kernels/vec_math.h"
 #include "test_util.h"
 
 namespace hs::kernels {
@@ -114,6 +116,54 @@ void check_planning() {
   EXPECT_EQ(real.peak(MemCategory::Activations), size_t(N * 2 * I) * sizeof(T));
   EXPECT_EQ(real.live_total(), 0u);
 }
+// Backward's fused row pass gives exactly what the two separate passes give.
+template <typename T>
+void check_fused_rows(int64_t rows, int64_t inter, uint32_t seed) {
+  const auto gu = cast<T>(randn(rows * 2 * inter, seed, 3.0f));
+  const auto dact = randn(rows * inter, seed + 1);
+  const auto scale = randn(rows, seed + 2);
+  for (const float* sc : {static_cast<const float*>(nullptr), scale.data()}) {
+    std::vector<T> act(rows * inter), act2(rows * inter), dgu(rows * 2 * inter), dgu2(rows * 2 * inter);
+    std::vector<float> dot(rows), dot2(rows);
+    detail::swiglu_act_rows<T>(rows, inter, gu.data(), sc, act.data());
+    detail::swiglu_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, dgu.data(), dot.data());
+    detail::swiglu_act_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, act2.data(), dgu2.data(), dot2.data());
+    EXPECT_EQ(std::memcmp(act.data(), act2.data(), act.size() * sizeof(T)), 0);
+    EXPECT_EQ(std::memcmp(dgu.data(), dgu2.data(), dgu.size() * sizeof(T)), 0);
+    EXPECT_EQ(dot, dot2);
+  }
+}
+
+TEST(SwigluMlp, FusedActGradRowsMatchSeparatePasses) {
+  check_fused_rows<float>(70, 37, 11);  // odd width: vector remainders
+  check_fused_rows<bf16>(70, 37, 12);
+  check_fused_rows<bf16>(300, 256, 13);  // above the parallel threshold
+}
+
+// The bf16 rounding of the row kernels (vcvtneps2bf16 where the CPU has it, which flushes subnormals that
+// the kernel then rounds separately) equals from_f32 on every bf16 value of u, subnormals, infinities and
+// NaNs included: act = g * sigmoid(g) * u with g = 100 (sigmoid exactly 1), 1 and -3.
+TEST(SwigluMlp, ActRowsRoundLikeFromF32) {
+  const int64_t rows = 256, inter = 256;
+  for (const float g : {100.0f, 1.0f, -3.0f}) {
+    std::vector<bf16> gu(rows * 2 * inter), act(rows * inter);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        gu[r * 2 * inter + i] = from_f32<bf16>(g);
+        gu[r * 2 * inter + inter + i].bits = static_cast<uint16_t>(r * inter + i);
+      }
+    detail::swiglu_act_rows<bf16>(rows, inter, gu.data(), nullptr, act.data());
+    int64_t bad = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float u = to_f32(gu[r * 2 * inter + inter + i]);
+        const float gi = to_f32(from_f32<bf16>(g));
+        bad += act[r * inter + i].bits != from_f32<bf16>(1.0f * gi * sigmoid_vec(gi) * u).bits;
+      }
+    EXPECT_EQ(bad, 0) << "g = " << g;
+  }
+}
+
 TEST(SwigluMlp, PlannedPeakEqualsMeasured) {
   check_planning<float>();
   check_planning<bf16>();

@@ -41,6 +41,17 @@ void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float*
 template <typename T>
 void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                       T* d_gate_up, float* row_dot);
+// Both of the above in one pass (one sigmoid per element): act as swiglu_act_rows(rows, inter, gate_up,
+// scale, act) and d_gate_up, row_dot as swiglu_grad_rows, bit for bit.
+template <typename T>
+void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
+                          T* act, T* d_gate_up, float* row_dot);
+// swiglu_backward with dy already in T (dyt [tokens, hidden]), e.g. scaled and rounded by the caller in the
+// same pass; swiglu_backward(dy) is this with dyt = T(dy).
+template <typename T>
+void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
+                          const T* w_down, const SwigluSaved& saved, const T* dyt, float* dx, float* dw_gate,
+                          float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr);
 }  // namespace detail
 
 namespace reference {

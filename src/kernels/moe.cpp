@@ -142,6 +142,15 @@ void route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_
   }
 }
 
+// Position of slot s of token t among the token's k slots ordered by expert index (the order in which the
+// grouped experts reach the token): 0 = its first expert, k - 1 = its last. A token's experts are distinct.
+inline int64_t expert_rank(const int32_t* index, int64_t t, int64_t k, int64_t slot) {
+  const int32_t e = index[slot];
+  int64_t rank = 0;
+  for (int64_t j = 0; j < k; ++j) rank += index[t * k + j] < e;
+  return rank;
+}
+
 }  // namespace
 
 template <typename T>
@@ -163,7 +172,9 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   Buffer shared_out = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_out");
   swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
                  saved ? &saved->shared : nullptr, mem);
-  Buffer acc = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.routed_sum", true);
+  // Running sum of a token's weighted expert outputs between its first and its last expert (never read
+  // before a token's first expert writes it, so not cleared).
+  Buffer acc = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.routed_sum");
   // Per-expert scratch: an expert gets at most one slot per token, so N rows bound every group.
   Buffer xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
@@ -197,8 +208,20 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     for (int64_t e = 0; e < E; ++e)
       stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
 
+    // Shared-expert gate, needed by the last expert of each token below.
+    float* scale = shared_scale.as<float>();
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+    for (int64_t t = 0; t < N; ++t) {
+      const T* xt = x + t * H;
+      float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * w.shared_expert_gate[h];
+      scale[t] = sigmoidf(z);
+    }
+
     T* gu = gate_up.as<T>();
     float* sum = acc.as<float>();
+    const T* sh = shared_out.as<T>();
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = off[e], n = off[e + 1] - off[e];
       if (n == 0) continue;
@@ -212,32 +235,45 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       rows_matmul(act.as<T>(), w.down + e * H * I, ye.as<float>(), n, H, I, true, tail);
       const float* yg = ye.as<float>();
       // Each token appears once per expert, so rows never collide; experts add in index order like
-      // transformers' index_add_ loop.
+      // transformers' index_add_ loop (into a zero sum), and the token's last expert adds the gated shared
+      // expert and writes y.
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
       for (int64_t r = 0; r < n; ++r) {
+        const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
         const float wt = wts[rows[r]];
-        float* dst = sum + (rows[r] / k) * H;
+        float* st = sum + t * H;
         const float* src = yg + r * H;
+        if (rank == k - 1) {
+          const float sg = scale[t];
+          const T* sht = sh + t * H;
+          T* yt = y + t * H;
+          if (rank == 0) {
 #pragma omp simd
-        for (int64_t h = 0; h < H; ++h) dst[h] += wt * src[h];
+            for (int64_t h = 0; h < H; ++h) {
+              float v = 0.0f;
+              v += wt * src[h];
+              yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+            }
+          } else {
+#pragma omp simd
+            for (int64_t h = 0; h < H; ++h) {
+              float v = st[h];
+              v += wt * src[h];
+              yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+            }
+          }
+        } else if (rank == 0) {
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) {
+            float v = 0.0f;
+            v += wt * src[h];
+            st[h] = v;
+          }
+        } else {
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) st[h] += wt * src[h];
+        }
       }
-    }
-
-    const T* sh = shared_out.as<T>();
-    float* scale = shared_scale.as<float>();
-#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
-    for (int64_t t = 0; t < N; ++t) {
-      const T* xt = x + t * H;
-      float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-      for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * w.shared_expert_gate[h];
-      const float sg = sigmoidf(z);
-      scale[t] = sg;
-      const float* st = sum + t * H;
-      const T* sht = sh + t * H;
-      T* yt = y + t * H;
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) yt[h] = from_f32<T>(st[h] + sg * to_f32(sht[h]));
     }
   }
   if (saved) {
@@ -262,26 +298,25 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 
   // Shared expert: y_s = sig(z) S(x), z = x . w_sg. Its MLP sees dy * sig; dL/dz = sig (1 - sig) <dy, S>
   // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
+  // dz * w_sg joins dx below, together with the token's first routed expert.
+  Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
   {
-    Buffer dy_shared = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.shared_dy");
-    Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
+    // dy * sig, rounded to T in the same pass (the MLP's products run in T).
+    Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
     const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
     if (real) {
-      float* d = dy_shared.as<float>();
+      T* d = dy_shared.as<T>();
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
       for (int64_t t = 0; t < N; ++t)
 #pragma omp simd
-        for (int64_t h = 0; h < H; ++h) d[t * H + h] = scale[t] * dy[t * H + h];
+        for (int64_t h = 0; h < H; ++h) d[t * H + h] = from_f32<T>(scale[t] * dy[t * H + h]);
     }
-    swiglu_backward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
-                    dy_shared.as<float>(), dx, g.shared_gate, g.shared_up, g.shared_down, mem, dz.as<float>());
+    detail::swiglu_backward_from(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
+                                 real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
+                                 mem, dz.as<float>());
     if (real) {
       float* dzt = dz.as<float>();
       for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
-#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
-      for (int64_t t = 0; t < N; ++t)
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) dx[t * H + h] += dzt[t] * w.shared_expert_gate[h];
       // d w_sg[h] += sum_t dz[t] x[t, h], column blocks so each thread owns its outputs.
       constexpr int64_t kCols = 64;
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
@@ -305,7 +340,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   {
     Buffer wrow = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_weight");
     Buffer rdot = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_dot");
-    Buffer rows_in = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_dy_x");  // dy rows, then x rows
+    Buffer dy_rows = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_dy");
+    Buffer x_rows = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
     Buffer actw = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_wact");
     Buffer dact = mem.allocate_n<float>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_dact");
     Buffer dgu = mem.allocate_n<T>(static_cast<size_t>(N * 2 * I), MemCategory::Workspace, "moe.expert_dgate_up");
@@ -314,12 +350,15 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     if (real) {
       const int64_t* off = sv.expert_offset.as<int64_t>();
       const int32_t* slots = sv.row_slot.as<int32_t>();
+      const int32_t* idx = sv.topk_index.as<int32_t>();
       const float* wts = sv.topk_weight.as<float>();
+      const float* dzt = dz.as<float>();
       const T* gu = sv.gate_up.as<T>();
       float* dw = dweight.as<float>();
       float* wr = wrow.as<float>();
       float* rd = rdot.as<float>();
-      T* rin = rows_in.as<T>();
+      T* dyg = dy_rows.as<T>();
+      T* xg = x_rows.as<T>();
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
@@ -328,27 +367,38 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
         for (int64_t r = 0; r < n; ++r) {
           wr[r] = wts[rows[r]];
-          const float* src = dy + (rows[r] / k) * H;
-          T* dst = rin + r * H;
+          const int64_t t = rows[r] / k;
+          const float* src = dy + t * H;
+          T* dst = dyg + r * H;
 #pragma omp simd
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+          std::copy_n(x + t * H, H, xg + r * H);
         }
-        detail::swiglu_act_rows(n, I, gu_e, wr, actw.as<T>());
-        rows_reduce_matmul(rin, actw.as<T>(), g.down + e * H * I, n, H, I, tail);      // dW_down += dy^T (w act)
-        rows_matmul(rin, w.down + e * H * I, dact.as<float>(), n, I, H, false, tail);  // dact = dy W_down
-        detail::swiglu_grad_rows(n, I, gu_e, dact.as<float>(), wr, dgu.as<T>(), rd);
+        rows_matmul(dyg, w.down + e * H * I, dact.as<float>(), n, I, H, false, tail);  // dact = dy W_down
+        // w act (recomputed) and d(gate | up) in one pass.
+        detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
         for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, rin + r * H);
-        rows_reduce_matmul(dgu.as<T>(), rin, g.gate_up + e * 2 * I * H, n, 2 * I, H, tail);
+        rows_reduce_matmul(dyg, actw.as<T>(), g.down + e * H * I, n, H, I, tail);  // dW_down += dy^T (w act)
+        rows_reduce_matmul(dgu.as<T>(), xg, g.gate_up + e * 2 * I * H, n, 2 * I, H, tail);
         rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false, tail);
         const float* dxg = dxe.as<float>();
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
         for (int64_t r = 0; r < n; ++r) {
-          float* dst = dx + (rows[r] / k) * H;
+          const int64_t t = rows[r] / k;
+          float* dst = dx + t * H;
           const float* src = dxg + r * H;
+          if (expert_rank(idx, t, k, rows[r]) == 0) {
+            const float dzv = dzt[t];
 #pragma omp simd
-          for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+            for (int64_t h = 0; h < H; ++h) {
+              float v = dst[h];
+              v += dzv * w.shared_expert_gate[h];
+              dst[h] = v + src[h];
+            }
+          } else {
+#pragma omp simd
+            for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+          }
         }
       }
     }
