@@ -31,7 +31,17 @@
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside max/min/reduce; the diagnostics are
+// located in the header, so the pragma must cover its inclusion (as in delta_rule.cpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #define HS_ATTENTION_BF16_DOT 1
 #else
 #define HS_ATTENTION_BF16_DOT 0
@@ -49,7 +59,8 @@
 namespace hs::kernels {
 namespace {
 
-constexpr int64_t kTile = 64;  // a 64 x 64 fp32 score tile is 16 KiB: it and its operands stay in L1/L2
+constexpr int64_t kTile = 64;
+constexpr int64_t kMaxRowSum = 256;  // the dQ reduction sums rows in blocks of this many floats  // a 64 x 64 fp32 score tile is 16 KiB: it and its operands stay in L1/L2
 
 // The element type of the products for storage type T.
 template <typename T>
@@ -272,6 +283,141 @@ inline E to_e(float x) {
   return from_f32<E>(x);
 }
 
+#if HS_ATTENTION_BF16_DOT
+// AVX-512 forms of the row loops for bf16 storage (the auto-vectorised loops use 256-bit vectors and
+// separate conversion passes). exp512 is exp_vec (vec_math.h) lane for lane, with the FMAs GCC contracts
+// exp_vec's arithmetic into, so it gives exp_vec's values.
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpVecLo), hi = _mm512_set1_ps(kExpVecHi);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));  // NaN stays NaN (max/min return the 2nd)
+  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift);
+  const __m512 n = _mm512_sub_ps(t, shift);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(shift)), _mm512_set1_epi32(127)),
+      23);
+  __m512 v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ),
+                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// 16 bf16 -> fp32 (exact).
+inline __m512 bf16x16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load_bf16x16(const bf16* p, __mmask16 k) {
+  return bf16x16_to_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+// Lanes j < n set (n clamped to [0, 16]).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
+}
+// (row a, row b) of 16 columns -> 32 bf16 in the B layout (pairs interleaved: a0 b0 a1 b1 ...).
+inline __m512i interleave_pair(__m512 a, __m512 b) {
+  alignas(64) static constexpr uint16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+static_assert(kTile == 64, "the AVX-512 row loops hold a row in four vectors");
+
+// Forward online-softmax update for one score tile S [query, key] (unscaled fp32): m, l updated, O's
+// rows rescaled, and the probabilities written as bf16 rows twice, P = hi + lo (see the forward).
+inline void forward_rows_bf16(const float* S, bf16* Phi, bf16* Plo, float* m, float* l, float* O, int64_t hdp,
+                              float scale, bool diagonal) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < kTile; ++i) {
+    const float* s = S + i * kTile;
+    const int64_t vis = diagonal ? i + 1 : kTile;
+    __m512 x[4], p[4];
+    __m512 mxv = _mm512_set1_ps(m[i]);
+    for (int v = 0; v < 4; ++v) {
+      x[v] = _mm512_mask_mul_ps(ninf, first_lanes(vis - 16 * v), _mm512_loadu_ps(s + 16 * v), vscale);
+      mxv = _mm512_max_ps(mxv, x[v]);
+    }
+    const float mx = _mm512_reduce_max_ps(mxv);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sumv = _mm512_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      p[v] = exp512(_mm512_sub_ps(x[v], vmx));  // exactly 0 for masked keys (-inf)
+      sumv = _mm512_add_ps(sumv, p[v]);
+    }
+    const float sum = _mm512_reduce_add_ps(sumv);
+    const float corr = exp_vec(m[i] - mx);  // 0 on the first tile (m = -inf)
+    l[i] = l[i] * corr + sum;
+    m[i] = mx;
+    if (corr != 1.0f) {
+      const __m512 vc = _mm512_set1_ps(corr);
+      for (int64_t d = 0; d < hdp; d += 16)
+        _mm512_storeu_ps(O + i * hdp + d, _mm512_mul_ps(vc, _mm512_loadu_ps(O + i * hdp + d)));
+    }
+    for (int v = 0; v < 4; v += 2) {
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[v + 1], p[v]);
+      _mm512_storeu_si512(Phi + i * kTile + 16 * v, h);
+      const __m512 lo0 = _mm512_sub_ps(p[v], bf16x16_to_ps(_mm512_castsi512_si256(h)));
+      const __m512 lo1 = _mm512_sub_ps(p[v + 1], bf16x16_to_ps(_mm512_extracti64x4_epi64(h, 1)));
+      _mm512_storeu_si512(Plo + i * kTile + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(lo1, lo0));
+    }
+  }
+}
+
+// Backward: P = exp(S * scale - lse) (0 for masked keys) and dS = P (dP - D), written straight into the
+// layouts the products read: P and dS in the B layout, dS as rows. Two query rows at a time (a B pair).
+inline void backward_rows_bf16(const float* S, const float* dP, const float* lse, const float* D, float scale,
+                               bool diagonal, bf16* Pb, bf16* dSb, bf16* dSr) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kTile; i += 2) {
+    __m512 p[2][4], ds[2][4];
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = i + r, vis = diagonal ? row + 1 : kTile;
+      const __m512 li = _mm512_set1_ps(lse[row]), di = _mm512_set1_ps(D[row]);
+      for (int v = 0; v < 4; ++v) {
+        const __m512 e = exp512(_mm512_fmsub_ps(_mm512_loadu_ps(S + row * kTile + 16 * v), vscale, li));
+        p[r][v] = _mm512_maskz_mov_ps(first_lanes(vis - 16 * v), e);
+        ds[r][v] = _mm512_mul_ps(p[r][v], _mm512_sub_ps(_mm512_loadu_ps(dP + row * kTile + 16 * v), di));
+      }
+      for (int v = 0; v < 4; v += 2)
+        _mm512_storeu_si512(dSr + row * kTile + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(ds[r][v + 1], ds[r][v]));
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_si512(Pb + i * kTile + 32 * v, interleave_pair(p[0][v], p[1][v]));
+      _mm512_storeu_si512(dSb + i * kTile + 32 * v, interleave_pair(ds[0][v], ds[1][v]));
+    }
+  }
+}
+
+// The gate step of one query row (bf16 storage): dgate +=, dA (rounded to bf16, as fp32) into da;
+// returns D = rowsum(dA * attn).
+inline float gate_row_bf16(const bf16* gate, const bf16* attn, const float* dout, float* dgate, float* da,
+                           int64_t hd) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  __m512 dot = zero;
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 k = first_lanes(hd - d);
+    const __m512 gt = load_bf16x16(gate + d, k), a = load_bf16x16(attn + d, k);
+    const __m512 go = _mm512_maskz_loadu_ps(k, dout + d);
+    const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, gt))));
+    const __m512 dg = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(go, a), sg), _mm512_sub_ps(one, sg),
+                                      _mm512_maskz_loadu_ps(k, dgate + d));
+    _mm512_mask_storeu_ps(dgate + d, k, dg);
+    const __m512 dav = bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(go, sg)));  // 0 past hd
+    _mm512_mask_storeu_ps(da + d, k, dav);
+    dot = _mm512_fmadd_ps(dav, a, dot);
+  }
+  return _mm512_reduce_add_ps(dot);
+}
+#endif
+
 // Geometry shared by the passes.
 struct Geometry {
   int64_t B, T, H, KVH, hd, hdp, group, tiles, Tp;
@@ -418,6 +564,15 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
         // diagonal on the last (padded keys there are only seen by padded queries, whose rows are
         // finite and never written out). vis >= 1, so the max is finite and no exp sees inf - inf.
         const bool diagonal = kt == qt;
+        const E* Vt = Vb + kt * kTile * g.hdp;
+#if HS_ATTENTION_BF16_DOT
+        if constexpr (std::is_same_v<E, bf16>) {
+          forward_rows_bf16(S, P, P + kTile * kTile, m, l, O, g.hdp, g.scale, diagonal);
+          tile_gemm<E>(kTile, g.hdp, kTile, P, kTile, Vt, g.hdp, O, g.hdp, true);                  // O += P_hi V
+          tile_gemm<E>(kTile, g.hdp, kTile, P + kTile * kTile, kTile, Vt, g.hdp, O, g.hdp, true);  // O += P_lo V
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < kTile; ++i) {
           float* s = S + i * kTile;
           const int64_t vis = diagonal ? i + 1 : kTile;
@@ -441,7 +596,6 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
           if (corr != 1.0f)
             for (int64_t d = 0; d < g.hdp; ++d) O[i * g.hdp + d] *= corr;
         }
-        const E* Vt = Vb + kt * kTile * g.hdp;
         tile_gemm<E>(kTile, g.hdp, kTile, as_rows<E>(S, P), kTile, Vt, g.hdp, O, g.hdp, true);  // O += P V
         if constexpr (!std::is_same_v<E, float>) {
           // bf16: P = hi + lo, both bf16 (P's relative error 2^-9 -> 2^-17), so the output keeps fp32-like
@@ -554,6 +708,13 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
       D_row[i] = 0.0f;
       if (i >= n) continue;
       const int64_t o = g.row(b, t0 + i, h, g.H);
+      lse_row[i] = lse[(b * g.H + h) * g.T + t0 + i];
+#if HS_ATTENTION_BF16_DOT
+      if constexpr (std::is_same_v<E, bf16>) {
+        D_row[i] = gate_row_bf16(gate + o, attn + o, dout + o, dgate + o, da, g.hd);
+        continue;
+      }
+#endif
       float rowdot = 0.0f;
       for (int64_t d = 0; d < g.hd; ++d) {
         const float sg = sigmoid_vec(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
@@ -564,7 +725,6 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
         rowdot += da[d] * a;
       }
       D_row[i] = rowdot;
-      lse_row[i] = lse[(b * g.H + h) * g.T + t0 + i];
     }
     Packs<E> p;
     p.rows = dar + (b * g.H + h) * g.per_head();
@@ -616,6 +776,15 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
             const bool diagonal = qt == kt;
             const float* lse_t = lse_p + bh * g.Tp + q0;
             const float* D_t = D_p + bh * g.Tp + q0;
+#if HS_ATTENTION_BF16_DOT
+            if constexpr (std::is_same_v<E, bf16>) {
+              backward_rows_bf16(S, dP, lse_t, D_t, g.scale, diagonal, Pb, dSb, dSr);
+              tile_gemm<E>(g.hdp, kTile, kTile, dAc + q0, g.Tp, Pb, kTile, dVt, kTile, true);
+              tile_gemm<E>(g.hdp, kTile, kTile, Qc + q0, g.Tp, dSb, kTile, dKt, kTile, true);
+              tile_gemm<E>(kTile, g.hdp, kTile, dSr, kTile, Kr + k0 * g.hdp, g.hdp, dQ + q0 * g.hdp, g.hdp, true);
+              continue;
+            }
+#endif
             for (int64_t i = 0; i < kTile; ++i) {
               float* s = S + i * kTile;
               float* dp = dP + i * kTile;
@@ -652,14 +821,20 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
     for (int64_t r = 0; r < g.B * g.H * g.T; ++r) {
       const int64_t t = r % g.T, bh = r / g.T, b = bh / g.H, h = bh % g.H;
       float* dst = dq + g.row(b, t, h, g.H);
-      for (int64_t d = 0; d < g.hd; ++d) {
-        float sum = 0.0f;
+      // Per element the same sum (0 + chunk 0 + chunk 1 + ...), vectorised over d.
+      float sum[kMaxRowSum];
+      for (int64_t d0 = 0; d0 < g.hd; d0 += kMaxRowSum) {
+        const int64_t n = std::min(kMaxRowSum, g.hd - d0);
+        std::fill(sum, sum + n, 0.0f);
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t kb = start[static_cast<size_t>(c)];
           if (kb == start[static_cast<size_t>(c + 1)] || t / kTile < kb) continue;
-          sum += dq_part[(c * g.B * g.H + bh) * g.per_head() + t * g.hdp + d];
+          const float* part = dq_part + (c * g.B * g.H + bh) * g.per_head() + t * g.hdp + d0;
+#pragma omp simd
+          for (int64_t d = 0; d < n; ++d) sum[d] += part[d];
         }
-        dst[d] += g.scale * sum;
+#pragma omp simd
+        for (int64_t d = 0; d < n; ++d) dst[d0 + d] += g.scale * sum[d];
       }
     }
   }
