@@ -452,6 +452,44 @@ struct Packs {
 template <typename E>
 void emit_tile(const float* tmp, int64_t tile, const Geometry& g, const Packs<E>& p) {
   const int64_t t0 = tile * kTile;
+#if HS_ATTENTION_BF16_DOT
+  // bf16 products: the AVX-512 form. tmp's values are bf16 values already (loaded from bf16 storage or
+  // rounded to bf16), so the conversion is exact either way.
+  constexpr int64_t kMaxHdp = 256;
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (g.hdp <= kMaxHdp) {
+      alignas(64) uint16_t tb[kTile * kMaxHdp];  // the tile as bf16 rows
+      for (int64_t i = 0; i < kTile; ++i)
+        for (int64_t d = 0; d < g.hdp; d += 32)
+          _mm512_store_si512(tb + i * g.hdp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + i * g.hdp + d + 16),
+                                                                          _mm512_loadu_ps(tmp + i * g.hdp + d)));
+      if (p.rows) std::memcpy(p.rows + t0 * g.hdp, tb, sizeof(uint16_t) * kTile * g.hdp);
+      if (p.rows_b)
+        for (int64_t i = 0; i < kTile; i += 2)
+          for (int64_t d = 0; d < g.hdp; d += 16)
+            _mm512_storeu_si512(p.rows_b + (t0 + i) * g.hdp + 2 * d,
+                                interleave_pair(_mm512_loadu_ps(tmp + i * g.hdp + d),
+                                                _mm512_loadu_ps(tmp + (i + 1) * g.hdp + d)));
+      if (p.cols) {
+        auto* cols = reinterpret_cast<uint16_t*>(p.cols);
+        for (int64_t d = 0; d < g.hdp; ++d)
+          for (int64_t i = 0; i < kTile; ++i) cols[d * g.Tp + t0 + i] = tb[i * g.hdp + d];
+      }
+      if (p.cols_b) {
+        // Element pairs (d, d + 1) of one row are one 32-bit word of tb and of the B layout of X^T:
+        // a 32-bit transpose [kTile, hdp / 2] -> [hdp / 2, Tp].
+        const int64_t w = g.hdp / 2;
+        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(static_cast<int>(g.Tp)));
+        auto* dst = reinterpret_cast<int32_t*>(p.cols_b);
+        for (int64_t i = 0; i < kTile; ++i)
+          for (int64_t c = 0; c < w; c += 16)
+            _mm512_i32scatter_epi32(dst + c * g.Tp + t0 + i, idx, _mm512_load_si512(tb + i * g.hdp + 2 * c), 4);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < kTile; ++i)
     for (int64_t d = 0; d < g.hdp; ++d) {
       const E x = to_e<E>(tmp[i * g.hdp + d]);
@@ -485,7 +523,8 @@ template <typename E, typename T, typename F>
 void pack_all(const T* src, const Geometry& g, int64_t heads, float* tmp_all, F packs) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < g.B * heads * g.tiles; ++r) {
-    const int64_t tile = r % g.tiles, h = r / g.tiles % heads, b = r / g.tiles / heads;
+    // Heads fastest: the tiles of all heads at one time tile are one contiguous stretch of src.
+    const int64_t h = r % heads, tile = r / heads % g.tiles, b = r / heads / g.tiles;
     float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
     load_tile(tmp, src, g, b, h, heads, tile);
     emit_tile<E>(tmp, tile, g, packs(b, h));
@@ -696,7 +735,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
   // Through the gate: dgate, dA = dout * sigmoid(gate) (packed) and D; lse padded.
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < g.B * g.H * g.tiles; ++r) {
-    const int64_t tile = r % g.tiles, h = r / g.tiles % g.H, b = r / g.tiles / g.H;
+    const int64_t h = r % g.H, tile = r / g.H % g.tiles, b = r / g.H / g.tiles;  // as in pack_all
     float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
     const int64_t t0 = tile * kTile, n = g.tile_len(tile);
     float* lse_row = lse_p + (b * g.H + h) * g.Tp + t0;
