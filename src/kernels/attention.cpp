@@ -396,6 +396,31 @@ inline void backward_rows_bf16(const float* S, const float* dP, const float* lse
   }
 }
 
+// Forward output of one query row (bf16 storage): a = O / l, out = a * sigmoid(gate), attn = a.
+inline void output_row_bf16(const float* O, float inv_l, const bf16* gate, bf16* out, bf16* attn, int64_t hd) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), vl = _mm512_set1_ps(inv_l);
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 k = first_lanes(hd - d);
+    const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, O + d), vl);
+    const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, load_bf16x16(gate + d, k)))));
+    _mm256_mask_storeu_epi16(out + d, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, sg)));
+    if (attn) _mm256_mask_storeu_epi16(attn + d, k, (__m256i)_mm512_cvtneps_pbh(a));
+  }
+}
+
+// dst[j, d] += scale * src[d, j] for j < n, d < hd: src [hd (padded), kTile], dst rows ld apart.
+inline void add_transposed(const float* src, float scale, int64_t n, int64_t hd, float* dst, int64_t ld) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int>(kTile)));
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; d += 16) {
+      const __mmask16 k = first_lanes(hd - d);
+      const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, idx, src + d * kTile + j, 4);
+      _mm512_mask_storeu_ps(dst + j * ld + d, k, _mm512_fmadd_ps(vs, x, _mm512_maskz_loadu_ps(k, dst + j * ld + d)));
+    }
+}
+
 // The gate step of one query row (bf16 storage): dgate +=, dA (rounded to bf16, as fp32) into da;
 // returns D = rowsum(dA * attn).
 inline float gate_row_bf16(const bf16* gate, const bf16* attn, const float* dout, float* dgate, float* da,
@@ -589,7 +614,10 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
       for (int64_t i = 0; i < kTile; ++i) {
         const int64_t n = i < nq ? g.hd : 0;
         const T* src = q + (i < nq ? g.row(b, q0 + i, h, g.H) : 0);
-        for (int64_t d = 0; d < n; ++d) Qr[i * g.hdp + d] = to_e<E>(to_f32(src[d]));
+        if constexpr (std::is_same_v<E, T>)
+          std::memcpy(Qr + i * g.hdp, src, sizeof(E) * static_cast<size_t>(n));
+        else
+          for (int64_t d = 0; d < n; ++d) Qr[i * g.hdp + d] = to_e<E>(to_f32(src[d]));
         std::fill(Qr + i * g.hdp + n, Qr + (i + 1) * g.hdp, to_e<E>(0.0f));
       }
       std::fill(O, O + kTile * g.hdp, 0.0f);
@@ -646,6 +674,13 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
       for (int64_t i = 0; i < nq; ++i) {
         const float inv_l = 1.0f / l[i];
         const int64_t row = g.row(b, q0 + i, h, g.H);
+#if HS_ATTENTION_BF16_DOT
+        if constexpr (std::is_same_v<T, bf16>) {
+          output_row_bf16(O + i * g.hdp, inv_l, gate + row, out + row, attn_out ? attn_out + row : nullptr, g.hd);
+          if (lse_out) lse_out[(b * g.H + h) * g.T + q0 + i] = m[i] + std::log(l[i]);
+          continue;
+        }
+#endif
         for (int64_t d = 0; d < g.hd; ++d) {
           const float a = O[i * g.hdp + d] * inv_l;
           out[row + d] = from_f32<T>(a * sigmoid_vec(to_f32(gate[row + d])));
@@ -845,6 +880,10 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
                          true);  // dQ += dS K
           }
         }
+#if HS_ATTENTION_BF16_DOT
+        add_transposed(dKt, g.scale, nk, g.hd, dk + g.row(b, k0, kvh, g.KVH), g.KVH * g.hd);
+        add_transposed(dVt, 1.0f, nk, g.hd, dv + g.row(b, k0, kvh, g.KVH), g.KVH * g.hd);
+#else
         for (int64_t j = 0; j < nk; ++j) {
           const int64_t row = g.row(b, k0 + j, kvh, g.KVH);
           for (int64_t d = 0; d < g.hd; ++d) {
@@ -852,6 +891,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
             dv[row + d] += dVt[d * kTile + j];
           }
         }
+#endif
       }
     }
 
