@@ -349,7 +349,8 @@ inline void forward_rows_bf16(const float* S, bf16* Phi, bf16* Plo, float* m, fl
     const __m512 vmx = _mm512_set1_ps(mx);
     __m512 sumv = _mm512_setzero_ps();
     for (int v = 0; v < 4; ++v) {
-      p[v] = exp512(_mm512_sub_ps(x[v], vmx));  // exactly 0 for masked keys (-inf)
+      // Exactly 0 for masked keys (-inf); vectors past the diagonal skip the exp.
+      p[v] = 16 * v < vis ? exp512(_mm512_sub_ps(x[v], vmx)) : _mm512_setzero_ps();
       sumv = _mm512_add_ps(sumv, p[v]);
     }
     const float sum = _mm512_reduce_add_ps(sumv);
@@ -382,6 +383,10 @@ inline void backward_rows_bf16(const float* S, const float* dP, const float* lse
       const int64_t row = i + r, vis = diagonal ? row + 1 : kTile;
       const __m512 li = _mm512_set1_ps(lse[row]), di = _mm512_set1_ps(D[row]);
       for (int v = 0; v < 4; ++v) {
+        if (16 * v >= vis) {  // wholly past the diagonal
+          p[r][v] = ds[r][v] = _mm512_setzero_ps();
+          continue;
+        }
         const __m512 e = exp512(_mm512_fmsub_ps(_mm512_loadu_ps(S + row * kTile + 16 * v), vscale, li));
         p[r][v] = _mm512_maskz_mov_ps(first_lanes(vis - 16 * v), e);
         ds[r][v] = _mm512_mul_ps(p[r][v], _mm512_sub_ps(_mm512_loadu_ps(dP + row * kTile + 16 * v), di));
