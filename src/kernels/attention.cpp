@@ -500,21 +500,31 @@ void emit_tile(const float* tmp, int64_t tile, const Geometry& g, const Packs<E>
             _mm512_storeu_si512(p.rows_b + (t0 + i) * g.hdp + 2 * d,
                                 interleave_pair(_mm512_loadu_ps(tmp + i * g.hdp + d),
                                                 _mm512_loadu_ps(tmp + (i + 1) * g.hdp + d)));
+      // Transposes by 32-bit gathers down tb's columns: word c of row i of tb holds elements (2c, 2c + 1).
+      const int64_t w = g.hdp / 2;
+      const auto* tb32 = reinterpret_cast<const int32_t*>(tb);
+      const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(w)));
       if (p.cols) {
+        alignas(64) static constexpr uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                                           22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                                                           44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+        const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
         auto* cols = reinterpret_cast<uint16_t*>(p.cols);
-        for (int64_t d = 0; d < g.hdp; ++d)
-          for (int64_t i = 0; i < kTile; ++i) cols[d * g.Tp + t0 + i] = tb[i * g.hdp + d];
+        for (int64_t c = 0; c < w; ++c)
+          for (int64_t i = 0; i < kTile; i += 32) {
+            const __m512i x0 = _mm512_i32gather_epi32(gidx, tb32 + i * w + c, 4);
+            const __m512i x1 = _mm512_i32gather_epi32(gidx, tb32 + (i + 16) * w + c, 4);
+            _mm512_storeu_si512(cols + 2 * c * g.Tp + t0 + i, _mm512_permutex2var_epi16(x0, even, x1));
+            _mm512_storeu_si512(cols + (2 * c + 1) * g.Tp + t0 + i, _mm512_permutex2var_epi16(x0, odd, x1));
+          }
       }
       if (p.cols_b) {
-        // Element pairs (d, d + 1) of one row are one 32-bit word of tb and of the B layout of X^T:
-        // a 32-bit transpose [kTile, hdp / 2] -> [hdp / 2, Tp].
-        const int64_t w = g.hdp / 2;
-        const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                               _mm512_set1_epi32(static_cast<int>(g.Tp)));
+        // The B layout of X^T holds the same words: a 32-bit transpose [kTile, hdp / 2] -> [hdp / 2, Tp].
         auto* dst = reinterpret_cast<int32_t*>(p.cols_b);
-        for (int64_t i = 0; i < kTile; ++i)
-          for (int64_t c = 0; c < w; c += 16)
-            _mm512_i32scatter_epi32(dst + c * g.Tp + t0 + i, idx, _mm512_load_si512(tb + i * g.hdp + 2 * c), 4);
+        for (int64_t c = 0; c < w; ++c)
+          for (int64_t i = 0; i < kTile; i += 16)
+            _mm512_storeu_si512(dst + c * g.Tp + t0 + i, _mm512_i32gather_epi32(gidx, tb32 + i * w + c, 4));
       }
       return;
     }
