@@ -17,7 +17,13 @@
 // per (query head of the group, query tile, key tile), accumulates dK^T, dV^T of its key tile and dQ of
 // every query tile into its own dQ partial; a last pass adds the partials in chunk order. The chunk count
 // depends on the shape only (enough tasks for parallelism when batch * kv_heads is small), so the
-// result is the same for any thread count.
+// result is the same for any thread count. With one chunk (batch * kv_heads >= 8) a task sees all key
+// tiles of its group and adds its dQ to dq itself, from a per-thread accumulator.
+//
+// With AVX512_BF16 the row loops around the products (softmax statistics, P = exp(...), dS, the gate
+// step, the output rows) are explicit AVX-512 and write P and dS straight into the bf16 operand layouts;
+// packing converts and transposes tiles with vector stores and 32-bit gathers. The portable loops below
+// them remain for fp32 products and for builds without AVX512_BF16.
 #include "kernels/attention.h"
 
 #include <omp.h>
@@ -31,7 +37,17 @@
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside max/min/reduce; the diagnostics are
+// located in the header, so the pragma must cover its inclusion (as in delta_rule.cpp).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #define HS_ATTENTION_BF16_DOT 1
 #else
 #define HS_ATTENTION_BF16_DOT 0
@@ -49,7 +65,8 @@
 namespace hs::kernels {
 namespace {
 
-constexpr int64_t kTile = 64;  // a 64 x 64 fp32 score tile is 16 KiB: it and its operands stay in L1/L2
+constexpr int64_t kTile = 64;
+constexpr int64_t kMaxRowSum = 256;  // the dQ reduction sums rows in blocks of this many floats  // a 64 x 64 fp32 score tile is 16 KiB: it and its operands stay in L1/L2
 
 // The element type of the products for storage type T.
 template <typename T>
@@ -272,6 +289,171 @@ inline E to_e(float x) {
   return from_f32<E>(x);
 }
 
+#if HS_ATTENTION_BF16_DOT
+// AVX-512 forms of the row loops for bf16 storage (the auto-vectorised loops use 256-bit vectors and
+// separate conversion passes). exp512 is exp_vec (vec_math.h) lane for lane, with the FMAs GCC contracts
+// exp_vec's arithmetic into, so it gives exp_vec's values.
+inline __m512 exp512(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(kExpVecLo), hi = _mm512_set1_ps(kExpVecHi);
+  const __m512 shift = _mm512_set1_ps(12582912.0f);
+  const __m512 xc = _mm512_min_ps(hi, _mm512_max_ps(lo, x));  // NaN stays NaN (max/min return the 2nd)
+  const __m512 t = _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), shift);
+  const __m512 n = _mm512_sub_ps(t, shift);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_sub_epi32(_mm512_castps_si512(t), _mm512_castps_si512(shift)), _mm512_set1_epi32(127)),
+      23);
+  __m512 v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+  v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), _mm512_setzero_ps());
+  return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ),
+                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+// 16 bf16 -> fp32 (exact).
+inline __m512 bf16x16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load_bf16x16(const bf16* p, __mmask16 k) {
+  return bf16x16_to_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+// Lanes j < n set (n clamped to [0, 16]).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : (n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1));
+}
+// (row a, row b) of 16 columns -> 32 bf16 in the B layout (pairs interleaved: a0 b0 a1 b1 ...).
+inline __m512i interleave_pair(__m512 a, __m512 b) {
+  alignas(64) static constexpr uint16_t kIdx[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                    8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_load_si512(kIdx), (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+static_assert(kTile == 64, "the AVX-512 row loops hold a row in four vectors");
+
+// Forward online-softmax update for one score tile S [query, key] (unscaled fp32): m, l updated, O's
+// rows rescaled, and the probabilities written as bf16 rows twice, P = hi + lo (see the forward).
+inline void forward_rows_bf16(const float* S, bf16* Phi, bf16* Plo, float* m, float* l, float* O, int64_t hdp,
+                              float scale, bool diagonal) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i = 0; i < kTile; ++i) {
+    const float* s = S + i * kTile;
+    const int64_t vis = diagonal ? i + 1 : kTile;
+    __m512 x[4], p[4];
+    __m512 mxv = _mm512_set1_ps(m[i]);
+    for (int v = 0; v < 4; ++v) {
+      x[v] = _mm512_mask_mul_ps(ninf, first_lanes(vis - 16 * v), _mm512_loadu_ps(s + 16 * v), vscale);
+      mxv = _mm512_max_ps(mxv, x[v]);
+    }
+    const float mx = _mm512_reduce_max_ps(mxv);
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 sumv = _mm512_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      // Exactly 0 for masked keys (-inf); vectors past the diagonal skip the exp.
+      p[v] = 16 * v < vis ? exp512(_mm512_sub_ps(x[v], vmx)) : _mm512_setzero_ps();
+      sumv = _mm512_add_ps(sumv, p[v]);
+    }
+    const float sum = _mm512_reduce_add_ps(sumv);
+    const float corr = exp_vec(m[i] - mx);  // 0 on the first tile (m = -inf)
+    l[i] = l[i] * corr + sum;
+    m[i] = mx;
+    if (corr != 1.0f) {
+      const __m512 vc = _mm512_set1_ps(corr);
+      for (int64_t d = 0; d < hdp; d += 16)
+        _mm512_storeu_ps(O + i * hdp + d, _mm512_mul_ps(vc, _mm512_loadu_ps(O + i * hdp + d)));
+    }
+    for (int v = 0; v < 4; v += 2) {
+      const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(p[v + 1], p[v]);
+      _mm512_storeu_si512(Phi + i * kTile + 16 * v, h);
+      const __m512 lo0 = _mm512_sub_ps(p[v], bf16x16_to_ps(_mm512_castsi512_si256(h)));
+      const __m512 lo1 = _mm512_sub_ps(p[v + 1], bf16x16_to_ps(_mm512_extracti64x4_epi64(h, 1)));
+      _mm512_storeu_si512(Plo + i * kTile + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(lo1, lo0));
+    }
+  }
+}
+
+// Backward: P = exp(S * scale - lse) (0 for masked keys) and dS = P (dP - D), written straight into the
+// layouts the products read: P and dS in the B layout, dS as rows. Two query rows at a time (a B pair).
+inline void backward_rows_bf16(const float* S, const float* dP, const float* lse, const float* D, float scale,
+                               bool diagonal, bf16* Pb, bf16* dSb, bf16* dSr) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < kTile; i += 2) {
+    __m512 p[2][4], ds[2][4];
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = i + r, vis = diagonal ? row + 1 : kTile;
+      const __m512 li = _mm512_set1_ps(lse[row]), di = _mm512_set1_ps(D[row]);
+      for (int v = 0; v < 4; ++v) {
+        if (16 * v >= vis) {  // wholly past the diagonal
+          p[r][v] = ds[r][v] = _mm512_setzero_ps();
+          continue;
+        }
+        const __m512 e = exp512(_mm512_fmsub_ps(_mm512_loadu_ps(S + row * kTile + 16 * v), vscale, li));
+        p[r][v] = _mm512_maskz_mov_ps(first_lanes(vis - 16 * v), e);
+        ds[r][v] = _mm512_mul_ps(p[r][v], _mm512_sub_ps(_mm512_loadu_ps(dP + row * kTile + 16 * v), di));
+      }
+      for (int v = 0; v < 4; v += 2)
+        _mm512_storeu_si512(dSr + row * kTile + 16 * v, (__m512i)_mm512_cvtne2ps_pbh(ds[r][v + 1], ds[r][v]));
+    }
+    for (int v = 0; v < 4; ++v) {
+      _mm512_storeu_si512(Pb + i * kTile + 32 * v, interleave_pair(p[0][v], p[1][v]));
+      _mm512_storeu_si512(dSb + i * kTile + 32 * v, interleave_pair(ds[0][v], ds[1][v]));
+    }
+  }
+}
+
+// Forward output of one query row (bf16 storage): a = O / l, out = a * sigmoid(gate), attn = a.
+inline void output_row_bf16(const float* O, float inv_l, const bf16* gate, bf16* out, bf16* attn, int64_t hd) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps(), vl = _mm512_set1_ps(inv_l);
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 k = first_lanes(hd - d);
+    const __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, O + d), vl);
+    const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, load_bf16x16(gate + d, k)))));
+    _mm256_mask_storeu_epi16(out + d, k, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a, sg)));
+    if (attn) _mm256_mask_storeu_epi16(attn + d, k, (__m256i)_mm512_cvtneps_pbh(a));
+  }
+}
+
+// dst[j, d] += scale * src[d, j] for j < n, d < hd: src [hd (padded), kTile], dst rows ld apart.
+inline void add_transposed(const float* src, float scale, int64_t n, int64_t hd, float* dst, int64_t ld) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int>(kTile)));
+  const __m512 vs = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < hd; d += 16) {
+      const __mmask16 k = first_lanes(hd - d);
+      const __m512 x = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), k, idx, src + d * kTile + j, 4);
+      _mm512_mask_storeu_ps(dst + j * ld + d, k, _mm512_fmadd_ps(vs, x, _mm512_maskz_loadu_ps(k, dst + j * ld + d)));
+    }
+}
+
+// The gate step of one query row (bf16 storage): dgate +=, dA (rounded to bf16, as fp32) into da;
+// returns D = rowsum(dA * attn).
+inline float gate_row_bf16(const bf16* gate, const bf16* attn, const float* dout, float* dgate, float* da,
+                           int64_t hd) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  __m512 dot = zero;
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 k = first_lanes(hd - d);
+    const __m512 gt = load_bf16x16(gate + d, k), a = load_bf16x16(attn + d, k);
+    const __m512 go = _mm512_maskz_loadu_ps(k, dout + d);
+    const __m512 sg = _mm512_div_ps(one, _mm512_add_ps(one, exp512(_mm512_sub_ps(zero, gt))));
+    const __m512 dg = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_mul_ps(go, a), sg), _mm512_sub_ps(one, sg),
+                                      _mm512_maskz_loadu_ps(k, dgate + d));
+    _mm512_mask_storeu_ps(dgate + d, k, dg);
+    const __m512 dav = bf16x16_to_ps((__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(go, sg)));  // 0 past hd
+    _mm512_mask_storeu_ps(da + d, k, dav);
+    dot = _mm512_fmadd_ps(dav, a, dot);
+  }
+  return _mm512_reduce_add_ps(dot);
+}
+#endif
+
 // Geometry shared by the passes.
 struct Geometry {
   int64_t B, T, H, KVH, hd, hdp, group, tiles, Tp;
@@ -306,6 +488,54 @@ struct Packs {
 template <typename E>
 void emit_tile(const float* tmp, int64_t tile, const Geometry& g, const Packs<E>& p) {
   const int64_t t0 = tile * kTile;
+#if HS_ATTENTION_BF16_DOT
+  // bf16 products: the AVX-512 form. tmp's values are bf16 values already (loaded from bf16 storage or
+  // rounded to bf16), so the conversion is exact either way.
+  constexpr int64_t kMaxHdp = 256;
+  if constexpr (std::is_same_v<E, bf16>) {
+    if (g.hdp <= kMaxHdp) {
+      alignas(64) uint16_t tb[kTile * kMaxHdp];  // the tile as bf16 rows
+      for (int64_t i = 0; i < kTile; ++i)
+        for (int64_t d = 0; d < g.hdp; d += 32)
+          _mm512_store_si512(tb + i * g.hdp + d, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(tmp + i * g.hdp + d + 16),
+                                                                          _mm512_loadu_ps(tmp + i * g.hdp + d)));
+      if (p.rows) std::memcpy(p.rows + t0 * g.hdp, tb, sizeof(uint16_t) * kTile * g.hdp);
+      if (p.rows_b)
+        for (int64_t i = 0; i < kTile; i += 2)
+          for (int64_t d = 0; d < g.hdp; d += 16)
+            _mm512_storeu_si512(p.rows_b + (t0 + i) * g.hdp + 2 * d,
+                                interleave_pair(_mm512_loadu_ps(tmp + i * g.hdp + d),
+                                                _mm512_loadu_ps(tmp + (i + 1) * g.hdp + d)));
+      // Transposes by 32-bit gathers down tb's columns: word c of row i of tb holds elements (2c, 2c + 1).
+      const int64_t w = g.hdp / 2;
+      const auto* tb32 = reinterpret_cast<const int32_t*>(tb);
+      const __m512i gidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(static_cast<int>(w)));
+      if (p.cols) {
+        alignas(64) static constexpr uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                                           22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                                                           44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+        const __m512i even = _mm512_load_si512(kEven), odd = _mm512_add_epi16(even, _mm512_set1_epi16(1));
+        auto* cols = reinterpret_cast<uint16_t*>(p.cols);
+        for (int64_t c = 0; c < w; ++c)
+          for (int64_t i = 0; i < kTile; i += 32) {
+            const __m512i x0 = _mm512_i32gather_epi32(gidx, tb32 + i * w + c, 4);
+            const __m512i x1 = _mm512_i32gather_epi32(gidx, tb32 + (i + 16) * w + c, 4);
+            _mm512_storeu_si512(cols + 2 * c * g.Tp + t0 + i, _mm512_permutex2var_epi16(x0, even, x1));
+            _mm512_storeu_si512(cols + (2 * c + 1) * g.Tp + t0 + i, _mm512_permutex2var_epi16(x0, odd, x1));
+          }
+      }
+      if (p.cols_b) {
+        // The B layout of X^T holds the same words: a 32-bit transpose [kTile, hdp / 2] -> [hdp / 2, Tp].
+        auto* dst = reinterpret_cast<int32_t*>(p.cols_b);
+        for (int64_t c = 0; c < w; ++c)
+          for (int64_t i = 0; i < kTile; i += 16)
+            _mm512_storeu_si512(dst + c * g.Tp + t0 + i, _mm512_i32gather_epi32(gidx, tb32 + i * w + c, 4));
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t i = 0; i < kTile; ++i)
     for (int64_t d = 0; d < g.hdp; ++d) {
       const E x = to_e<E>(tmp[i * g.hdp + d]);
@@ -339,7 +569,8 @@ template <typename E, typename T, typename F>
 void pack_all(const T* src, const Geometry& g, int64_t heads, float* tmp_all, F packs) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < g.B * heads * g.tiles; ++r) {
-    const int64_t tile = r % g.tiles, h = r / g.tiles % heads, b = r / g.tiles / heads;
+    // Heads fastest: the tiles of all heads at one time tile are one contiguous stretch of src.
+    const int64_t h = r % heads, tile = r / heads % g.tiles, b = r / heads / g.tiles;
     float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
     load_tile(tmp, src, g, b, h, heads, tile);
     emit_tile<E>(tmp, tile, g, packs(b, h));
@@ -404,7 +635,10 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
       for (int64_t i = 0; i < kTile; ++i) {
         const int64_t n = i < nq ? g.hd : 0;
         const T* src = q + (i < nq ? g.row(b, q0 + i, h, g.H) : 0);
-        for (int64_t d = 0; d < n; ++d) Qr[i * g.hdp + d] = to_e<E>(to_f32(src[d]));
+        if constexpr (std::is_same_v<E, T>)
+          std::memcpy(Qr + i * g.hdp, src, sizeof(E) * static_cast<size_t>(n));
+        else
+          for (int64_t d = 0; d < n; ++d) Qr[i * g.hdp + d] = to_e<E>(to_f32(src[d]));
         std::fill(Qr + i * g.hdp + n, Qr + (i + 1) * g.hdp, to_e<E>(0.0f));
       }
       std::fill(O, O + kTile * g.hdp, 0.0f);
@@ -418,6 +652,15 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
         // diagonal on the last (padded keys there are only seen by padded queries, whose rows are
         // finite and never written out). vis >= 1, so the max is finite and no exp sees inf - inf.
         const bool diagonal = kt == qt;
+        const E* Vt = Vb + kt * kTile * g.hdp;
+#if HS_ATTENTION_BF16_DOT
+        if constexpr (std::is_same_v<E, bf16>) {
+          forward_rows_bf16(S, P, P + kTile * kTile, m, l, O, g.hdp, g.scale, diagonal);
+          tile_gemm<E>(kTile, g.hdp, kTile, P, kTile, Vt, g.hdp, O, g.hdp, true);                  // O += P_hi V
+          tile_gemm<E>(kTile, g.hdp, kTile, P + kTile * kTile, kTile, Vt, g.hdp, O, g.hdp, true);  // O += P_lo V
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < kTile; ++i) {
           float* s = S + i * kTile;
           const int64_t vis = diagonal ? i + 1 : kTile;
@@ -441,7 +684,6 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
           if (corr != 1.0f)
             for (int64_t d = 0; d < g.hdp; ++d) O[i * g.hdp + d] *= corr;
         }
-        const E* Vt = Vb + kt * kTile * g.hdp;
         tile_gemm<E>(kTile, g.hdp, kTile, as_rows<E>(S, P), kTile, Vt, g.hdp, O, g.hdp, true);  // O += P V
         if constexpr (!std::is_same_v<E, float>) {
           // bf16: P = hi + lo, both bf16 (P's relative error 2^-9 -> 2^-17), so the output keeps fp32-like
@@ -453,6 +695,13 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
       for (int64_t i = 0; i < nq; ++i) {
         const float inv_l = 1.0f / l[i];
         const int64_t row = g.row(b, q0 + i, h, g.H);
+#if HS_ATTENTION_BF16_DOT
+        if constexpr (std::is_same_v<T, bf16>) {
+          output_row_bf16(O + i * g.hdp, inv_l, gate + row, out + row, attn_out ? attn_out + row : nullptr, g.hd);
+          if (lse_out) lse_out[(b * g.H + h) * g.T + q0 + i] = m[i] + std::log(l[i]);
+          continue;
+        }
+#endif
         for (int64_t d = 0; d < g.hd; ++d) {
           const float a = O[i * g.hdp + d] * inv_l;
           out[row + d] = from_f32<T>(a * sigmoid_vec(to_f32(gate[row + d])));
@@ -500,9 +749,13 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
   // Per query, padded to Tp: lse (+inf in padding, so P = 0 there) and D = rowsum(dA * attn).
   Buffer stats_buf = mem.allocate_n<float>(static_cast<size_t>(2 * g.B * g.H * g.Tp), MemCategory::Workspace,
                                            "attention.stats");
-  Buffer dq_buf = mem.allocate_n<float>(static_cast<size_t>(chunks) * g.padded_size(g.H), MemCategory::Workspace,
-                                        "attention.dq_partials");
   const int nthreads = omp_get_max_threads();
+  // One chunk: a task sees every key tile of its (batch, KV head), so it adds its dQ (of its query heads)
+  // to dq itself, from a per-thread accumulator that stays in cache (same sums, less fresh memory).
+  const bool direct = chunks == 1;
+  const size_t dq_size = direct ? static_cast<size_t>(nthreads * g.group * g.per_head())
+                                : static_cast<size_t>(chunks) * g.padded_size(g.H);
+  Buffer dq_buf = mem.allocate_n<float>(dq_size, MemCategory::Workspace, "attention.dq_partials");
   // Per thread: S, dP (fp32); P, dS in the B layout and dS as rows (E); dK^T, dV^T (fp32).
   const int64_t per_thread = 2 * kTile * kTile + 3 * kTile * kTile + 2 * kTile * g.hdp + 32;
   Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(nthreads * per_thread), MemCategory::Workspace,
@@ -542,7 +795,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
   // Through the gate: dgate, dA = dout * sigmoid(gate) (packed) and D; lse padded.
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < g.B * g.H * g.tiles; ++r) {
-    const int64_t tile = r % g.tiles, h = r / g.tiles % g.H, b = r / g.tiles / g.H;
+    const int64_t h = r % g.H, tile = r / g.H % g.tiles, b = r / g.H / g.tiles;  // as in pack_all
     float* tmp = tmp_all + omp_get_thread_num() * kTile * g.hdp;
     const int64_t t0 = tile * kTile, n = g.tile_len(tile);
     float* lse_row = lse_p + (b * g.H + h) * g.Tp + t0;
@@ -554,6 +807,13 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
       D_row[i] = 0.0f;
       if (i >= n) continue;
       const int64_t o = g.row(b, t0 + i, h, g.H);
+      lse_row[i] = lse[(b * g.H + h) * g.T + t0 + i];
+#if HS_ATTENTION_BF16_DOT
+      if constexpr (std::is_same_v<E, bf16>) {
+        D_row[i] = gate_row_bf16(gate + o, attn + o, dout + o, dgate + o, da, g.hd);
+        continue;
+      }
+#endif
       float rowdot = 0.0f;
       for (int64_t d = 0; d < g.hd; ++d) {
         const float sg = sigmoid_vec(to_f32(gate[o + d])), a = to_f32(attn[o + d]), go = dout[o + d];
@@ -564,7 +824,6 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
         rowdot += da[d] * a;
       }
       D_row[i] = rowdot;
-      lse_row[i] = lse[(b * g.H + h) * g.T + t0 + i];
     }
     Packs<E> p;
     p.rows = dar + (b * g.H + h) * g.per_head();
@@ -590,10 +849,13 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
       const int64_t c = task % chunks, b = task / chunks / g.KVH, kvh = task / chunks % g.KVH;
       const int64_t kt_begin = start[static_cast<size_t>(c)], kt_end = start[static_cast<size_t>(c + 1)];
       if (kt_begin == kt_end) continue;
-      float* dQc = dq_part + static_cast<int64_t>(c) * g.B * g.H * g.per_head();
+      // dQ of head h is at dQc + dq_head(h) * per_head.
+      float* dQc = direct ? dq_part + omp_get_thread_num() * g.group * g.per_head()
+                          : dq_part + static_cast<int64_t>(c) * g.B * g.H * g.per_head();
+      const auto dq_head = [&](int64_t h) { return direct ? h - kvh * g.group : b * g.H + h; };
       for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h)
-        std::fill(dQc + (b * g.H + h) * g.per_head() + kt_begin * kTile * g.hdp,
-                  dQc + (b * g.H + h + 1) * g.per_head(), 0.0f);
+        std::fill(dQc + dq_head(h) * g.per_head() + kt_begin * kTile * g.hdp,
+                  dQc + (dq_head(h) + 1) * g.per_head(), 0.0f);
       const E* Kc = kc + (b * g.KVH + kvh) * g.per_head();
       const E* Vc = vc + (b * g.KVH + kvh) * g.per_head();
       const E* Kr = kr + (b * g.KVH + kvh) * g.per_head();
@@ -606,7 +868,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
           const E* Qc = qc + bh * g.per_head();
           const E* dAr = dar + bh * g.per_head();
           const E* dAc = dac + bh * g.per_head();
-          float* dQ = dQc + bh * g.per_head();
+          float* dQ = dQc + dq_head(h) * g.per_head();
           for (int64_t qt = kt; qt < g.tiles; ++qt) {
             const int64_t q0 = qt * kTile;
             tile_gemm<E>(kTile, kTile, g.hdp, Qr + q0 * g.hdp, g.hdp, Kc + k0 * kPair<E>, g.Tp, S, kTile, false);
@@ -616,6 +878,15 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
             const bool diagonal = qt == kt;
             const float* lse_t = lse_p + bh * g.Tp + q0;
             const float* D_t = D_p + bh * g.Tp + q0;
+#if HS_ATTENTION_BF16_DOT
+            if constexpr (std::is_same_v<E, bf16>) {
+              backward_rows_bf16(S, dP, lse_t, D_t, g.scale, diagonal, Pb, dSb, dSr);
+              tile_gemm<E>(g.hdp, kTile, kTile, dAc + q0, g.Tp, Pb, kTile, dVt, kTile, true);
+              tile_gemm<E>(g.hdp, kTile, kTile, Qc + q0, g.Tp, dSb, kTile, dKt, kTile, true);
+              tile_gemm<E>(kTile, g.hdp, kTile, dSr, kTile, Kr + k0 * g.hdp, g.hdp, dQ + q0 * g.hdp, g.hdp, true);
+              continue;
+            }
+#endif
             for (int64_t i = 0; i < kTile; ++i) {
               float* s = S + i * kTile;
               float* dp = dP + i * kTile;
@@ -637,6 +908,10 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
                          true);  // dQ += dS K
           }
         }
+#if HS_ATTENTION_BF16_DOT
+        add_transposed(dKt, g.scale, nk, g.hd, dk + g.row(b, k0, kvh, g.KVH), g.KVH * g.hd);
+        add_transposed(dVt, 1.0f, nk, g.hd, dv + g.row(b, k0, kvh, g.KVH), g.KVH * g.hd);
+#else
         for (int64_t j = 0; j < nk; ++j) {
           const int64_t row = g.row(b, k0 + j, kvh, g.KVH);
           for (int64_t d = 0; d < g.hd; ++d) {
@@ -644,22 +919,38 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
             dv[row + d] += dVt[d * kTile + j];
           }
         }
+#endif
       }
+      if (direct)  // dq += scale * (0 + the one partial), as the pass below would
+        for (int64_t h = kvh * g.group; h < (kvh + 1) * g.group; ++h)
+          for (int64_t t = 0; t < g.T; ++t) {
+            const float* part = dQc + dq_head(h) * g.per_head() + t * g.hdp;
+            float* dst = dq + g.row(b, t, h, g.H);
+#pragma omp simd
+            for (int64_t d = 0; d < g.hd; ++d) dst[d] += g.scale * (0.0f + part[d]);
+          }
     }
 
     // dq += scale * (the chunks' partials, in chunk order).
+    if (!direct)
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < g.B * g.H * g.T; ++r) {
       const int64_t t = r % g.T, bh = r / g.T, b = bh / g.H, h = bh % g.H;
       float* dst = dq + g.row(b, t, h, g.H);
-      for (int64_t d = 0; d < g.hd; ++d) {
-        float sum = 0.0f;
+      // Per element the same sum (0 + chunk 0 + chunk 1 + ...), vectorised over d.
+      float sum[kMaxRowSum];
+      for (int64_t d0 = 0; d0 < g.hd; d0 += kMaxRowSum) {
+        const int64_t n = std::min(kMaxRowSum, g.hd - d0);
+        std::fill(sum, sum + n, 0.0f);
         for (int64_t c = 0; c < chunks; ++c) {
           const int64_t kb = start[static_cast<size_t>(c)];
           if (kb == start[static_cast<size_t>(c + 1)] || t / kTile < kb) continue;
-          sum += dq_part[(c * g.B * g.H + bh) * g.per_head() + t * g.hdp + d];
+          const float* part = dq_part + (c * g.B * g.H + bh) * g.per_head() + t * g.hdp + d0;
+#pragma omp simd
+          for (int64_t d = 0; d < n; ++d) sum[d] += part[d];
         }
-        dst[d] += g.scale * sum;
+#pragma omp simd
+        for (int64_t d = 0; d < n; ++d) dst[d0 + d] += g.scale * sum[d];
       }
     }
   }
