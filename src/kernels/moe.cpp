@@ -22,11 +22,11 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 // every step would create new primitives and the cache would grow without bound. The bulk is split into
 // pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock); the last n % kRowBlock rows are
 // copied into a scratch padded with zero rows: to a power of two in [kMinTail, kTailStep], above that to a
-// multiple of kTailStep (at most kRowBlock / kTailStep + 3 tail shapes, and under kTailStep wasted rows). One
-// padded call beats splitting the tail further: every call streams the expert's whole weight matrix and
-// repacks it for AMX, which is why the pieces are large (kRowBlock 1024 measured ~12% faster than 256 on the
-// `small` MoE layer, moe_bench).
-constexpr int64_t kRowBlock = 1024;
+// multiple of kTailStep (6 tail shapes, under kTailStep wasted rows). One padded call beats splitting the
+// tail further: every call streams the expert's whole weight matrix. Larger pieces (512, 1024 rows) made the
+// `small` MoE layer ~11% faster in moe_bench but not the whole training step (the longer tails are copied),
+// and need a larger tail scratch, so the pieces stay at 256 rows.
+constexpr int64_t kRowBlock = 256;
 constexpr int64_t kTailStep = 64;
 constexpr int64_t kMinTail = 16;
 
