@@ -36,18 +36,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/simd.h"
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
-// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside max/min/reduce; the diagnostics are
-// located in the header, so the pragma must cover its inclusion (as in delta_rule.cpp).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 #define HS_ATTENTION_BF16_DOT 1
 #else
 #define HS_ATTENTION_BF16_DOT 0

@@ -30,21 +30,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "kernels/simd.h"
 #include "kernels/vec_math.h"
-
-#if defined(__AVX512F__)
-// GCC 12 warns on the self-initialised _mm512_undefined_ps() inside the shuffles; diagnostics are located in the
-// header, so the pragma must cover its inclusion.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
-#endif
 
 namespace hs::kernels {
 namespace {

@@ -4,12 +4,9 @@
 #include <limits>
 #include <type_traits>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include "kernels/common.h"
 #include "kernels/matmul.h"
+#include "kernels/simd.h"
 #include "kernels/vec_math.h"
 
 namespace hs::kernels {
