@@ -89,12 +89,9 @@ inline int64_t b_index(int64_t r, int64_t c, int64_t ld) {
 // ~90 -> ~185 GFLOP/s per core on 64 x 64 tiles). Without AVX-512 the compiler splits them.
 typedef float f32x16 __attribute__((vector_size(64)));
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+// Vectors go through references, never by value (that would be ABI-dependent: -Wpsabi without AVX-512).
+inline void load16(f32x16& v, const float* p) { std::memcpy(&v, p, sizeof v); }
+inline void store16(float* p, const f32x16& v) { std::memcpy(p, &v, sizeof v); }
 
 int64_t round_up16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -105,10 +102,13 @@ inline void micro_kernel(int64_t K, const float* A, int64_t lda, const float* B,
   constexpr int kRows = 8;
   f32x16 acc[kRows][NV];
   for (int r = 0; r < kRows; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = accumulate ? load16(C + r * ldc + 16 * j) : f32x16{};
+    for (int j = 0; j < NV; ++j) {
+      acc[r][j] = f32x16{};
+      if (accumulate) load16(acc[r][j], C + r * ldc + 16 * j);
+    }
   for (int64_t k = 0; k < K; ++k) {
     f32x16 b[NV];
-    for (int j = 0; j < NV; ++j) b[j] = load16(B + k * ldb + 16 * j);
+    for (int j = 0; j < NV; ++j) load16(b[j], B + k * ldb + 16 * j);
     for (int r = 0; r < kRows; ++r) {
       const float a = A[r * lda + k];
       for (int j = 0; j < NV; ++j) acc[r][j] += a * b[j];
@@ -610,7 +610,7 @@ void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k
 
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScope amx;
+    [[maybe_unused]] const AmxScope amx;
     float* base = scratch.as<float>() + omp_get_thread_num() * per_thread;
     E* Qr = reinterpret_cast<E*>(base);           // q rows (unscaled)
     float* S = base + kTile * g.hdp;              // scores [query, key], then probabilities
@@ -826,7 +826,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
   const int64_t tasks = g.B * g.KVH * chunks;
 #pragma omp parallel num_threads(nthreads)
   {
-    const AmxScope amx;
+    [[maybe_unused]] const AmxScope amx;
     float* S = scratch.as<float>() + omp_get_thread_num() * per_thread;
     float* dP = S + kTile * kTile;
     E* Pb = reinterpret_cast<E*>(dP + kTile * kTile);  // each of these three: kTile * kTile elements
