@@ -78,6 +78,14 @@ std::shared_ptr<Prim> get_prim(const Key& k) {
 // like oneDNN.
 constexpr int64_t kSkinny = 16;
 
+// The small operand as dense fp32 [rows, cols], read from rows `ld` elements apart.
+template <typename T> std::vector<float> dense_f32(const T* src, int64_t rows, int64_t cols, int64_t ld) {
+  std::vector<float> d(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) d[static_cast<size_t>(r * cols + c)] = to_f32(src[r * ld + c]);
+  return d;
+}
+
 template <typename TC> void store(TC* c, float v, bool acc) {
   if (acc) v += to_f32(*c);
   *c = from_f32<TC>(v);
@@ -87,9 +95,7 @@ template <typename TC> void store(TC* c, float v, bool acc) {
 template <typename TA, typename TC>
 void skinny_n(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
-  std::vector<float> b(static_cast<size_t>(N * K));
-  for (int64_t j = 0; j < N; ++j)
-    for (int64_t k = 0; k < K; ++k) b[static_cast<size_t>(j * K + k)] = to_f32(B[j * ldb + k]);
+  const std::vector<float> b = dense_f32(B, N, K, ldb);  // row j is B_j
   const float* bp = b.data();
 #pragma omp parallel if (M * K > (1 << 15))
   {
@@ -114,9 +120,7 @@ void skinny_n(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
 template <typename TA, typename TC>
 void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
-  std::vector<float> b(static_cast<size_t>(K * N));
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t j = 0; j < N; ++j) b[static_cast<size_t>(k * N + j)] = to_f32(B[k * ldb + j]);
+  const std::vector<float> b = dense_f32(B, K, N, ldb);  // row k is B_k
   const float* bp = b.data();
 #pragma omp parallel if (M * N > (1 << 15))
   {
