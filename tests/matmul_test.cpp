@@ -143,3 +143,29 @@ TEST(Matmul, SkinnyBitIdenticalAcrossThreads) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// Weight-gradient products (trans_a, summed over K rows) take K at execution: one primitive per (M, N, layout)
+// serves every row count, and each count still gives the reference result. bf16 inputs are exact in the
+// reference, so only fp32 accumulation order differs (1e-4 * sqrt(K) on unit-scale products).
+TEST(Matmul, TransposedAProductsTakeAnyRowCountFromOnePrimitive) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  const int64_t M = 48, N = 80;
+  int64_t created = -1;
+  for (int64_t K : {17, 100, 255, 1000, 333}) {
+    std::vector<bf16> A(static_cast<size_t>(K * M)), B(static_cast<size_t>(K * N));
+    for (auto& x : A) x = bf16(nd(rng));
+    for (auto& x : B) x = bf16(nd(rng));
+    std::vector<float> C(static_cast<size_t>(M * N)), R(C.size());
+    for (size_t i = 0; i < C.size(); ++i) C[i] = R[i] = 0.25f * static_cast<float>(i % 5);
+    matmul(A.data(), B.data(), C.data(), M, N, K, true, false, true);
+    matmul_reference(A.data(), B.data(), R.data(), M, N, K, true, false, true);
+    for (size_t i = 0; i < C.size(); ++i) ASSERT_NEAR(C[i], R[i], 1e-4 * std::sqrt(double(K))) << "K " << K;
+    if (created < 0) created = matmul_primitives_created();
+    else EXPECT_EQ(matmul_primitives_created(), created) << "K " << K << " created a primitive";
+  }
+}
+
+}  // namespace hs::kernels

@@ -17,6 +17,9 @@ namespace {
 
 using dnnl::memory;
 
+// K == kRuntime: the primitive takes K at execution (see runtime_k below).
+constexpr int64_t kRuntime = DNNL_RUNTIME_DIM_VAL;
+
 struct Key {
   int64_t M, N, K, lda, ldb, ldc;
   bool ta, tb, acc;
@@ -198,11 +201,21 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
                                     : run_skinny<bf16, bf16>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc);
     if (done) return;
   }
+  // Weight gradients (dW += dy^T x: trans_a, summed over K = rows) take K at execution. An expert's row count
+  // changes every step, and one primitive then serves every count: no splitting into fixed pieces, no padded
+  // tail to copy. oneDNN runs these with its jit gemm (as it does fp32 products anyway), which in bf16 measured
+  // 1.1-2.1x faster than the AMX brgemm primitive of the exact shape at the MoE's weight-gradient shapes on
+  // this machine (K = 1000 rows: 256x256 100 vs 211 us, 512x256 203 vs 255 us; dense K = 4096: 0.95-1.15x).
+  const bool runtime_k = ta && !tb;
+  const int64_t K_exec = K;
+  if (runtime_k) k.K = kRuntime;
   auto p = get_prim(k);
   Runtime& rt = runtime();
   thread_local dnnl::stream s(rt.engine);  // one per calling thread, made once
-  memory ma(p->a, rt.engine, const_cast<void*>(A));
-  memory mb(p->b, rt.engine, const_cast<void*>(B));
+  memory ma(runtime_k ? memory::desc({M, K_exec}, dnnl_type(in_dt), {1, k.lda}) : p->a, rt.engine,
+            const_cast<void*>(A));
+  memory mb(runtime_k ? memory::desc({K_exec, N}, dnnl_type(in_dt), {k.ldb, 1}) : p->b, rt.engine,
+            const_cast<void*>(B));
   memory mc(p->c, rt.engine, C);
   p->prim.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();

@@ -50,14 +50,13 @@ void for_each_bulk_piece(int64_t n, F&& f) {
 
 // Scratch for the padded tail: [kRowBlock, width] each, width >= every column count used.
 struct TailScratch {
-  Buffer a, b, c;
+  Buffer a, c;
 };
 template <typename T>
-TailScratch tail_scratch(int64_t width, bool two_inputs, MemoryAccountant& mem) {
+TailScratch tail_scratch(int64_t width, MemoryAccountant& mem) {
   const auto n = static_cast<size_t>(kRowBlock * width);
   TailScratch s;
   s.a = mem.allocate_n<T>(n, MemCategory::Workspace, "moe.tail_a");
-  if (two_inputs) s.b = mem.allocate_n<T>(n, MemCategory::Workspace, "moe.tail_b");
   s.c = mem.allocate_n<float>(n, MemCategory::Workspace, "moe.tail_c");
   return s;
 }
@@ -84,17 +83,11 @@ void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K,
   std::copy_n(tc, r * N, C + row * N);
 }
 
-// C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows (zero padding adds 0).
+// C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows, one call whatever n (matmul
+// takes the summed dimension of a transposed-A product at execution, so no fixed pieces are needed).
 template <typename T>
-void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N, const TailScratch& tail) {
-  for_each_bulk_piece(
-      n, [&](int64_t row, int64_t rows) { matmul(A + row * M, B + row * N, C, M, N, rows, true, false, true); });
-  const int64_t r = n % kRowBlock;
-  if (r == 0) return;
-  const int64_t m = padded_tail(r), row = n - r;
-  copy_rows_padded(A + row * M, r, m, M, tail.a.as<T>());
-  copy_rows_padded(B + row * N, r, m, N, tail.b.as<T>());
-  matmul(tail.a.as<T>(), tail.b.as<T>(), C, M, N, m, true, false, true);
+void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N) {
+  matmul(A, B, C, M, N, n, true, false, true);
 }
 
 void check_shape(const MoeShape& s) {
@@ -184,7 +177,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   Buffer xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
   Buffer ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
-  TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), false, mem);
+  TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), mem);
 
   RouterStats stats;
   stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
@@ -351,7 +344,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     Buffer dact = mem.allocate_n<float>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_dact");
     Buffer dgu = mem.allocate_n<T>(static_cast<size_t>(N * 2 * I), MemCategory::Workspace, "moe.expert_dgate_up");
     Buffer dxe = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_dx");
-    TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), true, mem);
+    TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), mem);
     if (real) {
       const int64_t* off = sv.expert_offset.as<int64_t>();
       const int32_t* slots = sv.row_slot.as<int32_t>();
@@ -383,8 +376,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         // w act (recomputed) and d(gate | up) in one pass.
         detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
         for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
-        rows_reduce_matmul(dyg, actw.as<T>(), g.down + e * H * I, n, H, I, tail);  // dW_down += dy^T (w act)
-        rows_reduce_matmul(dgu.as<T>(), xg, g.gate_up + e * 2 * I * H, n, 2 * I, H, tail);
+        rows_reduce_matmul(dyg, actw.as<T>(), g.down + e * H * I, n, H, I);  // dW_down += dy^T (w act)
+        rows_reduce_matmul(dgu.as<T>(), xg, g.gate_up + e * 2 * I * H, n, 2 * I, H);
         rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false, tail);
         const float* dxg = dxe.as<float>();
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
