@@ -207,16 +207,21 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
   // 1.1-2.1x faster than the AMX brgemm primitive of the exact shape at the MoE's weight-gradient shapes on
   // this machine (K = 1000 rows: 256x256 100 vs 211 us, 512x256 203 vs 255 us; dense K = 4096: 0.95-1.15x).
   const bool runtime_k = ta && !tb;
+  // A row count that varies from call to call (ld.varying_m, A not transposed) is likewise taken at execution.
+  const bool runtime_m = ld.varying_m && !ta && !runtime_k;
   const int64_t K_exec = K;
   if (runtime_k) k.K = kRuntime;
+  if (runtime_m) k.M = kRuntime;
   auto p = get_prim(k);
   Runtime& rt = runtime();
   thread_local dnnl::stream s(rt.engine);  // one per calling thread, made once
-  memory ma(runtime_k ? memory::desc({M, K_exec}, dnnl_type(in_dt), {1, k.lda}) : p->a, rt.engine,
-            const_cast<void*>(A));
+  memory ma(runtime_k   ? memory::desc({M, K_exec}, dnnl_type(in_dt), {1, k.lda})
+            : runtime_m ? memory::desc({M, K}, dnnl_type(in_dt), {k.lda, 1})
+                        : p->a,
+            rt.engine, const_cast<void*>(A));
   memory mb(runtime_k ? memory::desc({K_exec, N}, dnnl_type(in_dt), {k.ldb, 1}) : p->b, rt.engine,
             const_cast<void*>(B));
-  memory mc(p->c, rt.engine, C);
+  memory mc(runtime_m ? memory::desc({M, N}, dnnl_type(out_dt), {k.ldc, 1}) : p->c, rt.engine, C);
   p->prim.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
 }

@@ -17,25 +17,14 @@ namespace {
 // Below this many elements an OpenMP region costs more than the loop (several loops run per expert).
 constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
-// Products over an expert's rows have a data-dependent row count n. oneDNN caches one primitive per
-// shape and creating one costs ~0.6 ms, so the row counts issued must come from a small fixed set or
-// every step would create new primitives and the cache would grow without bound. The bulk is split into
-// pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock); the last n % kRowBlock rows are
-// copied into a scratch padded with zero rows: to a power of two in [kMinTail, kTailStep], above that to a
-// multiple of kTailStep (6 tail shapes, under kTailStep wasted rows). One padded call beats splitting the
-// tail further: every call streams the expert's whole weight matrix. Larger pieces (512, 1024 rows) made the
-// `small` MoE layer ~11% faster in moe_bench but not the whole training step (the longer tails are copied),
-// and need a larger tail scratch, so the pieces stay at 256 rows.
+// Products over an expert's rows have a data-dependent row count n. oneDNN's AMX primitive is fastest with
+// the row count fixed at creation (taking it at execution ran 0.7-0.8x as fast at these shapes, and the whole
+// step ~3% slower), but creating one costs ~0.6 ms, so the row counts it sees must come from a small fixed set.
+// The bulk is split into pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock), and the last
+// n % kRowBlock rows go to one primitive that takes the row count at execution (MatmulLayout::varying_m), with
+// no copy into a padded scratch. Larger pieces (512, 1024 rows) made the `small` MoE layer ~11% faster in
+// moe_bench but not the whole training step, so the pieces stay at 256 rows.
 constexpr int64_t kRowBlock = 256;
-constexpr int64_t kTailStep = 64;
-constexpr int64_t kMinTail = 16;
-
-int64_t padded_tail(int64_t r) {
-  if (r > kTailStep) return (r + kTailStep - 1) / kTailStep * kTailStep;
-  int64_t m = kMinTail;
-  while (m < r) m *= 2;
-  return m;
-}
 
 template <typename F>
 void for_each_bulk_piece(int64_t n, F&& f) {
@@ -48,43 +37,20 @@ void for_each_bulk_piece(int64_t n, F&& f) {
     }
 }
 
-// Scratch for the padded tail: [kRowBlock, width] each, width >= every column count used.
-struct TailScratch {
-  Buffer a, c;
-};
-template <typename T>
-TailScratch tail_scratch(int64_t width, MemoryAccountant& mem) {
-  const auto n = static_cast<size_t>(kRowBlock * width);
-  TailScratch s;
-  s.a = mem.allocate_n<T>(n, MemCategory::Workspace, "moe.tail_a");
-  s.c = mem.allocate_n<float>(n, MemCategory::Workspace, "moe.tail_c");
-  return s;
-}
-
-template <typename T>
-void copy_rows_padded(const T* src, int64_t rows, int64_t padded, int64_t cols, T* dst) {
-  std::copy_n(src, rows * cols, dst);
-  std::fill_n(dst + rows * cols, (padded - rows) * cols, T{});
-}
-
 // C[n, N] = A[n, K] op(B); op(B) = B^T for B stored [N, K] (trans_b), else B stored [K, N].
 template <typename T, typename TC>
-void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K, bool trans_b,
-                 const TailScratch& tail) {
+void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K, bool trans_b) {
   for_each_bulk_piece(
       n, [&](int64_t row, int64_t rows) { matmul(A + row * K, B, C + row * N, rows, N, K, false, trans_b); });
-  const int64_t r = n % kRowBlock;
+  const int64_t r = n % kRowBlock, row = n - r;
   if (r == 0) return;
-  const int64_t m = padded_tail(r), row = n - r;
-  T* ta = tail.a.as<T>();
-  TC* tc = tail.c.as<TC>();
-  copy_rows_padded(A + row * K, r, m, K, ta);
-  matmul(ta, B, tc, m, N, K, false, trans_b);
-  std::copy_n(tc, r * N, C + row * N);
+  MatmulLayout any_rows;
+  any_rows.varying_m = true;
+  matmul(A + row * K, B, C + row * N, r, N, K, false, trans_b, false, any_rows);
 }
 
 // C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows, one call whatever n (matmul
-// takes the summed dimension of a transposed-A product at execution, so no fixed pieces are needed).
+// takes the summed dimension of a transposed-A product at execution).
 template <typename T>
 void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N) {
   matmul(A, B, C, M, N, n, true, false, true);
@@ -177,7 +143,6 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   Buffer xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
   Buffer ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
-  TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), mem);
 
   RouterStats stats;
   stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
@@ -228,9 +193,9 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
       for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
       T* gu_e = gu + r0 * 2 * I;
-      rows_matmul(xg, w.gate_up + e * 2 * I * H, gu_e, n, 2 * I, H, true, tail);
+      rows_matmul(xg, w.gate_up + e * 2 * I * H, gu_e, n, 2 * I, H, true);
       detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
-      rows_matmul(act.as<T>(), w.down + e * H * I, ye.as<float>(), n, H, I, true, tail);
+      rows_matmul(act.as<T>(), w.down + e * H * I, ye.as<float>(), n, H, I, true);
       const float* yg = ye.as<float>();
       // Each token appears once per expert, so rows never collide; experts add in index order like
       // transformers' index_add_ loop (into a zero sum), and the token's last expert adds the gated shared
@@ -344,7 +309,6 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     Buffer dact = mem.allocate_n<float>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_dact");
     Buffer dgu = mem.allocate_n<T>(static_cast<size_t>(N * 2 * I), MemCategory::Workspace, "moe.expert_dgate_up");
     Buffer dxe = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_dx");
-    TailScratch tail = tail_scratch<T>(std::max(H, 2 * I), mem);
     if (real) {
       const int64_t* off = sv.expert_offset.as<int64_t>();
       const int32_t* slots = sv.row_slot.as<int32_t>();
@@ -372,13 +336,13 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
           std::copy_n(x + t * H, H, xg + r * H);
         }
-        rows_matmul(dyg, w.down + e * H * I, dact.as<float>(), n, I, H, false, tail);  // dact = dy W_down
+        rows_matmul(dyg, w.down + e * H * I, dact.as<float>(), n, I, H, false);  // dact = dy W_down
         // w act (recomputed) and d(gate | up) in one pass.
         detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
         for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
         rows_reduce_matmul(dyg, actw.as<T>(), g.down + e * H * I, n, H, I);  // dW_down += dy^T (w act)
         rows_reduce_matmul(dgu.as<T>(), xg, g.gate_up + e * 2 * I * H, n, 2 * I, H);
-        rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false, tail);
+        rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false);
         const float* dxg = dxe.as<float>();
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
         for (int64_t r = 0; r < n; ++r) {
