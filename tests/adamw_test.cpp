@@ -138,3 +138,26 @@ TEST(AdamW, GradScaleEqualsScalingTheGradientFirst) {
 
 }  // namespace
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// The clearing variant is the same update (same bits for w, m, v) and leaves the gradient at zero.
+TEST(AdamW, ClearVariantIsTheSameUpdateAndZeroesTheGradient) {
+  const int64_t n = 5003;
+  for (int64_t step = 1; step <= 2; ++step) {
+    const auto g0 = randn(n, 30 + static_cast<uint32_t>(step));
+    auto w1 = randn(n, 40), w2 = w1, m1 = randn(n, 41, 0.01f), m2 = m1;
+    std::vector<float> v1(n, 1e-4f), v2(v1), g1(g0);
+    AdamWParams p;
+    p.weight_decay = 0.1f;
+    p.grad_scale = 0.5f;
+    adamw_update(w1.data(), g0.data(), m1.data(), v1.data(), n, p, step);
+    adamw_update_clear(w2.data(), g1.data(), m2.data(), v2.data(), n, p, step);
+    EXPECT_EQ(std::memcmp(w1.data(), w2.data(), n * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(m1.data(), m2.data(), n * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(v1.data(), v2.data(), n * sizeof(float)), 0);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(g1[i], 0.0f) << i;
+  }
+}
+
+}  // namespace hs::kernels

@@ -188,6 +188,29 @@ INSTANTIATE_TEST_SUITE_P(Policies, RematPolicies,
                          });
 
 // The plan is the real schedule over shapes: identical peak and per-category bytes.
+// A gradient set passed in is added to (gradient accumulation; the trainer keeps one set that the optimizer
+// zeroes): two steps into one set give twice one step's gradients. Each element's contributions are summed in
+// another order the second time (onto the first step's value instead of onto zero), so they agree to fp32
+// rounding over a handful of additions: 1e-5 relative to each tensor's scale; a dropped or doubled
+// accumulation gives O(1) differences.
+TEST(Gradients, AccumulateIntoAGivenSet) {
+  ModelConfig c = tiny(5, model::Family::Qwen3Next);
+  MemoryAccountant mem;
+  ParamSet ps(c, DType::F32, mem, MemCategory::Parameters, false);
+  model::init_params(ps, 11);
+  Data d = random_data(2, 30, c.vocab, 12);
+  std::unique_ptr<ParamSet> once, twice;
+  forward_backward(ps, d.batch(2, 30), {RematPolicy::Sublayer, DType::F32}, mem, &once);
+  forward_backward(ps, d.batch(2, 30), {RematPolicy::Sublayer, DType::F32}, mem, &twice);
+  const ParamSet* first = twice.get();
+  forward_backward(ps, d.batch(2, 30), {RematPolicy::Sublayer, DType::F32}, mem, &twice);
+  EXPECT_EQ(twice.get(), first) << "the given set was replaced instead of accumulated into";
+  for (auto& p : once->all())
+    for (int64_t i = 0; i < p.tensor.numel(); ++i) p.tensor.as<float>()[i] *= 2.0f;
+  std::string where;
+  EXPECT_LT(max_rel_diff(*twice, *once, &where), 1e-5) << where;
+}
+
 TEST(PlanningMode, PeakEqualsMeasuredForEveryPolicy) {
   for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
     for (DType wdt : {DType::F32, DType::BF16}) {

@@ -12,10 +12,8 @@ namespace {
 constexpr int64_t kMaxBlocks = 1024;
 constexpr int64_t kMinBlock = 1 << 15;
 
-}  // namespace
-
-template <typename TW>
-void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
+template <bool kClear, typename TW, typename TG>
+void update(TW* w, TG* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
   if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based, got " + std::to_string(step));
   // PyTorch computes the bias corrections and the step size in double (Python floats), then uses them
   // as fp32 scalars.
@@ -34,7 +32,20 @@ void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const
     w[i] = from_f32<TW>(to_f32(w[i]) * decay - step_size * (mi / denom));
     m[i] = mi;
     v[i] = vi;
+    if constexpr (kClear) grad[i] = 0.0f;
   }
+}
+
+}  // namespace
+
+template <typename TW>
+void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
+  update<false>(w, grad, m, v, n, p, step);
+}
+
+template <typename TW>
+void adamw_update_clear(TW* w, float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
+  update<true>(w, grad, m, v, n, p, step);
 }
 
 double sum_squares(const float* x, int64_t n) {
@@ -57,5 +68,7 @@ double sum_squares(const float* x, int64_t n) {
 
 template void adamw_update<float>(float*, const float*, float*, float*, int64_t, const AdamWParams&, int64_t);
 template void adamw_update<bf16>(bf16*, const float*, float*, float*, int64_t, const AdamWParams&, int64_t);
+template void adamw_update_clear<float>(float*, float*, float*, float*, int64_t, const AdamWParams&, int64_t);
+template void adamw_update_clear<bf16>(bf16*, float*, float*, float*, int64_t, const AdamWParams&, int64_t);
 
 }  // namespace hs::kernels

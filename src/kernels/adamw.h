@@ -21,6 +21,10 @@ struct AdamWParams {
 // nearest even once per step. Throws std::invalid_argument if step < 1.
 template <typename TW>
 void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
+// The same step, leaving grad zeroed for the next step to accumulate into: the gradient's cache lines are
+// written back once within this pass instead of being cleared by a separate pass over memory.
+template <typename TW>
+void adamw_update_clear(TW* w, float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
 
 // sum(x^2) in double. The array is cut into blocks whose bounds depend only on n, each block is summed
 // by one thread, and the block sums are added in order: the same bits for any thread count.

@@ -34,11 +34,11 @@ double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
   for (size_t i = 0; i < ps.size(); ++i) {
     p.weight_decay = ps[i].spec.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
     Tensor& w = ps[i].tensor;
-    const float* g = grads.all()[i].tensor.as<float>();
+    float* g = grads.all()[i].tensor.as<float>();
     float* m = m_.all()[i].tensor.as<float>();
     float* v = v_.all()[i].tensor.as<float>();
-    if (w.dtype() == DType::F32) kernels::adamw_update(w.as<float>(), g, m, v, w.numel(), p, step_);
-    else kernels::adamw_update(w.as<bf16>(), g, m, v, w.numel(), p, step_);
+    if (w.dtype() == DType::F32) kernels::adamw_update_clear(w.as<float>(), g, m, v, w.numel(), p, step_);
+    else kernels::adamw_update_clear(w.as<bf16>(), g, m, v, w.numel(), p, step_);
   }
   return norm;
 }

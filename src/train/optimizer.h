@@ -23,7 +23,8 @@ double lr_at(const OptimizerConfig& c, int64_t step);
 class AdamWOptimizer {
  public:
   AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem);
-  // Clips `grads` to the configured global norm, updates `params`; returns the norm before clipping.
+  // Clips `grads` to the configured global norm, updates `params` and leaves `grads` zeroed (ready to
+  // accumulate the next step's gradients); returns the norm before clipping.
   double step(model::ParamSet& params, model::ParamSet& grads);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }

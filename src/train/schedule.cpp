@@ -51,6 +51,17 @@ std::vector<LayerSlot> scan_order(const ModelConfig& c) {
 
 namespace {
 
+// grads can receive params' gradients: the same tensors in the same order with the same element counts (fp32).
+bool same_layout(const ParamSet& grads, const ParamSet& params) {
+  const auto& g = grads.all();
+  const auto& p = params.all();
+  if (grads.shards() != params.shards() || g.size() != p.size()) return false;
+  for (size_t i = 0; i < g.size(); ++i)
+    if (g[i].name != p[i].name || g[i].tensor.numel() != p[i].tensor.numel() || g[i].tensor.dtype() != DType::F32)
+      return false;
+  return true;
+}
+
 // The scan order cut into segments: one per block, one for the remainder. Block remat keeps segment inputs.
 std::vector<bool> segment_starts(const ModelConfig& c) {
   std::vector<bool> starts(static_cast<size_t>(c.layers), false);
@@ -232,7 +243,8 @@ struct Runner {
     }
     kept[L] = std::move(h);
 
-    grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
+    if (!*grads_out || !same_layout(**grads_out, params))
+      grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
     ParamSet& grads = **grads_out;
     const int64_t count = count_targets(b, P);
     Buffer dh = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");

@@ -48,7 +48,9 @@ struct Batch {
   int64_t batch, seq;
 };
 
-// Forward and backward. Allocates the gradients (fp32, MemCategory::Gradients) into *grads and fills them.
+// Forward and backward. The gradients (fp32, MemCategory::Gradients) are added to *grads when it already holds a
+// set of this model's layout (gradient accumulation; AdamWOptimizer::step leaves it zeroed, so a training loop
+// keeps one set and never clears it); otherwise a zeroed set is allocated into *grads first.
 StepResult forward_backward(const model::ParamSet& params, const Batch& b, const StepOptions& opt,
                             MemoryAccountant& mem, std::unique_ptr<model::ParamSet>* grads);
 // Forward only: the loss, and when `logits` is given the fp32 logits [batch, seq, vocab].

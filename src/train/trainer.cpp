@@ -200,18 +200,18 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   const auto t_start = Clock::now();
   double step_seconds = 0, first_step_seconds = 0;
   const int64_t last_step = o.stop_after >= 0 ? std::min(o.steps, first_step + o.stop_after) : o.steps;
+  // One gradient set for the whole run: the optimizer step zeroes it as it reads it, so no step clears it.
+  std::unique_ptr<model::ParamSet> grads;
   for (int64_t step = first_step; step < last_step; ++step) {
     TokenBatch tb = o.synthetic ? synthetic_batch(cfg.vocab, o.batch, o.seq, o.seed, step)
                                 : sample_batch(corpus.train, o.batch, o.seq, o.seed, step);
     Buffer batch_mem = mem.allocate(2 * tb.inputs.size() * sizeof(int32_t), MemCategory::Batch, "batch");
     mem.reset_peak();
     const auto t0 = Clock::now();
-    std::unique_ptr<model::ParamSet> grads;
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
     StepResult r = forward_backward(params, b, o.step, mem, &grads);
     const double lr = lr_at(oc, step);
-    const double gnorm = opt.step(params, *grads);
-    grads.reset();
+    const double gnorm = opt.step(params, *grads);  // leaves grads zeroed for the next step
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     MemorySnapshot peak = mem.at_peak();
     if (peak.total() > sum.peak.total()) sum.peak = peak;
