@@ -245,3 +245,58 @@ TEST(L2Norm, SumSemantics) {
 
 }  // namespace
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// The dx modes: writing (accumulate = false) gives exactly what accumulating into zeros gives, and starting from a
+// residual exactly what accumulating into a copy of it gives (one float addition per element either way); dw
+// accumulates in every mode. A mode that accumulated anyway or ignored the residual differs by O(1).
+TEST(Norms, BackwardDxModesEqualAccumulatingIntoZerosOrACopy) {
+  const int64_t rows = 70, dim = 48;
+  const auto x = test::randn(rows * dim, 31, 1.0f, 0.2f);
+  const auto z = test::randn(rows * dim, 32);
+  const auto w = test::randn(dim, 33, 0.5f);
+  const auto dy = test::randn(rows * dim, 34);
+  const auto residual = test::randn(rows * dim, 35);
+  std::vector<float> rstd(rows), y(rows * dim);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  const auto n = static_cast<size_t>(rows * dim);
+  auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  {  // rmsnorm: write, residual + g
+    std::vector<float> acc(n, 0.0f), wr(n, 7.0f), acc_res(residual), res(n, 7.0f), dw1(dim, 0.5f), dw2(dim, 0.5f);
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), acc.data(), dw1.data(), rows, dim);
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), wr.data(), dw2.data(), rows, dim, false);
+    EXPECT_TRUE(same(acc, wr));
+    EXPECT_TRUE(same(dw1, dw2));
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), acc_res.data(), dw1.data(), rows, dim);
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), res.data(), dw2.data(), rows, dim, false,
+                     residual.data());
+    EXPECT_TRUE(same(acc_res, res));
+    EXPECT_TRUE(same(dw1, dw2));  // accumulated twice in both
+    EXPECT_THROW(rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), res.data(), dw2.data(), rows, dim, true,
+                                  residual.data()),
+                 std::invalid_argument);
+  }
+  {  // gated rmsnorm: dx and dz written
+    gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+    std::vector<float> dx1(n, 0.0f), dz1(n, 0.0f), dx2(n, 3.0f), dz2(n, -3.0f), dw1(dim, 0.0f), dw2(dim, 0.0f);
+    gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dz1.data(), dw1.data(),
+                           rows, dim);
+    gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx2.data(), dz2.data(), dw2.data(),
+                           rows, dim, false);
+    EXPECT_TRUE(same(dx1, dx2));
+    EXPECT_TRUE(same(dz1, dz2));
+    EXPECT_TRUE(same(dw1, dw2));
+  }
+  {  // l2 norm
+    l2norm_forward(x.data(), y.data(), rstd.data(), rows, dim, 1e-6f, 0.5f);
+    std::vector<float> dx1(n, 0.0f), dx2(n, 9.0f);
+    l2norm_backward(x.data(), rstd.data(), dy.data(), dx1.data(), rows, dim, 0.5f);
+    l2norm_backward(x.data(), rstd.data(), dy.data(), dx2.data(), rows, dim, 0.5f, false);
+    EXPECT_TRUE(same(dx1, dx2));
+  }
+}
+
+}  // namespace hs::kernels

@@ -174,7 +174,7 @@ void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const f
 template <typename T>
 void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                           const T* w_down, const SwigluSaved& saved, const T* dyt, float* dx, float* dw_gate,
-                          float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot) {
+                          float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot, bool accumulate_dx) {
   const auto n_ti = static_cast<size_t>(tokens * inter);
   Buffer act = mem.allocate_n<T>(n_ti, MemCategory::Workspace, "swiglu.act");
   Buffer dact = mem.allocate_n<float>(n_ti, MemCategory::Workspace, "swiglu.dact");
@@ -191,7 +191,7 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
   swiglu_act_grad_rows(tokens, inter, gu, dact.as<float>(), nullptr, act.as<T>(), dgu, row_dot);
   matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
   // Gate and up as one dense product each way (dx += d(gate|up) [W_gate; W_up], d[W_gate; W_up] = d(gate|up)^T x).
-  matmul(dgu, wgu.ptr, dx, tokens, hidden, 2 * inter, false, false, true);
+  matmul(dgu, wgu.ptr, dx, tokens, hidden, 2 * inter, false, false, accumulate_dx);
   float* dwgu = dw_gate_up.as<float>();
   matmul(dgu, x, dwgu, 2 * inter, hidden, tokens, true, false, false);
   const int64_t half = inter * hidden;
@@ -224,14 +224,14 @@ void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, c
 template <typename T>
 void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                      const T* w_down, const SwigluSaved& saved, const float* dy, float* dx, float* dw_gate,
-                     float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot) {
+                     float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot, bool accumulate_dx) {
   const auto n_th = static_cast<size_t>(tokens * hidden);
   // The products run in T, so a bf16 model multiplies bf16 gradients (as PyTorch autograd does).
   Buffer dy_cast;
   if constexpr (!std::is_same_v<T, float>) dy_cast = mem.allocate_n<T>(n_th, MemCategory::Workspace, "swiglu.dy");
   const T* dyt = mem.planning() ? nullptr : in_storage_type<T>(dy, dy_cast, n_th);
   detail::swiglu_backward_from(tokens, hidden, inter, x, w_gate, w_up, w_down, saved, dyt, dx, dw_gate, dw_up,
-                               dw_down, mem, row_dot);
+                               dw_down, mem, row_dot, accumulate_dx);
 }
 
 #define HS_INSTANTIATE_SWIGLU(T)                                                                                       \
@@ -239,14 +239,14 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
                                   MemoryAccountant&);                                                                  \
   template void swiglu_backward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,                  \
                                    const SwigluSaved&, const float*, float*, float*, float*, float*,                   \
-                                   MemoryAccountant&, float*);                                                         \
+                                   MemoryAccountant&, float*, bool);                                                   \
   template void detail::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                              \
   template void detail::swiglu_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, float*);     \
   template void detail::swiglu_act_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, T*,      \
                                                 float*);                                                             \
   template void detail::swiglu_backward_from<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,   \
                                                 const SwigluSaved&, const T*, float*, float*, float*, float*,        \
-                                                MemoryAccountant&, float*);
+                                                MemoryAccountant&, float*, bool);
 HS_INSTANTIATE_SWIGLU(float)
 HS_INSTANTIATE_SWIGLU(bf16)
 #undef HS_INSTANTIATE_SWIGLU

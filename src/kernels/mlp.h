@@ -21,14 +21,16 @@ template <typename T>
 void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                     const T* w_down, T* y, SwigluSaved* saved, MemoryAccountant& mem);
 
-// Accumulates into dx [tokens, hidden], dw_gate, dw_up [inter, hidden], dw_down [hidden, inter].
+// Accumulates into dw_gate, dw_up [inter, hidden], dw_down [hidden, inter], and into dx [tokens, hidden] (or,
+// with accumulate_dx = false, writes dx: the caller needs no cleared buffer).
 // row_dot (optional, [tokens], overwritten) receives sum_i dact[t, i] * act[t, i] with act = silu(g) * u
 // and dact = dy W_down, which equals <dy[t], y[t]>: the gradient of a per-token gate multiplying y
 // (the MoE's shared-expert gate) without keeping y itself.
 template <typename T>
 void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                      const T* w_down, const SwigluSaved& saved, const float* dy, float* dx, float* dw_gate,
-                     float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr);
+                     float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr,
+                     bool accumulate_dx = true);
 
 namespace detail {
 // Row-wise SwiGLU pieces shared with the MoE's grouped experts. gate_up is [rows, 2 * inter] in T.
@@ -51,7 +53,8 @@ void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const f
 template <typename T>
 void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                           const T* w_down, const SwigluSaved& saved, const T* dyt, float* dx, float* dw_gate,
-                          float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr);
+                          float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr,
+                     bool accumulate_dx = true);
 }  // namespace detail
 
 namespace reference {

@@ -253,7 +253,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 
 template <typename T>
 void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const MoeSaved& sv, const float* dy,
-                  const float* aux_dprob, float* dx, const MoeGrads& g, MemoryAccountant& mem) {
+                  const float* aux_dprob, float* dx, const MoeGrads& g, MemoryAccountant& mem, bool accumulate_dx) {
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nh = static_cast<size_t>(N * H);
@@ -276,7 +276,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     }
     detail::swiglu_backward_from(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
                                  real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
-                                 mem, dz.as<float>());
+                                 mem, dz.as<float>(), accumulate_dx);  // the first writer of dx
     if (real) {
       float* dzt = dz.as<float>();
       for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
@@ -436,8 +436,8 @@ template RouterStats moe_forward<float>(const MoeShape&, const float*, const Moe
 template RouterStats moe_forward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, bf16*, MoeSaved*,
                                        MemoryAccountant&);
 template void moe_backward<float>(const MoeShape&, const float*, const MoeWeights<float>&, const MoeSaved&,
-                                  const float*, const float*, float*, const MoeGrads&, MemoryAccountant&);
+                                  const float*, const float*, float*, const MoeGrads&, MemoryAccountant&, bool);
 template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&, const float*,
-                                 const float*, float*, const MoeGrads&, MemoryAccountant&);
+                                 const float*, float*, const MoeGrads&, MemoryAccountant&, bool);
 
 }  // namespace hs::kernels

@@ -69,10 +69,12 @@ RouterStats moe_forward(const MoeShape& shape, const T* x, const MoeWeights<T>& 
 
 // dy [tokens, hidden] fp32. aux_dprob [E] = d(total loss) / d(prob_sums[e]) from the load-balance term
 // (already multiplied by its coefficient), or nullptr. The router gets gradient only through the
-// selected (renormalised) probabilities and aux_dprob. Accumulates into dx and every gradient.
+// selected (renormalised) probabilities and aux_dprob. Accumulates into every gradient, and into dx (or, with
+// accumulate_dx = false, writes dx: the caller needs no cleared buffer).
 template <typename T>
 void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, const MoeSaved& saved, const float* dy,
-                  const float* aux_dprob, float* dx, const MoeGrads& grads, MemoryAccountant& mem);
+                  const float* aux_dprob, float* dx, const MoeGrads& grads, MemoryAccountant& mem,
+                  bool accumulate_dx = true);
 
 // transformers' load_balancing_loss_func over all MoE layers (rows stacked, N = total rows, no padding
 // mask): aux = E * sum_e (sum_layers counts[e] / N) * (sum_layers prob_sums[e] / N). If dprob_sums !=

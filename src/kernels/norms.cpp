@@ -1,6 +1,8 @@
 #include "kernels/norms.h"
 
 #include <algorithm>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "kernels/vec_math.h"
@@ -38,6 +40,15 @@ template <typename F> void rows_with_dw(float* dw, int64_t rows, int64_t dim, F 
     for (int64_t c = 0; c < dim; ++c) dw[c] += partial[static_cast<size_t>(blk * dim + c)];
 }
 
+// What a backward adds its dx to, per row: dx itself (accumulate), a separate residual gradient, or nothing.
+void check_dx_init(bool accumulate, const float* residual, const char* who) {
+  if (accumulate && residual)
+    throw std::invalid_argument(std::string(who) + ": accumulate and residual are exclusive (dx = dx + g or residual + g)");
+}
+inline const float* dx_base(const float* dxr, bool accumulate, const float* residual, int64_t offset) {
+  return accumulate ? dxr : residual ? residual + offset : nullptr;
+}
+
 }  // namespace
 
 template <typename T>
@@ -57,22 +68,33 @@ void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows
 // With g = dy * (1 + w): dx = rstd * (g - x * rstd^2 * mean(g * x)); dw = sum_rows dy * x * rstd.
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
-                      int64_t rows, int64_t dim) {
+                      int64_t rows, int64_t dim, bool accumulate, const float* residual) {
+  check_dx_init(accumulate, residual, "rmsnorm_backward");
   const float inv_dim = 1.0f / static_cast<float>(dim);
   rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
     const T* xr = x + r * dim;
     const float* dyr = dy + r * dim;
     float* dxr = dx + r * dim;
+    const float* base = dx_base(dxr, accumulate, residual, r * dim);
     const float rs = rstd[r];
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * (1.0f + w[c]) * to_f32(xr[c]);
     const float k = rs * rs * dot * inv_dim;
+    if (base) {
 #pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) {
-      const float xv = to_f32(xr[c]);
-      dxr[c] += rs * (dyr[c] * (1.0f + w[c]) - xv * k);
-      pw[c] += dyr[c] * xv * rs;
+      for (int64_t c = 0; c < dim; ++c) {
+        const float xv = to_f32(xr[c]);
+        dxr[c] = base[c] + rs * (dyr[c] * (1.0f + w[c]) - xv * k);
+        pw[c] += dyr[c] * xv * rs;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) {
+        const float xv = to_f32(xr[c]);
+        dxr[c] = rs * (dyr[c] * (1.0f + w[c]) - xv * k);
+        pw[c] += dyr[c] * xv * rs;
+      }
     }
   });
 }
@@ -97,7 +119,7 @@ void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* 
 // dw = sum_rows dy * x * rstd * silu(z).
 template <typename T>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
-                            float* dz, float* dw, int64_t rows, int64_t dim) {
+                            float* dz, float* dw, int64_t rows, int64_t dim, bool accumulate) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
   rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
     const T* xr = x + r * dim;
@@ -110,14 +132,26 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * w[c] * silu_vec(to_f32(zr[c])) * to_f32(xr[c]);
     const float k = rs * rs * dot * inv_dim;
+    if (accumulate) {
 #pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) {
-      const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
-      const float s = sigmoid_vec(zv);
-      const float silu = zv * s;
-      dxr[c] += rs * (dyr[c] * w[c] * silu - xv * k);
-      dzr[c] += dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
-      pw[c] += dyr[c] * xv * rs * silu;
+      for (int64_t c = 0; c < dim; ++c) {
+        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
+        const float s = sigmoid_vec(zv);
+        const float silu = zv * s;
+        dxr[c] += rs * (dyr[c] * w[c] * silu - xv * k);
+        dzr[c] += dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
+        pw[c] += dyr[c] * xv * rs * silu;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) {
+        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
+        const float s = sigmoid_vec(zv);
+        const float silu = zv * s;
+        dxr[c] = rs * (dyr[c] * w[c] * silu - xv * k);
+        dzr[c] = dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
+        pw[c] += dyr[c] * xv * rs * silu;
+      }
     }
   });
 }
@@ -139,7 +173,7 @@ void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, fl
 // dx = scale * rstd * (dy - x * rstd^2 * sum(dy * x)).
 template <typename T>
 void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim,
-                     float scale) {
+                     float scale, bool accumulate) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
@@ -150,20 +184,25 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * to_f32(xr[c]);
     const float f = scale * rs, k = rs * rs * dot;
+    if (accumulate) {
 #pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) dxr[c] += f * (dyr[c] - to_f32(xr[c]) * k);
+      for (int64_t c = 0; c < dim; ++c) dxr[c] += f * (dyr[c] - to_f32(xr[c]) * k);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) dxr[c] = f * (dyr[c] - to_f32(xr[c]) * k);
+    }
   }
 }
 
 #define HS_NORMS(T)                                                                                              \
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
-                                    int64_t);                                                                    \
+                                    int64_t, bool, const float*);                                                \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \
   template void gated_rmsnorm_backward<T>(const T*, const T*, const float*, const float*, const float*, float*,  \
-                                          float*, float*, int64_t, int64_t);                                     \
+                                          float*, float*, int64_t, int64_t, bool);                               \
   template void l2norm_forward<T>(const T*, T*, float*, int64_t, int64_t, float, float);                         \
-  template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float);
+  template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float, bool);
 HS_NORMS(float)
 HS_NORMS(bf16)
 #undef HS_NORMS

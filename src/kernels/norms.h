@@ -3,10 +3,13 @@
 // Every forward writes rstd[row], the factor that multiplied x (before any weight, gate or scale):
 // rsqrt(mean(x^2) + eps) for the RMS norms and rsqrt(sum(x^2) + eps) for the L2 norm, computed in fp32
 // from the stored x. rstd may be nullptr when nothing will be differentiated. Backwards take the saved
-// rstd and the stored x, and accumulate (+=) into every gradient.
+// rstd and the stored x.
 //
-// Parameter gradients (dw) are reduced over rows by a second pass that partitions the columns across
-// threads, each summing its columns over rows in order: bit-identical for any thread count, no scratch.
+// Parameter gradients (dw) are accumulated (+=), summed over fixed row blocks whose partial sums are added in
+// block order: bit-identical for any thread count. dx is accumulated too by default (accumulate = true: dx += g);
+// accumulate = false writes it (dx = g: the caller needs no clearing pass), and rmsnorm_backward can start from a
+// separate residual gradient instead (accumulate = false, residual: dx = residual + g, no copy of the residual
+// into dx first; accumulate together with a residual is rejected).
 #pragma once
 #include <cstdint>
 
@@ -19,7 +22,7 @@ template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps);
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
-                      int64_t rows, int64_t dim);
+                      int64_t rows, int64_t dim, bool accumulate = true, const float* residual = nullptr);
 
 // Gated RMSNorm: y = w * (x * rstd) * silu(z) with a plain weight (not 1 + w); rows = tokens * heads,
 // dim = dv, one weight [dim] shared by all rows.
@@ -28,13 +31,14 @@ void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* 
                            float eps);
 template <typename T>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
-                            float* dz, float* dw, int64_t rows, int64_t dim);
+                            float* dz, float* dw, int64_t rows, int64_t dim, bool accumulate = true);
 
 // L2 norm over the last dim: y = scale * x * rsqrt(sum(x^2) + eps) (a sum, not a mean).
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale);
 template <typename T>
-void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale);
+void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale,
+                     bool accumulate = true);
 
 // Plain references, math in double. T is the activation storage type and P the type of parameters,
 // rstd and gradients: instantiated for (float, float), (bf16, float) and (double, double).

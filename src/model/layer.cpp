@@ -160,11 +160,11 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   const int64_t Hk = c.k_heads, Hv = c.v_heads;
   Buffer dy = scratch<float>(mem, N * VD, "gdn.dy");
   linear_backward(ptr<T>(s.y), w.mat(p::kOut), dmix, ptr<float>(dy), G(gr, p::kOut), N, H, VD, mem, false);
-  Buffer d_o = scratch<float>(mem, N * VD, "gdn.do", true);
-  Buffer dz = scratch<float>(mem, N * VD, "gdn.dz", true);
+  Buffer d_o = scratch<float>(mem, N * VD, "gdn.do");
+  Buffer dz = scratch<float>(mem, N * VD, "gdn.dz");
   if (!P)
     gated_rmsnorm_backward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<float>(s.rstdg), ptr<float>(dy),
-                           ptr<float>(d_o), ptr<float>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv);
+                           ptr<float>(d_o), ptr<float>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv, /*accumulate=*/false);
   dy.reset();
   Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
   Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
@@ -181,12 +181,12 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer db = scratch<float>(mem, N * Hv, "gdn.db", true);
   Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);
   {
-    Buffer dq = scratch<float>(mem, N * KD, "gdn.dq", true);
-    Buffer dk = scratch<float>(mem, N * KD, "gdn.dk", true);
+    Buffer dq = scratch<float>(mem, N * KD, "gdn.dq");
+    Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
     if (!P) {
       const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-      l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale);
-      l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f);
+      l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale, false);
+      l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f, false);
       gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
                          ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
       scatter_columns(ptr<float>(dq), N, KD, ptr<float>(dconv), CD, 0);
@@ -208,9 +208,9 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   linear_backward(ptr<T>(s.xn), w.mat(p::kZ), ptr<float>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);
-  if (!P)
+  if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
     rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
-                     H);
+                     H, /*accumulate=*/false, /*residual=*/dmix);
 }
 
 template <typename T>
@@ -271,16 +271,16 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   gated_attention_backward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), s.attn, ptr<float>(dattn),
                            ptr<float>(dq), ptr<float>(dk), ptr<float>(dv), ptr<float>(dgate), mem);
   dattn.reset();
-  Buffer dq_raw = scratch<float>(mem, N * nH * hd, "attn.dq_raw", true);
-  Buffer dk_raw = scratch<float>(mem, N * nKV * hd, "attn.dk_raw", true);
+  Buffer dq_raw = scratch<float>(mem, N * nH * hd, "attn.dq_raw");
+  Buffer dk_raw = scratch<float>(mem, N * nKV * hd, "attn.dk_raw");
   Buffer dqg = scratch<float>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
   if (!P) {
     rope_backward(ptr<float>(dq), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
     rope_backward(ptr<float>(dk), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
     rmsnorm_backward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<float>(dq_raw),
-                     G(gr, p::kQNorm), N * nH, hd);
+                     G(gr, p::kQNorm), N * nH, hd, /*accumulate=*/false);
     rmsnorm_backward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<float>(dk_raw),
-                     G(gr, p::kKNorm), N * nKV, hd);
+                     G(gr, p::kKNorm), N * nKV, hd, /*accumulate=*/false);
     merge_query_gate(ptr<float>(dq_raw), ptr<float>(dgate), ptr<float>(dqg), N, nH, hd);
   }
   dq.reset();
@@ -292,9 +292,9 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
                   false);
   linear_backward(ptr<T>(s.xn), w.mat(p::kK), ptr<float>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kV), ptr<float>(dv), ptr<float>(dxn), G(gr, p::kV), N, nKV * hd, H, mem);
-  if (!P)
+  if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
     rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
-                     H);
+                     H, /*accumulate=*/false, /*residual=*/dmix);
 }
 
 }  // namespace
@@ -351,27 +351,26 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   const int f = ffn_offset(lw.kind);
   // Feed-forward branch: dh_mid = dh_out + d(FFN(norm(h_mid)))/dh_mid.
   Buffer dh_mid = scratch<float>(mem, N * H, "layer.dh_mid");
-  if (!P) copy_bytes(ptr<float>(dh_mid), dh_out, sizeof(float) * static_cast<size_t>(N * H));
   {
-    Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn", true);
+    Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn");  // written whole by the FFN backward (accumulate_dx = false)
     if (c.moe()) {
       Buffer all_to_all;
       if (ctx.expert_parallel > 1) all_to_all = scratch<float>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
       MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
                   G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
                   G(gr, f + p::kSharedExpertGate)};
-      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), s.moe, dh_out, aux_dprob, ptr<float>(dx2), mg, mem);
+      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), s.moe, dh_out, aux_dprob, ptr<float>(dx2), mg, mem,
+                   /*accumulate_dx=*/false);
     } else {
       swiglu_backward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
                       w.mat(f + p::kMlpDown), s.mlp, dh_out, ptr<float>(dx2), G(gr, f + p::kMlpGate),
-                      G(gr, f + p::kMlpUp), G(gr, f + p::kMlpDown), mem);
+                      G(gr, f + p::kMlpUp), G(gr, f + p::kMlpDown), mem, nullptr, /*accumulate_dx=*/false);
     }
     if (!P)
       rmsnorm_backward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<float>(s.rstd2), ptr<float>(dx2), ptr<float>(dh_mid),
-                       G(gr, p::kPostNorm), N, H);
+                       G(gr, p::kPostNorm), N, H, /*accumulate=*/false, /*residual=*/dh_out);
   }
-  // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in.
-  if (!P) copy_bytes(dh_in, ptr<float>(dh_mid), sizeof(float) * static_cast<size_t>(N * H));
+  // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in (the mixer's last step writes dh_in whole).
   if (lw.kind == LayerKind::LinearAttention) gdn_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
   else attention_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
 }

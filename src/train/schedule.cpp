@@ -192,8 +192,8 @@ struct Runner {
     reduce_scatter(dW, *grads, model::g::kLmHead);
     GlobalGrad dn = global_grad(*grads, model::g::kFinalNorm);
     if (!P) {
-      zero_bytes(dh_last, sizeof(float) * static_cast<size_t>(N * H));
-      kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H);
+      kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H,
+                                /*accumulate=*/false);
     }
     reduce_scatter(dn, *grads, model::g::kFinalNorm);
     return r;
