@@ -146,8 +146,8 @@ TEST(Matmul, SkinnyBitIdenticalAcrossThreads) {
 
 namespace hs::kernels {
 
-// Weight-gradient products (trans_a, summed over K rows) take K at execution: one primitive per (M, N, layout)
-// serves every row count, and each count still gives the reference result. bf16 inputs are exact in the
+// Weight-gradient products (trans_a, summed over K rows) issued with varying_rows take K at execution: one
+// primitive per (M, N, layout) serves every row count, and each count still gives the reference result. bf16 inputs are exact in the
 // reference, so only fp32 accumulation order differs (1e-4 * sqrt(K) on unit-scale products).
 TEST(Matmul, TransposedAProductsTakeAnyRowCountFromOnePrimitive) {
   std::mt19937 rng(5);
@@ -160,7 +160,9 @@ TEST(Matmul, TransposedAProductsTakeAnyRowCountFromOnePrimitive) {
     for (auto& x : B) x = bf16(nd(rng));
     std::vector<float> C(static_cast<size_t>(M * N)), R(C.size());
     for (size_t i = 0; i < C.size(); ++i) C[i] = R[i] = 0.25f * static_cast<float>(i % 5);
-    matmul(A.data(), B.data(), C.data(), M, N, K, true, false, true);
+    MatmulLayout any_rows;
+    any_rows.varying_rows = true;
+    matmul(A.data(), B.data(), C.data(), M, N, K, true, false, true, any_rows);
     matmul_reference(A.data(), B.data(), R.data(), M, N, K, true, false, true);
     for (size_t i = 0; i < C.size(); ++i) ASSERT_NEAR(C[i], R[i], 1e-4 * std::sqrt(double(K))) << "K " << K;
     if (created < 0) created = matmul_primitives_created();

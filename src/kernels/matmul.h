@@ -20,9 +20,10 @@ namespace hs::kernels {
 // dW += dy^T x is matmul(dy, x, dW, out, in, T, true, false, true).
 struct MatmulLayout {
   int64_t lda = 0, ldb = 0, ldc = 0;
-  // The caller issues this product with many different M (an expert's rows, A not transposed): one primitive
-  // takes M at execution instead of one primitive per M. (Transposed-A products always take K at execution.)
-  bool varying_m = false;
+  // The caller issues this product with many different row counts (an expert's rows): one primitive takes the
+  // count at execution instead of one primitive per count. The rows are M (A not transposed), or K for a
+  // weight gradient dW += A^T B (A transposed: the rows are summed over).
+  bool varying_rows = false;
 };
 
 void matmul(const float* A, const float* B, float* C, int64_t M, int64_t N, int64_t K, bool trans_a,

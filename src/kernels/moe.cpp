@@ -21,7 +21,7 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 // the row count fixed at creation (taking it at execution ran 0.7-0.8x as fast at these shapes, and the whole
 // step ~3% slower), but creating one costs ~0.6 ms, so the row counts it sees must come from a small fixed set.
 // The bulk is split into pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock), and the last
-// n % kRowBlock rows go to one primitive that takes the row count at execution (MatmulLayout::varying_m), with
+// n % kRowBlock rows go to one primitive that takes the row count at execution (MatmulLayout::varying_rows), with
 // no copy into a padded scratch. Larger pieces (512, 1024 rows) made the `small` MoE layer ~11% faster in
 // moe_bench but not the whole training step, so the pieces stay at 256 rows.
 constexpr int64_t kRowBlock = 256;
@@ -45,15 +45,17 @@ void rows_matmul(const T* A, const T* B, TC* C, int64_t n, int64_t N, int64_t K,
   const int64_t r = n % kRowBlock, row = n - r;
   if (r == 0) return;
   MatmulLayout any_rows;
-  any_rows.varying_m = true;
+  any_rows.varying_rows = true;
   matmul(A + row * K, B, C + row * N, r, N, K, false, trans_b, false, any_rows);
 }
 
-// C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows, one call whatever n (matmul
-// takes the summed dimension of a transposed-A product at execution).
+// C[M, N] += A[n, M]^T B[n, N]: a weight gradient summed over an expert's rows, one call whatever n (one
+// primitive takes n at execution).
 template <typename T>
 void rows_reduce_matmul(const T* A, const T* B, float* C, int64_t n, int64_t M, int64_t N) {
-  matmul(A, B, C, M, N, n, true, false, true);
+  MatmulLayout any_rows;
+  any_rows.varying_rows = true;
+  matmul(A, B, C, M, N, n, true, false, true, any_rows);
 }
 
 void check_shape(const MoeShape& s) {
