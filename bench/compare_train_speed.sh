@@ -4,18 +4,19 @@
 # shared machine slows both sides alike. Prints a table and the ratios of the medians, hybridscan / torch.
 #
 #   bench/compare_train_speed.sh [--batch B] [--seq T] [--threads N] [--dtype fp32|bf16] [--rounds R]
-#                                [--remat none|block|sublayer] [--hs-steps S] [--torch-steps S] [--torch-warmup S]
+#                                [--remat none|block|sublayer] [--hs-steps S] [--torch-steps S] [--warmup S]
 # Each flag also reads an environment variable (BATCH, SEQ, THREADS, DTYPE, ROUNDS, REMAT, HS_STEPS, TORCH_STEPS,
-# TORCH_WARMUP); flags win.
+# WARMUP); flags win.
 # --remat none (default) is the like-for-like comparison: PyTorch eager keeps every activation for backward and
 #   recomputes nothing, as hybridscan does with --remat none. sublayer/block add hybridscan's recomputation. HYBRIDSCAN (default build/hybridscan) and PYTHON (default python3) pick the programs.
 #
 # --dtype bf16 (default): hybridscan's default, fp32 weights with bf16 compute; torch runs fp32 weights under
 #   bf16 autocast. --dtype fp32: fp32 compute on both sides.
-# hybridscan reports tokens/s over all its steps and its first step carries one-time setup (primitive creation,
-# first-touch allocation), so it gets --hs-steps 4 by default; torch runs --torch-warmup untimed steps first.
-# Two ratios: of tokens/s over each run's timed steps (the headline figure), and of each run's best single step
-# (hybridscan's first step excluded), which other jobs on a shared machine disturb less.
+# Both sides run --warmup untimed steps first (default 2: one-time setup such as oneDNN primitive creation, first-touch
+# allocation, PyTorch's allocator warming up) and are timed over the steps after them: hybridscan runs warmup +
+# --hs-steps steps and its figure comes from the per-step times in its metrics.jsonl; torch gets --warmup.
+# Two ratios: of tokens/s over each run's timed steps (the headline figure), and of each run's best timed step,
+# which other jobs on a shared machine disturb less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,11 +28,11 @@ rounds=${ROUNDS:-3}
 remat=${REMAT:-none}
 hs_steps=${HS_STEPS:-4}
 torch_steps=${TORCH_STEPS:-3}
-torch_warmup=${TORCH_WARMUP:-2}
+warmup=${WARMUP:-2}
 hybridscan=${HYBRIDSCAN:-build/hybridscan}
 python=${PYTHON:-python3}
 
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "compare_train_speed.sh: $*" >&2; exit 1; }
 
 while [ $# -gt 0 ]; do
@@ -44,7 +45,7 @@ while [ $# -gt 0 ]; do
     --remat) remat=${2:?--remat needs a value}; shift 2 ;;
     --hs-steps) hs_steps=${2:?--hs-steps needs a value}; shift 2 ;;
     --torch-steps) torch_steps=${2:?--torch-steps needs a value}; shift 2 ;;
-    --torch-warmup) torch_warmup=${2:?--torch-warmup needs a value}; shift 2 ;;
+    --warmup) warmup=${2:?--warmup needs a value}; shift 2 ;;
     -h|--help) usage; exit 0 ;;
     *) usage >&2; die "unknown argument '$1'" ;;
   esac
@@ -53,7 +54,7 @@ done
 for v in batch seq threads rounds hs_steps torch_steps; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v must be a positive integer, got '${!v}'"
 done
-[[ $torch_warmup =~ ^[0-9]+$ ]] || die "torch_warmup must be a non-negative integer, got '$torch_warmup'"
+[[ $warmup =~ ^[0-9]+$ ]] || die "warmup must be a non-negative integer, got '$warmup'"
 case "$dtype" in fp32|bf16) ;; *) die "--dtype must be fp32 or bf16, got '$dtype'" ;; esac
 case "$remat" in none|block|sublayer) ;; *) die "--remat must be none, block or sublayer, got '$remat'" ;; esac
 
@@ -73,17 +74,20 @@ trap 'rm -rf "$tmp"' EXIT
 gnu_time=()
 if [ -x /usr/bin/time ]; then gnu_time=(/usr/bin/time -o "$tmp/rss" -f %M); fi
 
-# Prints "tokens_per_s best_step_tokens_per_s" for one run. tokens_per_s (the mean over timed steps) is the last
-# stdout line's JSON. The best single step is the torch JSON's, or for hybridscan the fastest step in its
-# metrics.jsonl after the first (which carries one-time setup).
+# Prints "tokens_per_s best_step_tokens_per_s" for one run over its timed steps. torch: both from the last stdout
+# line's JSON. hybridscan (a metrics.jsonl and the warm-up count given): from the per-step tokens/s of the steps
+# after the warm-up, as total tokens over total time.
 read_run='
 import json, sys
 run = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
-best = run.get("best_step_tokens_per_s")
+tps, best = run["tokens_per_s"], run.get("best_step_tokens_per_s")
 if len(sys.argv) > 2:
     steps = [json.loads(line)["tokens_per_s"] for line in open(sys.argv[2]) if line.strip()]
-    best = max(steps[1:] or steps)
-print(run["tokens_per_s"], best)
+    timed = steps[int(sys.argv[3]):]
+    if not timed:
+        sys.exit("no timed steps in " + sys.argv[2])
+    tps, best = len(timed) / sum(1.0 / s for s in timed), max(timed)
+print(tps, best)
 '
 
 # Runs one side (its metrics.jsonl path or "" first) and sets tps, best and rss_mib ("-" when unknown); dies with
@@ -97,7 +101,7 @@ run_side() {
     tail -n 20 "$tmp/err" >&2
     exit 1
   fi
-  parsed=$("$python" -c "$read_run" "$tmp/out" ${metrics:+"$metrics"} 2>"$tmp/parse_err") ||
+  parsed=$("$python" -c "$read_run" "$tmp/out" ${metrics:+"$metrics" "$warmup"} 2>"$tmp/parse_err") ||
     die "$name: cannot read tokens_per_s ($(tail -n 1 "$tmp/parse_err")); last stdout line: $(tail -n 1 "$tmp/out")"
   read -r tps best <<<"$parsed"
   rss_mib="-"
@@ -105,12 +109,13 @@ run_side() {
   printf '%-6s %-12s %12.1f %16.1f %13s\n' "$r" "$name" "$tps" "$best" "$rss_mib"
 }
 
-hs_cmd=("$hybridscan" train --preset small --synthetic --steps "$hs_steps" --batch "$batch" --seq "$seq"
+hs_cmd=("$hybridscan" train --preset small --synthetic --steps "$((warmup + hs_steps))" --batch "$batch" --seq "$seq"
         --threads "$threads" --compute-dtype "$dtype" --remat "$remat" --out "$tmp/hs" --quiet --json)
 torch_cmd=("$python" bench/torch_train_step.py --dtype "$dtype" --threads "$threads" --batch "$batch" --seq "$seq"
-           --steps "$torch_steps" --warmup "$torch_warmup")
+           --steps "$torch_steps" --warmup "$warmup")
 
-echo "small preset, batch $batch x seq $seq, $threads threads, $dtype, hybridscan --remat $remat; $rounds rounds alternating"
+echo "small preset, batch $batch x seq $seq, $threads threads, $dtype, hybridscan --remat $remat; $rounds rounds alternating;"
+echo "each side timed over its steps after $warmup untimed warm-up steps"
 echo "  A: ${hs_cmd[*]}"
 echo "  B: ${torch_cmd[*]}"
 printf '%-6s %-12s %12s %16s %13s\n' round impl tokens/s best_step_tok/s peak_rss_MiB

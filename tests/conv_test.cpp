@@ -132,3 +132,53 @@ TEST(CausalConv, RejectsUnsupportedWidth) {
 
 }  // namespace
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// Column blocks: the forward written into [q | k | v]-like blocks equals the plain output split by columns, and the
+// backward reading dy from blocks equals the plain backward on the joined dy; a dx in bf16 is exactly the fp32 dx
+// rounded once (the same bits the caller's cast would give), dw unchanged. Block widths cross the channel blocks
+// (64-wide with 2 threads at 200 channels).
+TEST(CausalConv, ColumnBlocksAndBf16DxEqualThePlainKernels) {
+  const int64_t batch = 2, seq = 70, channels = 200, width = 4;
+  const int64_t widths[3] = {48, 48, 104};
+  const int64_t n = batch * seq * channels;
+  const auto x = test::cast<bf16>(test::randn(n, 11));
+  const auto w = test::randn(channels * width, 12, 0.7f);
+  const auto dy = test::randn(n, 13);
+  std::vector<bf16> y(n);
+  causal_conv_silu_forward(x.data(), w.data(), y.data(), batch, seq, channels, width);
+
+  std::vector<std::vector<bf16>> yb(3);
+  std::vector<std::vector<float>> dyb(3);
+  ColumnBlocks<bf16> ys;
+  ColumnBlocks<const float> dys;
+  for (int i = 0, start = 0; i < 3; start += static_cast<int>(widths[i]), ++i) {
+    yb[i].resize(static_cast<size_t>(batch * seq * widths[i]));
+    dyb[i].resize(yb[i].size());
+    for (int64_t r = 0; r < batch * seq; ++r)
+      for (int64_t c = 0; c < widths[i]; ++c) dyb[i][r * widths[i] + c] = dy[r * channels + start + c];
+    ys.add(yb[i].data(), widths[i]);
+    dys.add(dyb[i].data(), widths[i]);
+  }
+  causal_conv_silu_forward(x.data(), w.data(), ys, batch, seq, channels, width);
+  for (int i = 0, start = 0; i < 3; start += static_cast<int>(widths[i]), ++i)
+    for (int64_t r = 0; r < batch * seq; ++r)
+      for (int64_t c = 0; c < widths[i]; ++c)
+        ASSERT_EQ(to_f32(yb[i][r * widths[i] + c]), to_f32(y[r * channels + start + c])) << i << " " << r << " " << c;
+
+  std::vector<float> dx(n), dw(channels * width, 0.5f), dw_b(dw);
+  std::vector<bf16> dx_b(n);
+  causal_conv_silu_backward(x.data(), w.data(), dy.data(), dx.data(), dw.data(), batch, seq, channels, width, false);
+  causal_conv_silu_backward<bf16, bf16>(x.data(), w.data(), dys, dx_b.data(), dw_b.data(), batch, seq, channels, width,
+                                        false);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(to_f32(dx_b[i]), to_f32(from_f32<bf16>(dx[i]))) << i;
+  EXPECT_EQ(0, std::memcmp(dw.data(), dw_b.data(), dw.size() * sizeof(float)));
+
+  EXPECT_THROW((causal_conv_silu_backward<bf16, bf16>(x.data(), w.data(), dys, dx_b.data(), dw_b.data(), batch, seq,
+                                                      channels, width, true)),
+               std::invalid_argument);
+  EXPECT_THROW(causal_conv_silu_forward(x.data(), w.data(), ys, batch, seq, channels + 1, width), std::invalid_argument);
+}
+
+}  // namespace hs::kernels

@@ -2,12 +2,16 @@
 //
 // * Storage types. Templates over T in {float, bf16} give the storage type of activations: the
 //   forward's inputs and outputs and what is saved for backward. All arithmetic is fp32 (double in the
-//   references). Gradients of activations and of parameters are always fp32.
+//   references). Gradients of activations and of parameters are fp32, except that a backward whose dx feeds
+//   only a product in T may write dx in T: the rounding the product's input needs, done once by the producer
+//   (the same bits, without an fp32 copy written and read back).
 // * Small parameters (norm weights, conv weights, A_log, dt_bias, gate vectors) are passed as
 //   `const float*`; matrices are multiplied through kernels/matmul.h in the caller's compute dtype.
 // * Layouts are row-major and contiguous; [B, T, heads, dim] means dim is fastest.
 // * Backward functions ACCUMULATE (+=) into every gradient they produce, activations and parameters
-//   alike (as in llm.c), so residual branches and shared weights need no extra adds. Callers zero.
+//   alike (as in llm.c), so residual branches and shared weights need no extra adds. Callers zero. Where a
+//   backward is the first writer of an activation gradient it can take accumulate(_dx) = false and write it
+//   instead, so the caller clears nothing.
 // * Anything a kernel allocates (saved tensors, workspace) goes through the MemoryAccountant passed
 //   in: saved tensors as MemCategory::Activations, scratch as MemCategory::Workspace. In planning
 //   mode (mem.planning()) a kernel makes exactly the allocations it would make and returns without
@@ -20,12 +24,46 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 #include <type_traits>
 
 #include "core/dtype.h"
 #include "core/memory.h"
 
 namespace hs::kernels {
+
+// A [rows, channels] matrix held as consecutive column blocks in separate row-major arrays (the Gated DeltaNet
+// conv's channels are [q | k | v], each kept as its own tensor): block i holds cols[i] columns at data[i], row
+// stride cols[i]. One block is a plain matrix.
+template <typename E> struct ColumnBlocks {
+  static constexpr int kMax = 4;
+  E* data[kMax] = {};
+  int64_t cols[kMax] = {};
+  int count = 0;
+  ColumnBlocks() = default;
+  ColumnBlocks(E* whole, int64_t channels) { add(whole, channels); }
+  ColumnBlocks& add(E* d, int64_t c) {
+    if (count == kMax) throw std::invalid_argument("ColumnBlocks: more than " + std::to_string(kMax) + " blocks");
+    data[count] = d;
+    cols[count] = c;
+    ++count;
+    return *this;
+  }
+  int64_t channels() const {
+    int64_t n = 0;
+    for (int i = 0; i < count; ++i) n += cols[i];
+    return n;
+  }
+  // f(pointer to (row, c), c - c0, n) for the runs of columns [c0, c0 + nc) of one row, block by block.
+  template <typename F> void for_each_run(int64_t row, int64_t c0, int64_t nc, F&& f) const {
+    int64_t start = 0;
+    for (int i = 0; i < count && start < c0 + nc; start += cols[i], ++i) {
+      const int64_t lo = c0 > start ? c0 : start, hi = c0 + nc < start + cols[i] ? c0 + nc : start + cols[i];
+      if (lo < hi) f(data[i] + row * cols[i] + (lo - start), lo - c0, hi - lo);
+    }
+  }
+};
 
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float siluf(float x) { return x * sigmoidf(x); }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "kernels/vec_math.h"
 
@@ -60,12 +61,19 @@ void preactivation(const T* xb, int64_t t, int64_t channels, int64_t c0, int64_t
   }
 }
 
+void check_channels(int64_t blocks, int64_t channels) {
+  if (blocks != channels)
+    throw std::invalid_argument("causal_conv_silu: column blocks hold " + std::to_string(blocks) + " channels, expected " +
+                                std::to_string(channels));
+}
+
 }  // namespace
 
 template <typename T>
-void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
-                              int64_t width) {
+void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>& y, int64_t batch, int64_t seq,
+                              int64_t channels, int64_t width) {
   check_width(width);
+  check_channels(y.channels(), channels);
   const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
   const int64_t ntb = (seq + kTimeBlock - 1) / kTimeBlock;
 #pragma omp parallel for collapse(3) schedule(static)
@@ -81,24 +89,37 @@ void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, i
         for (int64_t t = t0; t < t1; ++t) {
           if (t + kPrefetchAhead < seq) {
             prefetch_span(xb + (t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, false);
-            prefetch_span(y + (b * seq + t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, true);
+            y.for_each_run(b * seq + t + kPrefetchAhead, c0, nc, [](T* d, int64_t, int64_t n) {
+              prefetch_span(d, n * int64_t{sizeof(T)}, true);
+            });
           }
           preactivation(xb, t, channels, c0, nc, width, wt, pre);
-          T* yt = y + (b * seq + t) * channels + c0;
+          y.for_each_run(b * seq + t, c0, nc, [&](T* yt, int64_t off, int64_t n) {
+            const float* p = pre + off;
 #pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) yt[c] = from_f32<T>(silu_vec(pre[c]));
+            for (int64_t c = 0; c < n; ++c) yt[c] = from_f32<T>(silu_vec(p[c]));
+          });
         }
       }
+}
+
+template <typename T>
+void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
+                              int64_t width) {
+  causal_conv_silu_forward(x, w, ColumnBlocks<T>(y, channels), batch, seq, channels, width);
 }
 
 // Per channel block, time runs backwards so that dx[t] = sum_j w[j] * dpre[t + width-1 - j] is complete
 // when t is reached: the last width-1 values of dpre wait in a ring indexed by t mod width (slots of
 // steps past the end stay zero). The block owns its channels for all (b, t), so dw needs no reduction
 // across threads.
-template <typename T>
-void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
-                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+template <typename T, typename D>
+void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<const float>& dy, D* dx, float* dw,
+                               int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
   check_width(width);
+  check_channels(dy.channels(), channels);
+  if (!std::is_same_v<D, float> && accumulate_dx)
+    throw std::invalid_argument("causal_conv_silu_backward: a dx in the storage type is written, not accumulated");
   const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
 #pragma omp parallel for schedule(static)
   for (int64_t cb = 0; cb < ncb; ++cb) {
@@ -106,7 +127,7 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
     float wt[kMaxConvWidth][kMaxChanBlock];
     float ring[kMaxConvWidth][kMaxChanBlock];
     float dwacc[kMaxConvWidth][kMaxChanBlock] = {};
-    float pre[kMaxChanBlock], gx[kMaxChanBlock];
+    float pre[kMaxChanBlock], gx[kMaxChanBlock], dyt[kMaxChanBlock];
     transpose_weights(w, c0, nc, width, wt);
     for (int64_t b = 0; b < batch; ++b) {
       const T* xb = x + b * seq * channels;
@@ -114,11 +135,11 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
       for (int64_t t = seq - 1; t >= 0; --t) {
         if (const int64_t ta = t - kPrefetchAhead; ta >= 0) {
           if (ta - width + 1 >= 0) prefetch_span(xb + (ta - width + 1) * channels + c0, nc * int64_t{sizeof(T)}, false);
-          prefetch_span(dy + (b * seq + ta) * channels + c0, nc * 4, false);
-          prefetch_span(dx + (b * seq + ta) * channels + c0, nc * 4, true);
+          dy.for_each_run(b * seq + ta, c0, nc, [](const float* d, int64_t, int64_t n) { prefetch_span(d, n * 4, false); });
+          prefetch_span(dx + (b * seq + ta) * channels + c0, nc * int64_t{sizeof(D)}, true);
         }
         preactivation(xb, t, channels, c0, nc, width, wt, pre);
-        const float* dyt = dy + (b * seq + t) * channels + c0;
+        dy.for_each_run(b * seq + t, c0, nc, [&](const float* d, int64_t off, int64_t n) { std::copy_n(d, n, dyt + off); });
         float* dpre = ring[t % width];
 #pragma omp simd
         for (int64_t c = 0; c < nc; ++c) {
@@ -131,12 +152,17 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
 #pragma omp simd
           for (int64_t c = 0; c < nc; ++c) gx[c] += wt[j][c] * d[c];
         }
-        float* dxt = dx + (b * seq + t) * channels + c0;
-        if (accumulate_dx) {
+        D* dxt = dx + (b * seq + t) * channels + c0;
+        if constexpr (std::is_same_v<D, float>) {
+          if (accumulate_dx) {
 #pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+            for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
+          } else {
+            std::copy_n(gx, nc, dxt);
+          }
         } else {
-          std::copy_n(gx, nc, dxt);
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) dxt[c] = from_f32<D>(gx[c]);
         }
         for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
           const T* xs = xb + (t - width + 1 + j) * channels + c0;
@@ -150,12 +176,25 @@ void causal_conv_silu_backward(const T* x, const float* w, const float* dy, floa
   }
 }
 
+template <typename T>
+void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
+                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+  causal_conv_silu_backward(x, w, ColumnBlocks<const float>(dy, channels), dx, dw, batch, seq, channels, width,
+                            accumulate_dx);
+}
+
 #define HS_CONV(T)                                                                                                   \
   template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t);         \
+  template void causal_conv_silu_forward<T>(const T*, const float*, const ColumnBlocks<T>&, int64_t, int64_t,       \
+                                            int64_t, int64_t);                                                       \
   template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t, int64_t, \
-                                             int64_t, int64_t, bool);
+                                             int64_t, int64_t, bool);                                                \
+  template void causal_conv_silu_backward<T, float>(const T*, const float*, const ColumnBlocks<const float>&,        \
+                                                    float*, float*, int64_t, int64_t, int64_t, int64_t, bool);
 HS_CONV(float)
 HS_CONV(bf16)
 #undef HS_CONV
+template void causal_conv_silu_backward<bf16, bf16>(const bf16*, const float*, const ColumnBlocks<const float>&, bf16*,
+                                                    float*, int64_t, int64_t, int64_t, int64_t, bool);
 
 }  // namespace hs::kernels

@@ -17,6 +17,11 @@ inline constexpr int64_t kMaxConvWidth = 8;
 template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
                               int64_t width);
+// The same with y written straight into column blocks (the GDN's q, k and v tensors), no copy out of a [.., channels]
+// output. Throws std::invalid_argument if the blocks do not hold `channels` columns.
+template <typename T>
+void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>& y, int64_t batch, int64_t seq,
+                              int64_t channels, int64_t width);
 
 // Recomputes the pre-activation from x and accumulates dx and dw (with accumulate_dx false dx is overwritten
 // instead, so the caller need not zero it). Channels are partitioned over threads and each thread sums its dw over
@@ -24,6 +29,12 @@ void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, i
 template <typename T>
 void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
                                int64_t seq, int64_t channels, int64_t width, bool accumulate_dx = true);
+// The same with dy read from column blocks (the gradients of q, k and v, no gather into one array first) and dx
+// of type D: float, or the storage type T when dx only feeds a product in T (then it is written, never
+// accumulated: accumulate_dx must be false).
+template <typename T, typename D>
+void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<const float>& dy, D* dx, float* dw,
+                               int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx);
 
 // Plain references, math in double: (T, P) in {(float, float), (bf16, float), (double, double)}.
 namespace reference {

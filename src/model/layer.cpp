@@ -112,18 +112,13 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
     linear_forward(ptr<T>(s.xn), w.mat(p::kB), ptr<T>(s.b), N, Hv, H);
     linear_forward(ptr<T>(s.xn), w.mat(p::kA), ptr<T>(s.a), N, Hv, H);
   }
-  {
-    Buffer conv = scratch<T>(mem, N * CD, "gdn.conv_out");
-    s.q = A.make<T>(N * KD, "gdn.q");
-    s.k = A.make<T>(N * KD, "gdn.k");
-    s.v = A.make<T>(N * VD, "gdn.v");
-    if (!P) {
-      causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<T>(conv), ctx.batch, ctx.seq, CD, c.conv_width);
-      copy_columns(ptr<T>(conv), CD, 0, ptr<T>(s.q), N, KD);
-      copy_columns(ptr<T>(conv), CD, KD, ptr<T>(s.k), N, KD);
-      copy_columns(ptr<T>(conv), CD, 2 * KD, ptr<T>(s.v), N, VD);
-    }
-  }
+  s.q = A.make<T>(N * KD, "gdn.q");
+  s.k = A.make<T>(N * KD, "gdn.k");
+  s.v = A.make<T>(N * VD, "gdn.v");
+  if (!P)  // the conv's channels are [q | k | v]: written straight into the three tensors
+    causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv),
+                             ColumnBlocks<T>().add(ptr<T>(s.q), KD).add(ptr<T>(s.k), KD).add(ptr<T>(s.v), VD),
+                             ctx.batch, ctx.seq, CD, c.conv_width);
   s.qn = A.make<T>(N * KD, "gdn.qn");
   s.kn = A.make<T>(N * KD, "gdn.kn");
   s.rstdq = A.make<float>(N * Hk, "gdn.rstdq");
@@ -168,8 +163,6 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   dy.reset();
   Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
   Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
-  // [dq | dk | dv] per token, the conv output grad: the three column scatters below write all of it.
-  Buffer dconv = scratch<float>(mem, N * CD, "gdn.dconv");
   Buffer dv = scratch<float>(mem, N * VD, "gdn.dv", true);
   Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta", true);
   Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg", true);
@@ -180,31 +173,33 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   d_o.reset();
   Buffer db = scratch<float>(mem, N * Hv, "gdn.db", true);
   Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);
-  {
-    Buffer dq = scratch<float>(mem, N * KD, "gdn.dq");
-    Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
-    if (!P) {
-      const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-      l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale, false);
-      l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f, false);
-      gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
-                         ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
-      scatter_columns(ptr<float>(dq), N, KD, ptr<float>(dconv), CD, 0);
-      scatter_columns(ptr<float>(dk), N, KD, ptr<float>(dconv), CD, KD);
-      scatter_columns(ptr<float>(dv), N, VD, ptr<float>(dconv), CD, 2 * KD);
-    }
+  Buffer dq = scratch<float>(mem, N * KD, "gdn.dq");
+  Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
+  if (!P) {
+    const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+    l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale, false);
+    l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f, false);
+    gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
+                       ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
   }
   dqn.reset();
   dkn.reset();
-  dv.reset();
-  Buffer dqkv = scratch<float>(mem, N * CD, "gdn.dqkv");
+  dbeta.reset();
+  dg.reset();
+  // The conv reads its output gradient [dq | dk | dv] from the three tensors and writes dqkv in T, the in_proj
+  // product's input (no gather into one fp32 array, no cast pass).
+  Buffer dqkv = scratch<T>(mem, N * CD, "gdn.dqkv");
   if (!P)
-    causal_conv_silu_backward(ptr<T>(s.qkv), w.vec(p::kConv), ptr<float>(dconv), ptr<float>(dqkv), G(gr, p::kConv),
-                              ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false);
-  dconv.reset();
+    causal_conv_silu_backward<T, T>(
+        ptr<T>(s.qkv), w.vec(p::kConv),
+        ColumnBlocks<const float>().add(ptr<float>(dq), KD).add(ptr<float>(dk), KD).add(ptr<float>(dv), VD),
+        ptr<T>(dqkv), G(gr, p::kConv), ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false);
+  dq.reset();
+  dk.reset();
+  dv.reset();
   Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn");
-  linear_backward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<float>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, mem,
-                  false);
+  if (!P)
+    linear_backward_from(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, false);
   linear_backward(ptr<T>(s.xn), w.mat(p::kZ), ptr<float>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);

@@ -1,5 +1,5 @@
 // The plumbing between kernels inside a layer: linear layers in the compute dtype (weights [out, in], the Hugging
-// Face layout), casts of weights to the compute dtype, and the small elementwise steps (residual adds, column splits).
+// Face layout), casts of weights to the compute dtype, and the small elementwise steps (residual adds).
 #pragma once
 #include <cstdint>
 
@@ -16,16 +16,15 @@ template <typename T> void linear_forward(const T* x, const T* W, T* y, int64_t 
 template <typename T>
 void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
                      MemoryAccountant& mem, bool accumulate_dx = true);
+// The same with dy already in T (its producer wrote the rounding the products need: no cast pass here).
+template <typename T>
+void linear_backward_from(const T* x, const T* W, const T* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
+                          bool accumulate_dx = true);
 
 // y = a + b, elementwise over n values.
 template <typename T> void add(const T* a, const T* b, T* y, int64_t n);
 // y[i] += x[i].
 void accumulate(const float* x, float* y, int64_t n);
-// Copies columns [col, col+width) of src [rows, src_cols] into dst [rows, width] (or back, with scatter).
-template <typename S, typename D>
-void copy_columns(const S* src, int64_t src_cols, int64_t col, D* dst, int64_t rows, int64_t width);
-template <typename S, typename D>
-void scatter_columns(const S* src, int64_t rows, int64_t width, D* dst, int64_t dst_cols, int64_t col);
 // dst = convert(src): between storage types.
 template <typename S, typename D> void cast(const S* src, D* dst, int64_t n);
 
