@@ -300,3 +300,57 @@ TEST(Norms, BackwardDxModesEqualAccumulatingIntoZerosOrACopy) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// A dz in bf16 (it only feeds a bf16 product) is the fp32 dz rounded once; dx and dw are unchanged.
+TEST(Norms, GatedBackwardBf16DzIsTheFp32DzRounded) {
+  const int64_t rows = 40, dim = 64;
+  const auto x = test::cast<bf16>(test::randn(rows * dim, 41));
+  const auto z = test::cast<bf16>(test::randn(rows * dim, 42));
+  const auto w = test::randn(dim, 43, 0.5f);
+  const auto dy = test::randn(rows * dim, 44);
+  std::vector<float> rstd(rows);
+  std::vector<bf16> y(rows * dim);
+  gated_rmsnorm_forward(x.data(), z.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<float> dx1(n), dz1(n), dx2(n), dw1(dim, 0.0f), dw2(dim, 0.0f);
+  std::vector<bf16> dz2(n);
+  gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dz1.data(), dw1.data(), rows,
+                         dim, false);
+  gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx2.data(), dz2.data(), dw2.data(), rows,
+                         dim, false);
+  EXPECT_EQ(0, std::memcmp(dx1.data(), dx2.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dim * sizeof(float)));
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(to_f32(dz2[i]), to_f32(from_f32<bf16>(dz1[i]))) << i;
+  EXPECT_THROW(gated_rmsnorm_backward(x.data(), z.data(), w.data(), rstd.data(), dy.data(), dx2.data(), dz2.data(),
+                                      dw2.data(), rows, dim, true),
+               std::invalid_argument);
+}
+
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// rmsnorm_backward's optional copy of dx in bf16 is dx rounded once, and dx itself is unchanged by asking for it.
+TEST(Norms, RmsnormBackwardDxCopyInBf16IsDxRounded) {
+  const int64_t rows = 33, dim = 80;
+  const auto x = test::cast<bf16>(test::randn(rows * dim, 51));
+  const auto w = test::randn(dim, 52, 0.5f);
+  const auto dy = test::randn(rows * dim, 53);
+  const auto res = test::randn(rows * dim, 54);
+  std::vector<float> rstd(rows);
+  std::vector<bf16> y(rows * dim);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<float> dx1(n), dx2(n), dw1(dim, 0.0f), dw2(dim, 0.0f);
+  std::vector<bf16> dxt(n);
+  rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx1.data(), dw1.data(), rows, dim, false, res.data());
+  rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx2.data(), dw2.data(), rows, dim, false, res.data(),
+                   dxt.data());
+  EXPECT_EQ(0, std::memcmp(dx1.data(), dx2.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dim * sizeof(float)));
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(to_f32(dxt[i]), to_f32(from_f32<bf16>(dx1[i]))) << i;
+}
+
+}  // namespace hs::kernels

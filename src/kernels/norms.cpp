@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/vec_math.h"
@@ -68,7 +69,7 @@ void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows
 // With g = dy * (1 + w): dx = rstd * (g - x * rstd^2 * mean(g * x)); dw = sum_rows dy * x * rstd.
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
-                      int64_t rows, int64_t dim, bool accumulate, const float* residual) {
+                      int64_t rows, int64_t dim, bool accumulate, const float* residual, T* dx_t) {
   check_dx_init(accumulate, residual, "rmsnorm_backward");
   const float inv_dim = 1.0f / static_cast<float>(dim);
   rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
@@ -96,6 +97,11 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
         pw[c] += dyr[c] * xv * rs;
       }
     }
+    if (dx_t) {
+      T* dtr = dx_t + r * dim;
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) dtr[c] = from_f32<T>(dxr[c]);
+    }
   });
 }
 
@@ -117,22 +123,34 @@ void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* 
 
 // With g = dy * w * silu(z): dx = rstd * (g - x * rstd^2 * mean(g * x)); dz = dy * w * x * rstd * silu'(z);
 // dw = sum_rows dy * x * rstd * silu(z).
-template <typename T>
+template <typename T, typename DZ>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
-                            float* dz, float* dw, int64_t rows, int64_t dim, bool accumulate) {
+                            DZ* dz, float* dw, int64_t rows, int64_t dim, bool accumulate) {
+  if (!std::is_same_v<DZ, float> && accumulate)
+    throw std::invalid_argument("gated_rmsnorm_backward: a dz in the storage type is written, not accumulated");
   const float inv_dim = 1.0f / static_cast<float>(dim);
   rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
     const T* xr = x + r * dim;
     const T* zr = z + r * dim;
     const float* dyr = dy + r * dim;
     float* dxr = dx + r * dim;
-    float* dzr = dz + r * dim;
+    DZ* dzr = dz + r * dim;
     const float rs = rstd[r];
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * w[c] * silu_vec(to_f32(zr[c])) * to_f32(xr[c]);
     const float k = rs * rs * dot * inv_dim;
-    if (accumulate) {
+    if constexpr (!std::is_same_v<DZ, float>) {
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) {
+        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
+        const float s = sigmoid_vec(zv);
+        const float silu = zv * s;
+        dxr[c] = rs * (dyr[c] * w[c] * silu - xv * k);
+        dzr[c] = from_f32<DZ>(dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s))));
+        pw[c] += dyr[c] * xv * rs * silu;
+      }
+    } else if (accumulate) {
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) {
         const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
@@ -197,14 +215,16 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
 #define HS_NORMS(T)                                                                                              \
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
-                                    int64_t, bool, const float*);                                                \
+                                    int64_t, bool, const float*, T*);                                            \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \
-  template void gated_rmsnorm_backward<T>(const T*, const T*, const float*, const float*, const float*, float*,  \
-                                          float*, float*, int64_t, int64_t, bool);                               \
+  template void gated_rmsnorm_backward<T, float>(const T*, const T*, const float*, const float*, const float*,  \
+                                                 float*, float*, float*, int64_t, int64_t, bool);                \
   template void l2norm_forward<T>(const T*, T*, float*, int64_t, int64_t, float, float);                         \
   template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float, bool);
 HS_NORMS(float)
 HS_NORMS(bf16)
 #undef HS_NORMS
+template void gated_rmsnorm_backward<bf16, bf16>(const bf16*, const bf16*, const float*, const float*, const float*,
+                                                 float*, bf16*, float*, int64_t, int64_t, bool);
 
 }  // namespace hs::kernels

@@ -20,18 +20,21 @@ namespace hs::kernels {
 // Zero-centred RMSNorm over the last dim: y = x * rstd * (1 + w), fp32 math, cast once at the end.
 template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps);
+// dx_t (optional): also receives dx rounded to T, for a consumer that multiplies it in T (one pass, no cast later).
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
-                      int64_t rows, int64_t dim, bool accumulate = true, const float* residual = nullptr);
+                      int64_t rows, int64_t dim, bool accumulate = true, const float* residual = nullptr,
+                      T* dx_t = nullptr);
 
 // Gated RMSNorm: y = w * (x * rstd) * silu(z) with a plain weight (not 1 + w); rows = tokens * heads,
 // dim = dv, one weight [dim] shared by all rows.
 template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                            float eps);
-template <typename T>
+// dz is float, or T when it only feeds a product in T (then written: accumulate must be false).
+template <typename T, typename DZ>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
-                            float* dz, float* dw, int64_t rows, int64_t dim, bool accumulate = true);
+                            DZ* dz, float* dw, int64_t rows, int64_t dim, bool accumulate = true);
 
 // L2 norm over the last dim: y = scale * x * rsqrt(sum(x^2) + eps) (a sum, not a mean).
 template <typename T>

@@ -147,19 +147,19 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
 
 template <typename T>
 void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const LayerWeights& gr, const T* h_in,
-                  const LayerSaved<T>& s, const float* dmix, float* dh_in) {
+                  const LayerSaved<T>& s, const float* dmix, const T* dmix_t, float* dh_in) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
   const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
   const int64_t Hk = c.k_heads, Hv = c.v_heads;
   Buffer dy = scratch<float>(mem, N * VD, "gdn.dy");
-  linear_backward(ptr<T>(s.y), w.mat(p::kOut), dmix, ptr<float>(dy), G(gr, p::kOut), N, H, VD, mem, false);
+  if (!P) linear_backward_from(ptr<T>(s.y), w.mat(p::kOut), dmix_t, ptr<float>(dy), G(gr, p::kOut), N, H, VD, false);
   Buffer d_o = scratch<float>(mem, N * VD, "gdn.do");
-  Buffer dz = scratch<float>(mem, N * VD, "gdn.dz");
+  Buffer dz = scratch<T>(mem, N * VD, "gdn.dz");  // in T: it only feeds the z projection's products
   if (!P)
     gated_rmsnorm_backward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<float>(s.rstdg), ptr<float>(dy),
-                           ptr<float>(d_o), ptr<float>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv, /*accumulate=*/false);
+                           ptr<float>(d_o), ptr<T>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv, /*accumulate=*/false);
   dy.reset();
   Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
   Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
@@ -200,7 +200,7 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn");
   if (!P)
     linear_backward_from(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, false);
-  linear_backward(ptr<T>(s.xn), w.mat(p::kZ), ptr<float>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H, mem);
+  if (!P) linear_backward_from(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H);
   linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);
   if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
@@ -251,13 +251,15 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
 
 template <typename T>
 void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const LayerWeights& gr, const T* h_in,
-                        const LayerSaved<T>& s, const float* dmix, float* dh_in) {
+                        const LayerSaved<T>& s, const float* dmix, const T* dmix_t, float* dh_in) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
   const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
   Buffer dattn = scratch<float>(mem, N * nH * hd, "attn.dout");
-  linear_backward(ptr<T>(s.attn_out), w.mat(p::kO), dmix, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd, mem, false);
+  if (!P)
+    linear_backward_from(ptr<T>(s.attn_out), w.mat(p::kO), dmix_t, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd,
+                         false);
   Buffer dq = scratch<float>(mem, N * nH * hd, "attn.dq", true);
   Buffer dk = scratch<float>(mem, N * nKV * hd, "attn.dk", true);
   Buffer dv = scratch<float>(mem, N * nKV * hd, "attn.dv", true);
@@ -346,6 +348,9 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   const int f = ffn_offset(lw.kind);
   // Feed-forward branch: dh_mid = dh_out + d(FFN(norm(h_mid)))/dh_mid.
   Buffer dh_mid = scratch<float>(mem, N * H, "layer.dh_mid");
+  // dh_mid in T as well, for the mixer's output projection (written in the same pass; for fp32 dh_mid itself).
+  Buffer dh_mid_t;
+  if constexpr (!std::is_same_v<T, float>) dh_mid_t = scratch<T>(mem, N * H, "layer.dh_mid_t");
   {
     Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn");  // written whole by the FFN backward (accumulate_dx = false)
     if (c.moe()) {
@@ -363,11 +368,13 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
     }
     if (!P)
       rmsnorm_backward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<float>(s.rstd2), ptr<float>(dx2), ptr<float>(dh_mid),
-                       G(gr, p::kPostNorm), N, H, /*accumulate=*/false, /*residual=*/dh_out);
+                       G(gr, p::kPostNorm), N, H, /*accumulate=*/false, /*residual=*/dh_out,
+                       std::is_same_v<T, float> ? nullptr : ptr<T>(dh_mid_t));
   }
   // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in (the mixer's last step writes dh_in whole).
-  if (lw.kind == LayerKind::LinearAttention) gdn_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
-  else attention_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dh_in);
+  const T* dmix_t = std::is_same_v<T, float> ? ptr<T>(dh_mid) : ptr<T>(dh_mid_t);
+  if (lw.kind == LayerKind::LinearAttention) gdn_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dmix_t, dh_in);
+  else attention_backward(ctx, w, gr, h_in, s, ptr<float>(dh_mid), dmix_t, dh_in);
 }
 
 #define HS_INSTANTIATE(T)                                                                                          \
