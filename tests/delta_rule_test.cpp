@@ -76,7 +76,7 @@ std::vector<float> to_float(const Vec& x) { return cast<float>(x); }
 
 // The fast kernels with storage type T; gradients start from a non-zero fill to check they accumulate.
 template <typename T>
-Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0) {
+Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0, bool keep_states = false) {
   const auto& s = p.s;
   const auto q = cast<T>(p.q), k = cast<T>(p.k), v = cast<T>(p.v);
   const auto beta = to_float(p.beta), g = to_float(p.g), d_o = to_float(p.d_o);
@@ -84,7 +84,8 @@ Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill =
   std::vector<float> dq(p.q.size(), float(grad_fill)), dk(p.k.size(), float(grad_fill)),
       dv(p.v.size(), float(grad_fill)), dbeta(p.beta.size(), float(grad_fill)), dg(p.g.size(), float(grad_fill));
   DeltaRuleSaved saved;
-  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem);
+  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem, keep_states);
+  EXPECT_EQ(saved.W.empty(), !keep_states);
   delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), dq.data(), dk.data(),
                       dv.data(), dbeta.data(), dg.data(), mem);
   Result r{widen(o), widen(dq), widen(dk), widen(dv), widen(dbeta), widen(dg)};
@@ -248,6 +249,27 @@ TEST(DeltaRuleBackward, SameResultForAnyThreadCount) {
   EXPECT_EQ(one.dv, three.dv);
   EXPECT_EQ(one.dbeta, three.dbeta);
   EXPECT_EQ(one.dg, three.dg);
+}
+
+// Keeping every chunk's W, V_new and start state in the forward (remat none) gives the backward exactly the values
+// it would recompute: the same bits for the output and every gradient, at several chunk counts (T = 64 is one
+// chunk, 130 ends in a partial one), fp32 and bf16 storage, and with r > 1.
+TEST(DeltaRuleBackward, KeptChunkStatesGiveTheSameBitsAsRecomputing) {
+  for (const DeltaRuleShape& s : {DeltaRuleShape{1, 64, 1, 1, 32, 32}, DeltaRuleShape{2, 130, 1, 2, 32, 16},
+                                  DeltaRuleShape{1, 200, 2, 4, 48, 64}}) {
+    const Problem p = make_problem(s, 1.0, 61);
+    MemoryAccountant mem;
+    const Result a = kernel_result<float>(p, mem, 0.25), b = kernel_result<float>(p, mem, 0.25, true);
+    const Result c = kernel_result<bf16>(p, mem), d = kernel_result<bf16>(p, mem, 0.0, true);
+    for (auto [x, y] : {std::pair{&a, &b}, std::pair{&c, &d}}) {
+      EXPECT_EQ(x->o, y->o);
+      EXPECT_EQ(x->dq, y->dq);
+      EXPECT_EQ(x->dk, y->dk);
+      EXPECT_EQ(x->dv, y->dv);
+      EXPECT_EQ(x->dbeta, y->dbeta);
+      EXPECT_EQ(x->dg, y->dg);
+    }
+  }
 }
 
 // Forward + backward peak (saved + workspace), planned or measured.

@@ -483,11 +483,16 @@ void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, const float* S0,
   gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
 }
 
+// states (optional): where to keep every chunk's W, V_new and start state (DeltaRuleSaved's layout for this head).
+struct ChunkStates {
+  float *W = nullptr, *vn = nullptr, *S = nullptr;
+};
+
 template <typename T>
 void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* g, T* o,
-                  float* tinv_out, float* gcum_out, ForwardScratch& w) {
+                  float* tinv_out, float* gcum_out, const ChunkStates& keep, ForwardScratch& w) {
   ChunkTiles& t = w.t;
-  const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks();
+  const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks(), nS = dkp * dvp;
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
     load_chunk(hv, c, q, k, v, beta, t);
@@ -511,16 +516,20 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     if (gcum_out) std::copy_n(t.G, C, gcum_out + t0);
 
     // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
-    // The first chunk starts from a zero state (w.S is only written at its end).
-    const float* S0 = c > 0 ? w.S : nullptr;
+    // The first chunk starts from a zero state (the state is only written at its end). Kept states go to their
+    // own slots; otherwise the scratch state advances in place.
+    const float* S0 = c == 0 ? nullptr : keep.S ? keep.S + c * nS : w.S;
+    float* S1 = c + 1 == nchunks ? nullptr : keep.S ? keep.S + (c + 1) * nS : w.S;
+    float* Wc = keep.W ? keep.W + c * C * dkp : w.W;
+    float* vn = keep.vn ? keep.vn + c * C * dvp : w.vn;
     if (S0) {
       scale_rows(t.eG, t.q, t.qg, dkp);
       gemm(C, dvp, dkp, t.qg, dkp, false, S0, dvp, w.out, dvp);
     }
-    chunk_values_and_state(t, w.W, w.vn, S0, c + 1 < nchunks ? w.S : nullptr);
+    chunk_values_and_state(t, Wc, vn, S0, S1);
     gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
     mask_decay(t.qkt, t.D);
-    gemm(C, dvp, C, t.qkt, C, false, w.vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
+    gemm(C, dvp, C, t.qkt, C, false, vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
     for (int64_t i = 0; i < n; ++i)
@@ -536,10 +545,11 @@ struct BackwardScratch {
   float *W_all, *vn_all, *S_all;
   float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
-  BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks) : t(cv, dkp, dvp) {
-    W_all = cv.take(nchunks * C * dkp);
-    vn_all = cv.take(nchunks * C * dvp);
-    S_all = cv.take(nchunks * dkp * dvp);
+  // recompute: room for the head's W, Vn and start states (not needed when the forward kept them).
+  BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks, bool recompute) : t(cv, dkp, dvp) {
+    W_all = recompute ? cv.take(nchunks * C * dkp) : nullptr;
+    vn_all = recompute ? cv.take(nchunks * C * dvp) : nullptr;
+    S_all = recompute ? cv.take(nchunks * dkp * dvp) : nullptr;
     dS = cv.take(dkp * dvp);
     dSt = cv.take(dvp * dkp);
     S0t = cv.take(dvp * dkp);
@@ -726,7 +736,7 @@ struct GradTarget {
 template <typename T>
 void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* tinv,
                    const float* gcum, const float* d_o, const GradTarget& dqk, float* dv, float* dbeta, float* dg,
-                   BackwardScratch& w) {
+                   const ChunkStates& kept, BackwardScratch& w) {
   ChunkTiles& t = w.t;
   const DeltaRuleShape& s = hv.s;
   const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = s.chunks();
@@ -737,14 +747,18 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
     t.state_decays();
   };
 
-  // Forward over the chunks: every chunk's start state, W and Vn.
+  // Every chunk's start state, W and Vn: kept by the forward, or recomputed by a forward pass over the chunks.
   const int64_t nS = dkp * dvp;
-  for (int64_t c = 0; c < nchunks; ++c) {
-    load(c, nullptr);
-    hv.prefetch_inputs(c + 1, static_cast<const T*>(nullptr), k, v);
-    chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
-                           c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
-  }
+  const float* W_all = kept.W ? kept.W : w.W_all;
+  const float* vn_all = kept.vn ? kept.vn : w.vn_all;
+  const float* S_all = kept.S ? kept.S : w.S_all;
+  if (!kept.W)
+    for (int64_t c = 0; c < nchunks; ++c) {
+      load(c, nullptr);
+      hv.prefetch_inputs(c + 1, static_cast<const T*>(nullptr), k, v);
+      chunk_values_and_state(t, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
+                             c + 1 < nchunks ? w.S_all + (c + 1) * nS : nullptr);
+    }
 
   // Reverse over the chunks carrying dS (zero after the last token: the final state is not an output).
   std::fill_n(w.dS, dkp * dvp, 0.0f);
@@ -761,8 +775,7 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
       hv.prefetch_inputs(c - 1, q, k, v);
     }
     t.decay_matrix();
-    chunk_backward(w, w.W_all + c * C * dkp, w.vn_all + c * C * dvp, c > 0 ? w.S_all + c * nS : nullptr,
-                   c == nchunks - 1);
+    chunk_backward(w, W_all + c * C * dkp, vn_all + c * C * dvp, c > 0 ? S_all + c * nS : nullptr, c == nchunks - 1);
     for (int64_t i = 0; i < n; ++i) {
       float* dqr = dqk.dq + (t0 + i) * dqk.stride;
       float* dkr = dqk.dk + (t0 + i) * dqk.stride;
@@ -782,13 +795,19 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
 
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
-                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem) {
+                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem, bool keep_chunk_states) {
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks();
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
+  const bool keep = saved && keep_chunk_states;
   if (saved) {
     saved->tinv = mem.allocate_n<float>(heads * nchunks * C * C, MemCategory::Activations, "delta_rule.tinv");
     saved->gcum = mem.allocate_n<float>(heads * nchunks * C, MemCategory::Activations, "delta_rule.gcum");
+  }
+  if (keep) {
+    saved->W = mem.allocate_n<float>(heads * nchunks * C * dkp, MemCategory::Activations, "delta_rule.W");
+    saved->vn = mem.allocate_n<float>(heads * nchunks * C * dvp, MemCategory::Activations, "delta_rule.vn");
+    saved->S = mem.allocate_n<float>(heads * nchunks * dkp * dvp, MemCategory::Activations, "delta_rule.states");
   }
   const int64_t workers = worker_count(s);
   Carver sizing(nullptr);
@@ -806,7 +825,11 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
       const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
       float* tinv = saved ? saved->tinv.as<float>() + hh * nchunks * C * C : nullptr;
       float* gcum = saved ? saved->gcum.as<float>() + hh * nchunks * C : nullptr;
-      forward_head(hv, q, k, v, beta, g, o, tinv, gcum, w);
+      ChunkStates states;
+      if (keep)
+        states = {saved->W.as<float>() + hh * nchunks * C * dkp, saved->vn.as<float>() + hh * nchunks * C * dvp,
+                  saved->S.as<float>() + hh * nchunks * dkp * dvp};
+      forward_head(hv, q, k, v, beta, g, o, tinv, gcum, states, w);
     }
   }
 }
@@ -822,6 +845,12 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
       (saved.tinv.bytes() != sizeof(float) * heads * nchunks * C * C ||
        saved.gcum.bytes() != sizeof(float) * heads * nchunks * C))
     throw std::invalid_argument("delta_rule_backward: saved buffers do not match the shape");
+  const bool kept = !saved.W.empty();
+  if (!mem.planning() && heads > 0 && kept &&
+      (saved.W.bytes() != sizeof(float) * heads * nchunks * C * dkp ||
+       saved.vn.bytes() != sizeof(float) * heads * nchunks * C * dvp ||
+       saved.S.bytes() != sizeof(float) * heads * nchunks * dkp * dvp))
+    throw std::invalid_argument("delta_rule_backward: kept chunk states do not match the shape");
 
   // The r value heads of a key head all add into its dq, dk. With at least as many key heads as threads
   // one thread runs all r of them in order and adds directly; otherwise each value head is a unit of work
@@ -832,7 +861,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
   const int64_t heads_per_unit = per_key_head ? r : 1;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), units));
   Carver sizing(nullptr);
-  BackwardScratch{sizing, dkp, dvp, nchunks};
+  BackwardScratch{sizing, dkp, dvp, nchunks, !kept};
   const int64_t per_thread = sizing.used();
   Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.backward_scratch");
   Buffer partial;
@@ -848,7 +877,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
 #pragma omp parallel num_threads(static_cast<int>(workers))
   {
     Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
-    BackwardScratch w(cv, dkp, dvp, nchunks);
+    BackwardScratch w(cv, dkp, dvp, nchunks, !kept);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u)
       for (int64_t j = 0; j < heads_per_unit; ++j) {
@@ -859,8 +888,12 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
           const int64_t off = (hv.b * s.seq * s.v_heads + hv.h) * s.dk;
           dqk = GradTarget{part_q + off, part_k + off, s.v_heads * s.dk, true};
         }
+        ChunkStates states;
+        if (kept)
+          states = {saved.W.as<float>() + hh * nchunks * C * dkp, saved.vn.as<float>() + hh * nchunks * C * dvp,
+                    saved.S.as<float>() + hh * nchunks * dkp * dvp};
         backward_head(hv, q, k, v, beta, saved.tinv.as<float>() + hh * nchunks * C * C,
-                      saved.gcum.as<float>() + hh * nchunks * C, d_o, dqk, dv, dbeta, dg, w);
+                      saved.gcum.as<float>() + hh * nchunks * C, d_o, dqk, dv, dbeta, dg, states, w);
       }
   }
 
@@ -881,7 +914,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
 
 #define HS_INSTANTIATE(T)                                                                                       \
   template void delta_rule_forward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,         \
-                                      const float*, T*, DeltaRuleSaved*, MemoryAccountant&);                     \
+                                      const float*, T*, DeltaRuleSaved*, MemoryAccountant&, bool);               \
   template void delta_rule_backward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,        \
                                        const float*, const DeltaRuleSaved&, const float*, float*, float*, float*, \
                                        float*, float*, MemoryAccountant&);

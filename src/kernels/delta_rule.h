@@ -19,25 +19,33 @@ struct DeltaRuleShape {
   int64_t padded_seq() const { return chunks() * kDeltaRuleChunk; }
 };
 
-// What the forward keeps for the backward, both fp32:
+// What the forward keeps for the backward, all fp32:
 //   tinv [B, Hv, nchunks, 64, 64]: per chunk (I + M)^-1 (unit lower triangular);
-//   gcum [B, Hv, Tpad]: the gate's cumulative sum restarted at every chunk (G of the chunked form).
+//   gcum [B, Hv, Tpad]: the gate's cumulative sum restarted at every chunk (G of the chunked form);
+//   only with keep_chunk_states (else empty, and the backward recomputes them from the above):
+//   W [B, Hv, nchunks, 64, dkp], vn [B, Hv, nchunks, 64, dvp] and S [B, Hv, nchunks, dkp, dvp], every chunk's W,
+//   V_new and start state (dkp, dvp: dk, dv rounded up to 16; slot 0, chunk 0's zero start state, stays unwritten).
 struct DeltaRuleSaved {
   Buffer tinv;
   Buffer gcum;
+  Buffer W, vn, S;
 };
 
 // q, k: [B, T, Hk, dk] (q already L2-normalised and scaled by dk^-0.5, k L2-normalised, by the caller);
 // v, o: [B, T, Hv, dv]; beta, g: [B, T, Hv] fp32 (g <= 0 is the log-decay). Value head h reads key
 // head h / r (repeat_interleave). saved == nullptr: inference, keep nothing.
+// keep_chunk_states (with saved): also keep every chunk's W, V_new and start state, which the backward then reads
+// instead of recomputing (~(dk + dv) * 4 + dk * dv * 4 / 64 bytes more per token and value head: remat none).
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
-                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem);
+                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem,
+                        bool keep_chunk_states = false);
 
 // Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32), given
-// d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved` (g itself is not read: saved
-// holds its cumulative sums). Workspace, per thread and for the one head it is working on: W and V_new
-// (T (dk + dv) floats), the chunk-start states (T/64 dk dv) and 64-row tiles; plus, only when r > 1 and there
+// d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved` unless the forward kept them (g
+// itself is not read: saved holds its cumulative sums). Workspace, per thread and for the one head it is working
+// on: 64-row tiles and, when recomputing, W and V_new (T (dk + dv) floats) and the chunk-start states
+// (T/64 dk dv); plus, only when r > 1 and there
 // are fewer (batch, key head) pairs than threads, per-value-head dq, dk partials (2 B T Hv dk). Results are
 // deterministic and independent of the thread count.
 template <typename T>

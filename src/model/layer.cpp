@@ -135,7 +135,7 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   s.o = A.make<T>(N * VD, "gdn.o");
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
   delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
-                     keep ? &s.delta : nullptr, mem);
+                     keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables);
   s.y = A.make<T>(N * VD, "gdn.y");
   s.rstdg = A.make<float>(N * Hv, "gdn.rstdg");
   if (!P) {

@@ -26,6 +26,9 @@ struct LayerContext {
   // Expert parallelism (planning only for now): routed experts are split over this many ranks, so a sub-layer
   // gathers 1/expert_parallel of the routed-expert weights and exchanges its tokens' rows (all-to-all) instead.
   int64_t expert_parallel = 1;
+  // A forward that saves for backward also keeps what its kernels' backwards would otherwise recompute (the delta
+  // rule's per-chunk states): remat none, where nothing is recomputed and memory is traded for speed.
+  bool keep_recomputables = false;
   int64_t tokens() const { return batch * seq; }
 };
 

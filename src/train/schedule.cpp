@@ -90,6 +90,7 @@ struct Runner {
   LocalCollectives local;
   Collectives* comm;
   int64_t ep = 1;
+  bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
 
   Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group)
       : params(p), c(p.config()), b(bt), mem(m), P(m.planning()), N(bt.batch * bt.seq), H(p.config().hidden),
@@ -101,7 +102,9 @@ struct Runner {
     if (!P)
       for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
   }
-  model::LayerContext ctx() const { return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep}; }
+  model::LayerContext ctx() const {
+    return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables};
+  }
   bool sharded() const { return params.shards() > 1; }
 
   // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
@@ -225,6 +228,7 @@ struct Runner {
     StepResult r;
     const size_t L = slots.size();
     const std::vector<bool> seg = segment_starts(c);
+    keep_recomputables = policy == RematPolicy::None;
     // kept[i]: the input of layer i, when the policy keeps it (kept[L] is the last layer's output).
     std::vector<Buffer> kept(L + 1);
     std::vector<std::unique_ptr<model::LayerSaved<T>>> states(L);
