@@ -161,3 +161,68 @@ TEST(AdamW, ClearVariantIsTheSameUpdateAndZeroesTheGradient) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// The one-pass optimizer kernels give the same bits as one call per tensor: the update elementwise, the sum of
+// squares through the same blocks added in the same order (1 and 3 threads). Sizes span one piece, several and a
+// ragged end; fp32 and bf16 weights, per-tensor weight decay.
+TEST(AdamW, OnePassOverManyTensorsEqualsOneCallPerTensor) {
+  const std::vector<int64_t> sizes = {1, 5000, 40000, 100003, 16384};
+  std::vector<std::vector<float>> w1, w2, g1, g2, m1, m2, v1, v2;
+  std::vector<std::vector<bf16>> wb1, wb2;
+  std::vector<AdamWTensor> all;
+  AdamWParams p;
+  p.grad_scale = 0.7f;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    const int64_t n = sizes[t];
+    w1.push_back(randn(n, 70 + static_cast<uint32_t>(t)));
+    g1.push_back(randn(n, 80 + static_cast<uint32_t>(t)));
+    m1.push_back(randn(n, 90 + static_cast<uint32_t>(t), 0.01f));
+    v1.emplace_back(static_cast<size_t>(n), 1e-4f);
+    wb1.emplace_back(w1.back().begin(), w1.back().end());
+  }
+  w2 = w1, g2 = g1, m2 = m1, v2 = v1, wb2 = wb1;
+  const int64_t step = 3;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    p.weight_decay = t % 2 ? 0.1f : 0.0f;
+    if (t == 2) adamw_update_clear(wb1[t].data(), g1[t].data(), m1[t].data(), v1[t].data(), sizes[t], p, step);
+    else adamw_update_clear(w1[t].data(), g1[t].data(), m1[t].data(), v1[t].data(), sizes[t], p, step);
+    AdamWTensor a;
+    if (t == 2) a.w_bf16 = wb2[t].data();
+    else a.w = w2[t].data();
+    a.grad = g2[t].data();
+    a.m = m2[t].data();
+    a.v = v2[t].data();
+    a.n = sizes[t];
+    a.weight_decay = p.weight_decay;
+    all.push_back(a);
+  }
+  p.weight_decay = 0.5f;  // ignored by the one-pass kernel
+  adamw_update_clear_all(all, p, step);
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    const size_t bytes = static_cast<size_t>(sizes[t]) * sizeof(float);
+    EXPECT_EQ(0, std::memcmp(w1[t].data(), w2[t].data(), bytes)) << t;
+    EXPECT_EQ(0, std::memcmp(wb1[t].data(), wb2[t].data(), bytes / 2)) << t;
+    EXPECT_EQ(0, std::memcmp(m1[t].data(), m2[t].data(), bytes)) << t;
+    EXPECT_EQ(0, std::memcmp(v1[t].data(), v2[t].data(), bytes)) << t;
+    EXPECT_EQ(0, std::memcmp(g1[t].data(), g2[t].data(), bytes)) << t;  // both zeroed
+  }
+  AdamWTensor both;
+  both.w = w2[0].data();
+  both.w_bf16 = wb2[0].data();
+  EXPECT_THROW(adamw_update_clear_all({both}, p, step), std::invalid_argument);
+
+  std::vector<std::pair<const float*, int64_t>> arrays;
+  double loop = 0.0;
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    arrays.emplace_back(m1[t].data(), sizes[t]);
+    loop += sum_squares(m1[t].data(), sizes[t]);
+  }
+  const double one = test::with_threads(1, [&] { return sum_squares_all(arrays); });
+  const double three = test::with_threads(3, [&] { return sum_squares_all(arrays); });
+  EXPECT_EQ(std::memcmp(&one, &loop, sizeof(double)), 0);
+  EXPECT_EQ(std::memcmp(&three, &loop, sizeof(double)), 0);
+}
+
+}  // namespace hs::kernels

@@ -2,6 +2,8 @@
 // global grad-norm clipping needs.
 #pragma once
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "kernels/common.h"
 
@@ -26,9 +28,27 @@ void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const
 template <typename TW>
 void adamw_update_clear(TW* w, float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
 
+// adamw_update_clear over many tensors in one parallel pass (one fork/join and an even split of all their elements
+// between the threads, instead of one region per tensor, where small tensors leave threads idle). Each tensor has its
+// own weight decay (AdamWParams::weight_decay is ignored) and weights in fp32 (w) or bf16 (w_bf16, w null). Every
+// element gets exactly the update adamw_update_clear gives it.
+struct AdamWTensor {
+  float* w = nullptr;
+  bf16* w_bf16 = nullptr;
+  float* grad = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  int64_t n = 0;
+  float weight_decay = 0.0f;
+};
+void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step);
+
 // sum(x^2) in double. The array is cut into blocks whose bounds depend only on n, each block is summed
 // by one thread, and the block sums are added in order: the same bits for any thread count.
 double sum_squares(const float* x, int64_t n);
+// sum_i sum_squares(x_i, n_i) over many arrays in one parallel pass, with the same blocks and the same order of
+// additions: the same bits as the loop of calls, for any thread count.
+double sum_squares_all(const std::vector<std::pair<const float*, int64_t>>& arrays);
 
 // Plain references, math in double: (TW, P) in {(float, float), (bf16, float), (double, double)}.
 namespace reference {

@@ -1,6 +1,8 @@
 #include "train/optimizer.h"
 
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "kernels/adamw.h"
 
@@ -20,9 +22,9 @@ AdamWOptimizer::AdamWOptimizer(const model::ParamSet& params, const OptimizerCon
       v_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true) {}
 
 double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
-  double sq = 0;
-  for (auto& g : grads.all()) sq += kernels::sum_squares(g.tensor.as<float>(), g.tensor.numel());
-  const double norm = std::sqrt(sq);
+  std::vector<std::pair<const float*, int64_t>> arrays;
+  for (auto& g : grads.all()) arrays.emplace_back(g.tensor.as<float>(), g.tensor.numel());
+  const double norm = std::sqrt(kernels::sum_squares_all(arrays));
   kernels::AdamWParams p;
   if (cfg_.clip > 0 && norm > cfg_.clip) p.grad_scale = static_cast<float>(cfg_.clip / (norm + 1e-6));
   p.lr = static_cast<float>(lr_at(cfg_, step_));
@@ -30,16 +32,21 @@ double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
   p.beta2 = static_cast<float>(cfg_.beta2);
   p.eps = static_cast<float>(cfg_.eps);
   ++step_;
+  // Every tensor in one pass (one parallel region), each gradient zeroed as it is read.
   auto& ps = params.all();
+  std::vector<kernels::AdamWTensor> tensors(ps.size());
   for (size_t i = 0; i < ps.size(); ++i) {
-    p.weight_decay = ps[i].spec.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
     Tensor& w = ps[i].tensor;
-    float* g = grads.all()[i].tensor.as<float>();
-    float* m = m_.all()[i].tensor.as<float>();
-    float* v = v_.all()[i].tensor.as<float>();
-    if (w.dtype() == DType::F32) kernels::adamw_update_clear(w.as<float>(), g, m, v, w.numel(), p, step_);
-    else kernels::adamw_update_clear(w.as<bf16>(), g, m, v, w.numel(), p, step_);
+    kernels::AdamWTensor& t = tensors[i];
+    if (w.dtype() == DType::F32) t.w = w.as<float>();
+    else t.w_bf16 = w.as<bf16>();
+    t.grad = grads.all()[i].tensor.as<float>();
+    t.m = m_.all()[i].tensor.as<float>();
+    t.v = v_.all()[i].tensor.as<float>();
+    t.n = w.numel();
+    t.weight_decay = ps[i].spec.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
   }
+  kernels::adamw_update_clear_all(tensors, p, step_);
   return norm;
 }
 
