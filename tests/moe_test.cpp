@@ -216,8 +216,8 @@ TEST(Moe, MatchesDenseReferenceBf16) {
   for (const MoeShape& s : shapes()) check_against_reference<bf16>(s, seed++, 2e-2);
 }
 
-// Groups above 256 rows go through the bulk pieces (256 * 2^j rows) and a zero-padded tail: ~733 rows
-// per expert (512 + 221 -> 256 padded) and, with k = E, 1100 rows each (1024 + 76 -> 128 padded).
+// Groups above 1024 rows go through a bulk piece (1024 * 2^j rows) plus the rest at a runtime row count: with
+// k = E, 1100 rows each (1024 + 76); ~733 rows per expert take the runtime path alone.
 TEST(Moe, LargeGroupsSplitIntoRowPieces) {
   check_against_reference<float>({1100, 16, 3, 2, 16, 8, true}, 300, 1e-5);
   check_against_reference<float>({1100, 16, 2, 2, 16, 8, true}, 301, 1e-5);
@@ -225,9 +225,9 @@ TEST(Moe, LargeGroupsSplitIntoRowPieces) {
 }
 
 // oneDNN creates a primitive per shape (~0.6 ms each, cached for the process): per-expert row counts
-// must not create primitives. Six different routings of 300 tokens over 4 experts (groups of ~150 rows, some
-// over the 256-row bulk piece) use, per row-wise expert product (4 of them), the fixed 256-row piece and one
-// primitive taking the remaining rows at execution; per weight-gradient product (2) one primitive taking the
+// must not create primitives. Six different routings of 300 tokens over 4 experts (groups of ~150 rows) use, per
+// row-wise expert product (4 of them), one primitive taking the rows at execution (and at most the fixed 1024-row
+// piece, which these groups never reach); per weight-gradient product (2) one primitive taking the
 // rows at execution; plus the shared expert's fixed shapes (2 forward, 2 backward products; its weight
 // gradients share the experts' runtime primitives here, inter being equal; the router's products, with 4
 // outputs, run on hybridscan's skinny loops): at most 4 x 2 + 2 + 4 = 14 new primitives, where one per row

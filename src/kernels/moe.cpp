@@ -18,13 +18,13 @@ namespace {
 constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
 // Products over an expert's rows have a data-dependent row count n. oneDNN's AMX primitive is fastest with
-// the row count fixed at creation (taking it at execution ran 0.7-0.8x as fast at these shapes, and the whole
-// step ~3% slower), but creating one costs ~0.6 ms, so the row counts it sees must come from a small fixed set.
-// The bulk is split into pieces of kRowBlock * 2^j rows (the binary digits of n / kRowBlock), and the last
-// n % kRowBlock rows go to one primitive that takes the row count at execution (MatmulLayout::varying_rows), with
-// no copy into a padded scratch. Larger pieces (512, 1024 rows) made the `small` MoE layer ~11% faster in
-// moe_bench but not the whole training step, so the pieces stay at 256 rows.
-constexpr int64_t kRowBlock = 256;
+// the row count fixed at creation (taking it at execution ran 0.7-0.8x as fast at these shapes), but creating one
+// costs ~0.6 ms, so the row counts it sees must come from a small fixed set. The bulk is split into pieces of
+// kRowBlock * 2^j rows (the binary digits of n / kRowBlock), and the last n % kRowBlock rows go to one primitive
+// that takes the row count at execution (MatmulLayout::varying_rows), with no copy into a padded scratch. With the
+// remainder uncopied, 1024-row pieces beat 256 (+1.9% on the `small` training step, 4 of 4 alternated rounds of
+// bench/ab_train_step.sh) and 512 (+0.9%); all rows at execution (no pieces) was ~3% slower.
+constexpr int64_t kRowBlock = 1024;
 
 template <typename F>
 void for_each_bulk_piece(int64_t n, F&& f) {
