@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <cmath>
 #include <cstdio>
 #include <ostream>
@@ -269,6 +271,38 @@ TEST(DeltaRuleBackward, KeptChunkStatesGiveTheSameBitsAsRecomputing) {
       EXPECT_EQ(x->dbeta, y->dbeta);
       EXPECT_EQ(x->dg, y->dg);
     }
+  }
+}
+
+// accumulate = false writes every gradient (buffers full of NaN before) with exactly the bits of adding to zeros,
+// in both ways of summing a key head's value heads (r = 2 with one and with three threads: per key head, and
+// per value head with partials).
+TEST(DeltaRuleBackward, WritingEqualsAddingToZeros) {
+  const DeltaRuleShape s{1, 150, 1, 2, 32, 16};
+  const Problem p = make_problem(s, 1.0, 71);
+  const auto q = cast<float>(p.q), k = cast<float>(p.k), v = cast<float>(p.v);
+  const auto beta = to_float(p.beta), g = to_float(p.g), d_o = to_float(p.d_o);
+  for (int threads : {1, 3}) {
+    test::with_threads(threads, [&] {
+      MemoryAccountant mem;
+      std::vector<float> o(p.v.size());
+      DeltaRuleSaved saved;
+      delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem);
+      auto run = [&](bool accumulate, float fill) {
+        std::vector<std::vector<float>> r = {std::vector<float>(p.q.size(), fill), std::vector<float>(p.k.size(), fill),
+                                             std::vector<float>(p.v.size(), fill),
+                                             std::vector<float>(p.beta.size(), fill),
+                                             std::vector<float>(p.g.size(), fill)};
+        delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), r[0].data(),
+                            r[1].data(), r[2].data(), r[3].data(), r[4].data(), mem, accumulate);
+        return r;
+      };
+      const auto added = run(true, 0.0f), written = run(false, std::nanf(""));
+      for (size_t i = 0; i < added.size(); ++i)
+        EXPECT_EQ(0, std::memcmp(added[i].data(), written[i].data(), added[i].size() * sizeof(float)))
+            << "gradient " << i << ", " << threads << " threads";
+      return 0;
+    });
   }
 }
 

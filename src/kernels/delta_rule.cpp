@@ -736,7 +736,7 @@ struct GradTarget {
 template <typename T>
 void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* tinv,
                    const float* gcum, const float* d_o, const GradTarget& dqk, float* dv, float* dbeta, float* dg,
-                   const ChunkStates& kept, BackwardScratch& w) {
+                   bool assign_v, const ChunkStates& kept, BackwardScratch& w) {
   ChunkTiles& t = w.t;
   const DeltaRuleShape& s = hv.s;
   const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = s.chunks();
@@ -784,9 +784,18 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
         dqr[j] = (dqk.assign ? 0.0f : dqr[j]) + w.dq[i * dkp + j];
         dkr[j] = (dqk.assign ? 0.0f : dkr[j]) + w.dk[i * dkp + j];
       }
-      for (int64_t j = 0; j < s.dv; ++j) dvr[j] += w.dv[i * dvp + j];
-      dbeta[hv.gate_offset(t0 + i)] += w.dbeta[i];
-      dg[hv.gate_offset(t0 + i)] += w.dG[i];
+      // dv, dbeta, dg belong to this value head alone: written (assign_v) or added to.
+      float* db = dbeta + hv.gate_offset(t0 + i);
+      float* dgr = dg + hv.gate_offset(t0 + i);
+      if (assign_v) {
+        for (int64_t j = 0; j < s.dv; ++j) dvr[j] = w.dv[i * dvp + j];
+        *db = w.dbeta[i];
+        *dgr = w.dG[i];
+      } else {
+        for (int64_t j = 0; j < s.dv; ++j) dvr[j] += w.dv[i * dvp + j];
+        *db += w.dbeta[i];
+        *dgr += w.dG[i];
+      }
     }
   }
 }
@@ -837,7 +846,8 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
 template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* /*g: read back from saved.gcum*/, const DeltaRuleSaved& saved, const float* d_o,
-                         float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem) {
+                         float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem,
+                         bool accumulate) {
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks(), r = s.ratio();
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
@@ -883,7 +893,8 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
       for (int64_t j = 0; j < heads_per_unit; ++j) {
         const int64_t hh = u * heads_per_unit + j;  // both unit kinds enumerate (batch, value head) in order
         const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
-        GradTarget dqk{dq + hv.qk_offset(0), dk + hv.qk_offset(0), hv.qk_stride(), false};
+        // Without accumulate the key head's first value head writes dq, dk and the others add to them.
+        GradTarget dqk{dq + hv.qk_offset(0), dk + hv.qk_offset(0), hv.qk_stride(), !accumulate && j == 0};
         if (!per_key_head) {
           const int64_t off = (hv.b * s.seq * s.v_heads + hv.h) * s.dk;
           dqk = GradTarget{part_q + off, part_k + off, s.v_heads * s.dk, true};
@@ -893,7 +904,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
           states = {saved.W.as<float>() + hh * nchunks * C * dkp, saved.vn.as<float>() + hh * nchunks * C * dvp,
                     saved.S.as<float>() + hh * nchunks * dkp * dvp};
         backward_head(hv, q, k, v, beta, saved.tinv.as<float>() + hh * nchunks * C * C,
-                      saved.gcum.as<float>() + hh * nchunks * C, d_o, dqk, dv, dbeta, dg, states, w);
+                      saved.gcum.as<float>() + hh * nchunks * C, d_o, dqk, dv, dbeta, dg, !accumulate, states, w);
       }
   }
 
@@ -905,8 +916,9 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
       const float* pk = part_k + row * r * s.dk;
       for (int64_t j = 0; j < r; ++j)
         for (int64_t l = 0; l < s.dk; ++l) {
-          dq[row * s.dk + l] += pq[j * s.dk + l];
-          dk[row * s.dk + l] += pk[j * s.dk + l];
+          const bool first = !accumulate && j == 0;
+          dq[row * s.dk + l] = (first ? 0.0f : dq[row * s.dk + l]) + pq[j * s.dk + l];
+          dk[row * s.dk + l] = (first ? 0.0f : dk[row * s.dk + l]) + pk[j * s.dk + l];
         }
     }
   }
@@ -917,7 +929,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
                                       const float*, T*, DeltaRuleSaved*, MemoryAccountant&, bool);               \
   template void delta_rule_backward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,        \
                                        const float*, const DeltaRuleSaved&, const float*, float*, float*, float*, \
-                                       float*, float*, MemoryAccountant&);
+                                       float*, float*, MemoryAccountant&, bool);
 HS_INSTANTIATE(float)
 HS_INSTANTIATE(bf16)
 #undef HS_INSTANTIATE

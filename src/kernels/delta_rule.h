@@ -41,7 +41,8 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem,
                         bool keep_chunk_states = false);
 
-// Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32), given
+// Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32; with accumulate
+// false it writes them, so the caller clears nothing; the same bits as adding to zeros), given
 // d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved` unless the forward kept them (g
 // itself is not read: saved holds its cumulative sums). Workspace, per thread and for the one head it is working
 // on: 64-row tiles and, when recomputing, W and V_new (T (dk + dv) floats) and the chunk-start states
@@ -51,7 +52,7 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
 template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* g, const DeltaRuleSaved& saved, const float* d_o, float* dq, float* dk,
-                         float* dv, float* dbeta, float* dg, MemoryAccountant& mem);
+                         float* dv, float* dbeta, float* dg, MemoryAccountant& mem, bool accumulate = true);
 
 namespace reference {
 

@@ -161,15 +161,16 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
     gated_rmsnorm_backward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<float>(s.rstdg), ptr<float>(dy),
                            ptr<float>(d_o), ptr<T>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv, /*accumulate=*/false);
   dy.reset();
-  Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn", true);
-  Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn", true);
-  Buffer dv = scratch<float>(mem, N * VD, "gdn.dv", true);
-  Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta", true);
-  Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg", true);
+  // Written whole by the delta rule's backward (accumulate = false): not cleared first.
+  Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn");
+  Buffer dkn = scratch<float>(mem, N * KD, "gdn.dkn");
+  Buffer dv = scratch<float>(mem, N * VD, "gdn.dv");
+  Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta");
+  Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg");
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
   delta_rule_backward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), s.delta,
                       ptr<float>(d_o), ptr<float>(dqn), ptr<float>(dkn), ptr<float>(dv), ptr<float>(dbeta),
-                      ptr<float>(dg), mem);
+                      ptr<float>(dg), mem, /*accumulate=*/false);
   d_o.reset();
   Buffer db = scratch<float>(mem, N * Hv, "gdn.db", true);
   Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);
