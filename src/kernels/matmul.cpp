@@ -17,7 +17,7 @@ namespace {
 
 using dnnl::memory;
 
-// K == kRuntime: the primitive takes K at execution (see runtime_k below).
+// M or K == kRuntime: the primitive takes that dimension at execution (see varying_rows in run below).
 constexpr int64_t kRuntime = DNNL_RUNTIME_DIM_VAL;
 
 struct Key {
