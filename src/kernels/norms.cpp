@@ -140,36 +140,29 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
 #pragma omp simd reduction(+ : dot)
     for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * w[c] * silu_vec(to_f32(zr[c])) * to_f32(xr[c]);
     const float k = rs * rs * dot * inv_dim;
-    if constexpr (!std::is_same_v<DZ, float>) {
+    if constexpr (std::is_same_v<DZ, float>) {
+      if (accumulate) {
 #pragma omp simd
-      for (int64_t c = 0; c < dim; ++c) {
-        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
-        const float s = sigmoid_vec(zv);
-        const float silu = zv * s;
-        dxr[c] = rs * (dyr[c] * w[c] * silu - xv * k);
-        dzr[c] = from_f32<DZ>(dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s))));
-        pw[c] += dyr[c] * xv * rs * silu;
+        for (int64_t c = 0; c < dim; ++c) {
+          const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
+          const float s = sigmoid_vec(zv);
+          const float silu = zv * s;
+          dxr[c] += rs * (dyr[c] * w[c] * silu - xv * k);
+          dzr[c] += dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
+          pw[c] += dyr[c] * xv * rs * silu;
+        }
+        return;
       }
-    } else if (accumulate) {
+    }
+    // Written: dz in DZ (for bf16, the fp32 value rounded once).
 #pragma omp simd
-      for (int64_t c = 0; c < dim; ++c) {
-        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
-        const float s = sigmoid_vec(zv);
-        const float silu = zv * s;
-        dxr[c] += rs * (dyr[c] * w[c] * silu - xv * k);
-        dzr[c] += dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
-        pw[c] += dyr[c] * xv * rs * silu;
-      }
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < dim; ++c) {
-        const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
-        const float s = sigmoid_vec(zv);
-        const float silu = zv * s;
-        dxr[c] = rs * (dyr[c] * w[c] * silu - xv * k);
-        dzr[c] = dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s)));
-        pw[c] += dyr[c] * xv * rs * silu;
-      }
+    for (int64_t c = 0; c < dim; ++c) {
+      const float xv = to_f32(xr[c]), zv = to_f32(zr[c]);
+      const float s = sigmoid_vec(zv);
+      const float silu = zv * s;
+      dxr[c] = rs * (dyr[c] * w[c] * silu - xv * k);
+      dzr[c] = from_f32<DZ>(dyr[c] * w[c] * xv * rs * (s * (1.0f + zv * (1.0f - s))));
+      pw[c] += dyr[c] * xv * rs * silu;
     }
   });
 }
