@@ -73,17 +73,6 @@ void zero_bytes(void* p, size_t bytes) {
   }
 }
 
-void copy_bytes(void* dst, const void* src, size_t bytes) {
-  constexpr size_t kPiece = size_t{1} << 18;
-  const int64_t pieces = static_cast<int64_t>((bytes + kPiece - 1) / kPiece);
-#pragma omp parallel for schedule(static) if (pieces > 1)
-  for (int64_t i = 0; i < pieces; ++i) {
-    const size_t off = static_cast<size_t>(i) * kPiece;
-    std::memcpy(static_cast<unsigned char*>(dst) + off, static_cast<const unsigned char*>(src) + off,
-                std::min(kPiece, bytes - off));
-  }
-}
-
 MemoryAccountant::MemoryAccountant(bool planning, size_t largest_tracked)
     : planning_(planning), largest_tracked_(largest_tracked) {}
 

@@ -33,9 +33,8 @@ constexpr bool is_argument(MemCategory c) {
 
 class MemoryAccountant;
 
-// memset / memcpy of large buffers split between the OpenMP threads (one thread alone leaves the others idle).
+// memset of a large buffer split between the OpenMP threads (one thread alone leaves the others idle).
 void zero_bytes(void* p, size_t bytes);
-void copy_bytes(void* dst, const void* src, size_t bytes);
 
 // An allocation owned by the caller; returns its bytes to the accountant when destroyed.
 class Buffer {

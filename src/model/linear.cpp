@@ -34,11 +34,6 @@ template <typename T> void add(const T* a, const T* b, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
 }
 
-void accumulate(const float* x, float* y, int64_t n) {
-#pragma omp parallel for schedule(static) if (n > 65536)
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-}
-
 template <typename S, typename D> void cast(const S* src, D* dst, int64_t n) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<D>(to_f32(src[i]));

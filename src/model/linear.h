@@ -23,8 +23,6 @@ void linear_backward_from(const T* x, const T* W, const T* dy, float* dx, float*
 
 // y = a + b, elementwise over n values.
 template <typename T> void add(const T* a, const T* b, T* y, int64_t n);
-// y[i] += x[i].
-void accumulate(const float* x, float* y, int64_t n);
 // dst = convert(src): between storage types.
 template <typename S, typename D> void cast(const S* src, D* dst, int64_t n);
 
