@@ -171,3 +171,32 @@ TEST(Matmul, TransposedAProductsTakeAnyRowCountFromOnePrimitive) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// Row-wise products issued with varying_rows take M at execution: one primitive per (N, K, layout) serves every row
+// count, with B stored either way, and each count gives the reference (bf16 inputs exact in the reference, fp32
+// accumulation order only: 1e-4 * sqrt(K)).
+TEST(Matmul, RowWiseProductsTakeAnyRowCountFromOnePrimitive) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> nd;
+  const int64_t N = 96, K = 64;
+  for (int tb = 0; tb < 2; ++tb) {
+    int64_t created = -1;
+    for (int64_t M : {17, 130, 255, 33, 700}) {
+      std::vector<bf16> A(static_cast<size_t>(M * K)), B(static_cast<size_t>(K * N));
+      for (auto& x : A) x = bf16(nd(rng));
+      for (auto& x : B) x = bf16(nd(rng));
+      std::vector<float> C(static_cast<size_t>(M * N), 7.0f), R(C.size());
+      MatmulLayout any_rows;
+      any_rows.varying_rows = true;
+      matmul(A.data(), B.data(), C.data(), M, N, K, false, tb, false, any_rows);
+      matmul_reference(A.data(), B.data(), R.data(), M, N, K, false, tb, false);
+      for (size_t i = 0; i < C.size(); ++i) ASSERT_NEAR(C[i], R[i], 1e-4 * std::sqrt(double(K))) << "M " << M;
+      if (created < 0) created = matmul_primitives_created();
+      else EXPECT_EQ(matmul_primitives_created(), created) << "M " << M << " created a primitive";
+    }
+  }
+}
+
+}  // namespace hs::kernels

@@ -217,11 +217,12 @@ TEST(Moe, MatchesDenseReferenceBf16) {
 }
 
 // Groups above 1024 rows go through a bulk piece (1024 * 2^j rows) plus the rest at a runtime row count: with
-// k = E, 1100 rows each (1024 + 76); ~733 rows per expert take the runtime path alone.
+// k = E, 1100 rows each (1024 + 76), in fp32 and bf16; ~733 rows per expert take the runtime path alone.
 TEST(Moe, LargeGroupsSplitIntoRowPieces) {
   check_against_reference<float>({1100, 16, 3, 2, 16, 8, true}, 300, 1e-5);
   check_against_reference<float>({1100, 16, 2, 2, 16, 8, true}, 301, 1e-5);
   check_against_reference<bf16>({1100, 16, 3, 2, 16, 8, true}, 302, 2e-2);
+  check_against_reference<bf16>({1100, 16, 2, 2, 16, 8, true}, 303, 2e-2);
 }
 
 // oneDNN creates a primitive per shape (~0.6 ms each, cached for the process): per-expert row counts

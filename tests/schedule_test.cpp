@@ -229,6 +229,24 @@ TEST(PlanningMode, PeakEqualsMeasuredForEveryPolicy) {
     }
 }
 
+// Only remat none keeps the delta rule's per-chunk states for the backward (LayerContext::keep_recomputables): its
+// peak holds them for every linear-attention layer, while block and sublayer never allocate them (their backwards
+// recompute the states). Every buffer live at the peak is listed (largest_tracked large), found by tag.
+TEST(RematMemory, OnlyNoneKeepsTheDeltaRuleChunkStates) {
+  ModelConfig c = tiny(5);
+  const int64_t linear_layers = 4;  // L = 5: one block of 3 linear + 1 full, plus a linear remainder
+  for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer}) {
+    MemoryAccountant plan(true, 100000);
+    ParamSet ps(c, DType::F32, plan, MemCategory::Parameters, false);
+    std::vector<int32_t> ids(2 * 128, 0);
+    std::unique_ptr<ParamSet> g;
+    forward_backward(ps, {ids.data(), ids.data(), 2, 128}, {pol, DType::BF16}, plan, &g);
+    int64_t kept = 0;
+    for (const LiveBuffer& b : plan.at_peak().largest) kept += b.tag == "delta_rule.states";
+    EXPECT_EQ(kept, pol == RematPolicy::None ? linear_layers : 0) << remat_name(pol);
+  }
+}
+
 // Memory ordering on a sequence long enough for activations to dominate: none > block > sublayer.
 TEST(RematMemory, SublayerKeepsLessThanBlockKeepsLessThanNone) {
   ModelConfig c = tiny(8);
