@@ -184,3 +184,32 @@ TEST(SwigluMlp, InferenceKeepsNoActivations) {
 
 }  // namespace
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// accumulate_dx = false writes dx (NaN before) with the same bits as adding it to zeros; the weight gradients still
+// accumulate the same way.
+TEST(SwigluMlp, WritingDxEqualsAddingToZeros) {
+  const int64_t N = 37, H = 48, I = 40;
+  const auto x = test::cast<bf16>(test::randn(N * H, 91));
+  const auto wg = test::cast<bf16>(test::randn(I * H, 92, 0.15f));
+  const auto wu = test::cast<bf16>(test::randn(I * H, 93, 0.15f));
+  const auto wd = test::cast<bf16>(test::randn(H * I, 94, 0.15f));
+  const auto dy = test::randn(N * H, 95);
+  MemoryAccountant mem;
+  SwigluSaved saved;
+  std::vector<bf16> y(N * H);
+  swiglu_forward<bf16>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), y.data(), &saved, mem);
+  auto run = [&](bool accumulate, float fill) {
+    std::vector<std::vector<float>> g = {std::vector<float>(N * H, fill), std::vector<float>(I * H, 0.5f),
+                                         std::vector<float>(I * H, 0.5f), std::vector<float>(H * I, 0.5f)};
+    swiglu_backward<bf16>(N, H, I, x.data(), wg.data(), wu.data(), wd.data(), saved, dy.data(), g[0].data(),
+                          g[1].data(), g[2].data(), g[3].data(), mem, nullptr, accumulate);
+    return g;
+  };
+  const auto added = run(true, 0.0f), written = run(false, std::nanf(""));
+  for (size_t i = 0; i < added.size(); ++i)
+    EXPECT_EQ(0, std::memcmp(added[i].data(), written[i].data(), added[i].size() * sizeof(float))) << i;
+}
+
+}  // namespace hs::kernels

@@ -524,3 +524,34 @@ TEST(LoadBalance, RouterGradientThroughAuxMatchesFiniteDifferences) {
 
 }  // namespace
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// accumulate_dx = false: the shared expert, the first writer of dx, writes it (NaN before), and the result has the
+// bits of adding everything to zeros; every weight gradient is the same.
+TEST(Moe, WritingDxEqualsAddingToZeros) {
+  const MoeShape s{300, 16, 4, 2, 8, 8, true};
+  const Problem p = make_problem<bf16>(s, 500);
+  FastRun<bf16> fast(p);
+  MemoryAccountant mem;
+  MoeSaved saved;
+  std::vector<bf16> y(p.x.size());
+  moe_forward<bf16>(s, fast.x.data(), fast.weights(p), y.data(), &saved, mem);
+  Grads added(s), written(s);
+  std::fill(written.dx.begin(), written.dx.end(), std::nanf(""));
+  moe_backward<bf16>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), nullptr, added.dx.data(), added.view(),
+                     mem);
+  moe_backward<bf16>(s, fast.x.data(), fast.weights(p), saved, p.dy.data(), nullptr, written.dx.data(),
+                     written.view(), mem, false);
+  auto same = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  };
+  EXPECT_TRUE(same(added.dx, written.dx));
+  EXPECT_TRUE(same(added.gate_up, written.gate_up));
+  EXPECT_TRUE(same(added.down, written.down));
+  EXPECT_TRUE(same(added.router, written.router));
+  EXPECT_TRUE(same(added.shared_up, written.shared_up));
+  EXPECT_TRUE(same(added.shared_expert_gate, written.shared_expert_gate));
+}
+
+}  // namespace hs::kernels
