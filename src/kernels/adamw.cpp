@@ -45,15 +45,15 @@ inline void update_range(TW* w, TG* grad, float* m, float* v, int64_t i0, int64_
   }
 }
 
-template <bool kClear, typename TW, typename TG>
-void update(TW* w, TG* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
+template <typename TW>
+void update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
   const Scalars k = scalars(p, step);
   const float decay = 1.0f - p.lr * p.weight_decay;
   constexpr int64_t kPiece = 4096;
   const int64_t pieces = (n + kPiece - 1) / kPiece;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < pieces; ++c)
-    update_range<kClear>(w, grad, m, v, c * kPiece, std::min(n, (c + 1) * kPiece), p, k, decay);
+    update_range<false>(w, grad, m, v, c * kPiece, std::min(n, (c + 1) * kPiece), p, k, decay);
 }
 
 // sum_squares's blocks of an n-element array.
@@ -71,12 +71,7 @@ int64_t block_size(int64_t n) { return std::max(kMinBlock, (n + kMaxBlocks - 1) 
 
 template <typename TW>
 void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
-  update<false>(w, grad, m, v, n, p, step);
-}
-
-template <typename TW>
-void adamw_update_clear(TW* w, float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
-  update<true>(w, grad, m, v, n, p, step);
+  update(w, grad, m, v, n, p, step);
 }
 
 double sum_squares(const float* x, int64_t n) {
@@ -147,7 +142,5 @@ double sum_squares_all(const std::vector<std::pair<const float*, int64_t>>& arra
 
 template void adamw_update<float>(float*, const float*, float*, float*, int64_t, const AdamWParams&, int64_t);
 template void adamw_update<bf16>(bf16*, const float*, float*, float*, int64_t, const AdamWParams&, int64_t);
-template void adamw_update_clear<float>(float*, float*, float*, float*, int64_t, const AdamWParams&, int64_t);
-template void adamw_update_clear<bf16>(bf16*, float*, float*, float*, int64_t, const AdamWParams&, int64_t);
 
 }  // namespace hs::kernels

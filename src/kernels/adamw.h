@@ -23,15 +23,13 @@ struct AdamWParams {
 // nearest even once per step. Throws std::invalid_argument if step < 1.
 template <typename TW>
 void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
-// The same step, leaving grad zeroed for the next step to accumulate into: the gradient's cache lines are
-// written back once within this pass instead of being cleared by a separate pass over memory.
-template <typename TW>
-void adamw_update_clear(TW* w, float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step);
 
-// adamw_update_clear over many tensors in one parallel pass (one fork/join and an even split of all their elements
-// between the threads, instead of one region per tensor, where small tensors leave threads idle). Each tensor has its
-// own weight decay (AdamWParams::weight_decay is ignored) and weights in fp32 (w) or bf16 (w_bf16, w null). Every
-// element gets exactly the update adamw_update_clear gives it.
+// The optimizer's step: adamw_update over many tensors in one parallel pass (one fork/join and an even split of all
+// their elements between the threads, instead of one region per tensor, where small tensors leave threads idle),
+// leaving every grad zeroed for the next step to accumulate into (its cache lines are written back within this pass
+// instead of being cleared by a separate pass over memory). Each tensor has its own weight decay
+// (AdamWParams::weight_decay is ignored) and weights in fp32 (w) or bf16 (w_bf16, w null). Every element gets
+// exactly the update adamw_update gives it.
 struct AdamWTensor {
   float* w = nullptr;
   bf16* w_bf16 = nullptr;
