@@ -54,6 +54,8 @@ bench_hash=$(hash_of scripts/requirements-test.txt scripts/requirements-bench.tx
 req=scripts/requirements-test.txt; need=$test_hash
 [ "$bench" = 1 ] && { req=scripts/requirements-bench.txt; need=$bench_hash; }
 stamp=.venv/.hs-installed   # the hashes of the lists installed (a bench install satisfies the test list too)
+# Debian's own pip trusts the system's certificate store; a venv's pip would use its bundled copy instead.
+[ -z "${PIP_CERT:-}" ] && [ -s /etc/ssl/certs/ca-certificates.crt ] && export PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 if ! grep -qx "$need" "$stamp" 2>/dev/null; then
   [ -x .venv/bin/python ] || /usr/bin/python3 -m venv .venv
   echo "setup: installing the Python packages of $req into .venv"
