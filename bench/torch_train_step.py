@@ -1,15 +1,18 @@
 #!/usr/bin/env python3
-"""PyTorch eager peer for hybridscan's training-step benchmark.
+"""PyTorch peer (eager, or torch.compile) for hybridscan's training-step benchmark.
 
 Builds the `small` preset (Qwen3-Next family) as Hugging Face `Qwen3NextForCausalLM`, random init, and times
 full training steps on the CPU: forward with the router auxiliary loss, backward, global-norm clip, AdamW.
 Prints one JSON line:
-  {"impl": "torch-eager", "tokens_per_s": ..., "dtype": ..., "threads": ..., "batch": ..., "seq": ...,
+  {"impl": "torch-eager" | "torch-compile", "tokens_per_s": ..., "dtype": ..., "threads": ..., "batch": ..., "seq": ...,
    "step_seconds": [...], ...}
 
 --dtype fp32: everything fp32.
 --dtype bf16: fp32 master weights and optimizer, forward under torch.autocast(cpu, bfloat16) - the same split as
 hybridscan's default (fp32 weights, bf16 compute), so both sides hold and update the same fp32 state.
+--compile: the model's forward through torch.compile (inductor, the default mode); the first step compiles, so
+--warmup must be >= 1 and compilation is never timed. The JSON also gives the compile time and the graph breaks
+dynamo reported (count and reasons), since each break leaves an eager region between compiled graphs.
 """
 import argparse
 import json
@@ -66,7 +69,11 @@ def parse_args():
                    help="transformers attn_implementation (default: transformers' choice, sdpa on CPU)")
     p.add_argument("--experts-impl", default=None,
                    help="transformers experts_implementation (default: transformers' choice, grouped_mm)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (inductor); needs --warmup >= 1 (the compile is not timed)")
     a = p.parse_args()
+    if a.compile and a.warmup < 1:
+        p.error("--compile needs --warmup >= 1 so that compilation is not timed")
     for name in ("threads", "batch", "seq", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -95,6 +102,7 @@ def main():
         warnings.simplefilter("always")
         model = transformers.Qwen3NextForCausalLM(cfg)
     model.train()
+    forward = torch.compile(model) if a.compile else model
 
     # Same optimizer work as hybridscan's default step: AdamW with decay on matrices/embeddings only, clip at 1.0.
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -108,7 +116,7 @@ def main():
         ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=gen)
         t0 = time.perf_counter()
         with autocast:
-            out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+            out = forward(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -117,8 +125,10 @@ def main():
 
     with warnings.catch_warnings(record=True) as caught_step:
         warnings.simplefilter("always")
+        t_warm = time.perf_counter()
         for _ in range(a.warmup):
             step()
+        warmup_seconds = time.perf_counter() - t_warm
         times, out = [], None
         for _ in range(a.steps):
             dt, out = step()
@@ -128,7 +138,7 @@ def main():
 
     tokens = a.batch * a.seq
     result = {
-        "impl": "torch-eager",
+        "impl": "torch-compile" if a.compile else "torch-eager",
         "tokens_per_s": tokens * len(times) / sum(times),
         "dtype": a.dtype,
         "threads": a.threads,
@@ -143,9 +153,16 @@ def main():
         "experts_implementation": model.config._experts_implementation,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "import_rss_bytes": import_rss,  # the torch + transformers libraries alone, before the model exists
+        "warmup_seconds": round(warmup_seconds, 2),  # includes the compile with --compile
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if a.compile:
+        from torch._dynamo.utils import counters
+        breaks = counters["graph_break"]
+        result["graph_breaks"] = sum(breaks.values())
+        result["graph_break_reasons"] = {str(k)[:200]: v for k, v in breaks.items()}
+        result["unique_graphs"] = counters["stats"]["unique_graphs"]
     for w in caught + caught_step:
         print(f"torch_train_step.py: warning: {w.category.__name__}: {w.message}", file=sys.stderr)
     print(json.dumps(result), flush=True)
