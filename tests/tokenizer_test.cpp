@@ -167,8 +167,6 @@ TEST(Tokenizer, QwenVocabularies) {
   EXPECT_EQ(q2.decode(ids), "<|im_start|>user\nhi<think>x</think><|im_end|>");
   EXPECT_EQ(q2.decode(ids, true), "user\nhi<think>x</think>");
   EXPECT_EQ(q2.decode(std::vector<TokenId>{151669, 200000}), "");  // ids without a token decode to nothing, as in HF
-  // The fingerprint: stable across loads, different across vocabularies.
-  EXPECT_EQ(Tokenizer::load(qwen_json("qwen2").parent_path().string()).fingerprint(), q2.fingerprint());
   EXPECT_NE(q2.fingerprint(), q35.fingerprint());
 }
 
@@ -338,7 +336,7 @@ TEST(Tokenizer, FingerprintSeesMergesAndAddedTokens) {
   test::TempDir dir;
   const auto fp = [&](const json& j) { return Tokenizer::load(write(dir, "t.json", j.dump()).string()).fingerprint(); };
   const json base = small_tokenizer(kSmallMerges);
-  EXPECT_EQ(fp(base), fp(base));
+  EXPECT_EQ(fp(base), fp(base));  // stable across loads
   json fewer = base;
   fewer["model"]["merges"].erase(fewer["model"]["merges"].end() - 1);
   EXPECT_NE(fp(fewer), fp(base));
@@ -386,8 +384,8 @@ TEST(Tokenizer, StreamDecoderHoldsSplitCharacters) {
 }
 
 TEST(Tokenizer, StreamDecoderMatchesDecodeOnRealText) {
-  ASSERT_TRUE(have_qwen("qwen3_5"));
-  const Tokenizer& tok = qwen("qwen3_5");
+  ASSERT_TRUE(have_qwen("qwen2"));
+  const Tokenizer& tok = qwen("qwen2");
   std::mt19937 rng(99);
   for (int i = 0; i < 200; ++i) {
     const std::string s = random_text(rng, 80) + "中文😀👨‍👩‍👧 <|im_end|>";
