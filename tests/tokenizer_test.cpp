@@ -68,7 +68,7 @@ std::string ids_str(const std::vector<TokenId>& ids) {
 struct Reference {
   std::vector<std::string> lines;  // the corpus, then all of it joined by '\n'
   std::vector<std::vector<TokenId>> ids;
-  std::vector<std::string> beyond14;  // lines with characters newer than PCRE2's Unicode (see tokenizer.h)
+  std::vector<std::string> beyond14;  // lines with letters newer than PCRE2's Unicode (docs/tokenizer.md)
   std::vector<std::vector<TokenId>> beyond14_ids;
 };
 
@@ -122,7 +122,7 @@ void expect_matches_hf(const std::string& name) {
   }
   EXPECT_EQ(bad, 0u) << "of " << ref.lines.size() - 1 << " lines";
   EXPECT_GT(tokens, 100000u);
-  // Where the Unicode versions part (see tokenizer.h): counted, not compared, so that a newer PCRE2 shows.
+  // Where the Unicode versions part (docs/tokenizer.md): counted, not compared, so that a newer PCRE2 shows.
   size_t differ = 0;
   for (size_t i = 0; i < ref.beyond14.size(); ++i) differ += tok.encode(ref.beyond14[i]) != ref.beyond14_ids[i];
   std::cout << name << ": " << differ << " of " << ref.beyond14.size()
