@@ -12,6 +12,7 @@
 
 #include "core/hash.h"
 #include "dataset/token_file.h"
+#include "dataset/vocabulary.h"
 #include "model/params.h"
 #include "test_util.h"
 #include "train/data.h"
@@ -126,6 +127,42 @@ TEST(TokenFile, BlocksCutOnlyAfterANewlineBeforeALetter) {
     joined += pieces[i];
   }
   EXPECT_EQ(joined, text);
+}
+
+// With a real byte-level BPE (the Qwen3.5 split regex and normalizer, a 320-id prefix of its vocabulary), a file written
+// in small blocks holds exactly the ids of encoding the whole text as one string: no block boundary changes a token.
+TEST(TokenFile, BlocksGiveTheIdsOfTheWholeText) {
+  const tokenizer::Tokenizer tok =
+      tokenizer::Tokenizer::load(HS_SOURCE_DIR "/tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json");
+  static const char* lines[] = {
+      "In the beginning God created the heaven and the earth.\n", "And the earth was without form;\r\n",
+      "    indented code(x) { return y; }\n", "\n\n\n", "   \t  \n", "Numbers 12345 and 3.14\n",
+      "Caf\u00e9 na\u0131ve e\u0301 \u4e2d\u6587\u6d4b\u8bd5\n", "\u041f\u0440\u0438\u0432\u0435\u0442 \u043c\u0438\u0440\n",
+      "Emoji \U0001F44D\U0001F3FD \U0001F468\u200D\U0001F469\u200D\U0001F467\n", "<|endoftext|>Special inside\n",
+      "'s 're 'll THEY'VE\n", "trailing spaces   \n", "\n\u0301combining after a newline\n", "x\n"};
+  std::mt19937 rng(6);
+  std::string text;
+  while (text.size() < 60000) text += lines[rng() % std::size(lines)];
+  test::TempDir t;
+  std::ofstream(t / "a.txt", std::ios::binary) << text;
+  WriterOptions wo;
+  wo.block_bytes = 1000;
+  TokenFileWriter w(t / "a.tok", vocabulary_of(tok), encoder_of(tok), wo);
+  w.add_text_file(t / "a.txt");
+  w.commit();
+  const std::vector<uint32_t> want = tok.encode(text);
+  const std::vector<int32_t> got = read_all(TokenSource::mapped(TokenFile::open(t / "a.tok")));
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(uint32_t(got[i]), want[i]) << i;
+  // The length table adds up to the text as the tokenizer saw it: after NFC, which makes each e + U+0301 (3 bytes) one
+  // 2-byte character; the separator written in the text counts 0 bytes, not 13.
+  int64_t bytes = 0, separators = 0, composed = 0;
+  const auto f = TokenFile::open(t / "a.tok");
+  for (int32_t id : got) bytes += f->token_bytes()[size_t(id)], separators += uint32_t(id) == *tok.end_of_text_id();
+  for (size_t at = text.find("e\u0301"); at != std::string::npos; at = text.find("e\u0301", at + 1)) ++composed;
+  EXPECT_GT(separators, 0);
+  EXPECT_GT(composed, 0);
+  EXPECT_EQ(bytes + 13 * separators + composed, f->header().text_bytes);
 }
 
 TEST(TokenFile, RefusesFilesThatAreNotWholeTokenFiles) {
