@@ -24,6 +24,13 @@ std::string read_text(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
 }
 
+std::vector<int32_t> read_byte_tokens(const std::string& path) {
+  const std::string bytes = read_text(path);
+  std::vector<int32_t> t(bytes.size());
+  for (size_t i = 0; i < bytes.size(); ++i) t[i] = static_cast<unsigned char>(bytes[i]);
+  return t;
+}
+
 tokenizer::Tokenizer load_tokenizer(const std::string& path, int64_t model_vocab, const std::string& role) {
   tokenizer::Tokenizer t = tokenizer::Tokenizer::load(path);
   if (t.vocab_size() > model_vocab)
@@ -33,19 +40,20 @@ tokenizer::Tokenizer load_tokenizer(const std::string& path, int64_t model_vocab
   return t;
 }
 
+// The tokenizer.json a checkpoint can carry for `path` (a tokenizer.json, or a directory holding one); "" for a
+// vocab.json + merges.txt pair.
+std::string tokenizer_json(const std::string& path) {
+  if (!std::filesystem::is_directory(path)) return path;
+  const std::filesystem::path p = std::filesystem::path(path) / "tokenizer.json";
+  return std::filesystem::is_regular_file(p) ? p.string() : "";
+}
+
 }  // namespace
 
 std::string checkpoint_tokenizer(const std::string& checkpoint_dir) {
   if (checkpoint_dir.empty()) return "";
   const std::filesystem::path p = std::filesystem::path(checkpoint_dir) / "tokenizer.json";
   return std::filesystem::is_regular_file(p) ? p.string() : "";
-}
-
-std::vector<int32_t> read_byte_tokens(const std::string& path) {
-  const std::string bytes = read_text(path);
-  std::vector<int32_t> t(bytes.size());
-  for (size_t i = 0; i < bytes.size(); ++i) t[i] = static_cast<unsigned char>(bytes[i]);
-  return t;
 }
 
 Tokens load_tokens(const DataOptions& d, const ModelVocabulary& model) {
@@ -62,7 +70,7 @@ Tokens load_tokens(const DataOptions& d, const ModelVocabulary& model) {
                                   ": different vocabulary fingerprint); drop --tokenizer to use the model's");
   }
   Tokens out;
-  out.tokenizer = tok_path;
+  out.tokenizer = tok_path.empty() ? "" : tokenizer_json(tok_path);
   if (!d.data.empty()) {
     std::shared_ptr<const dataset::TokenFile> f = dataset::TokenFile::open(d.data);
     dataset::check_token_file(*f, model.size, tok ? std::optional(tok->fingerprint()) : std::nullopt, tok_path);

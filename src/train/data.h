@@ -31,7 +31,9 @@ std::string checkpoint_tokenizer(const std::string& checkpoint_dir);
 struct Tokens {
   TokenSource tokens;
   std::string description;  // for logs: what the tokens are
-  std::string tokenizer;    // the tokenizer.json the ids belong to ("" for byte tokens, or a token file alone)
+  // The tokenizer.json the ids belong to, which checkpoints carry ("" for byte tokens, a token file alone, or a
+  // vocab.json + merges.txt tokenizer).
+  std::string tokenizer;
 };
 
 // A token file (refused when its vocabulary is larger than the model's or its fingerprint is not that of the model's
@@ -46,8 +48,6 @@ struct Corpus {
 // The last `heldout_fraction` of the tokens (at least one window's worth when possible) is held out. Throws
 // std::runtime_error naming `what` when there are too few tokens for one window of seq+1 plus the held-out part.
 Corpus split_heldout(const TokenSource& all, double heldout_fraction, int64_t seq, const std::string& what);
-
-std::vector<int32_t> read_byte_tokens(const std::string& path);
 
 struct TokenBatch {
   std::vector<int32_t> inputs, targets;  // [batch, seq]
