@@ -31,7 +31,8 @@ namespace {
 
 const char* kNativeFile = "hybridscan.json";
 const char* kOptimizerFile = "optimizer.safetensors";
-// The tokenizer files of a Hugging Face checkpoint: they travel with the weights through every conversion.
+// The tokenizer files (and generation config) of a Hugging Face checkpoint: they travel with the weights through
+// every conversion.
 const char* const kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                        "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"};
 
