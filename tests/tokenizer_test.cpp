@@ -68,7 +68,7 @@ std::string ids_str(const std::vector<TokenId>& ids) {
 struct Reference {
   std::vector<std::string> lines;  // the corpus, then all of it joined by '\n'
   std::vector<std::vector<TokenId>> ids;
-  std::vector<std::string> beyond14;  // lines with characters newer than PCRE2's Unicode (see tokenizer.h)
+  std::vector<std::string> beyond14;  // lines with letters newer than PCRE2's Unicode (docs/tokenizer.md)
   std::vector<std::vector<TokenId>> beyond14_ids;
 };
 
@@ -122,7 +122,7 @@ void expect_matches_hf(const std::string& name) {
   }
   EXPECT_EQ(bad, 0u) << "of " << ref.lines.size() - 1 << " lines";
   EXPECT_GT(tokens, 100000u);
-  // Where the Unicode versions part (see tokenizer.h): counted, not compared, so that a newer PCRE2 shows.
+  // Where the Unicode versions part (docs/tokenizer.md): counted, not compared, so that a newer PCRE2 shows.
   size_t differ = 0;
   for (size_t i = 0; i < ref.beyond14.size(); ++i) differ += tok.encode(ref.beyond14[i]) != ref.beyond14_ids[i];
   std::cout << name << ": " << differ << " of " << ref.beyond14.size()
@@ -167,8 +167,6 @@ TEST(Tokenizer, QwenVocabularies) {
   EXPECT_EQ(q2.decode(ids), "<|im_start|>user\nhi<think>x</think><|im_end|>");
   EXPECT_EQ(q2.decode(ids, true), "user\nhi<think>x</think>");
   EXPECT_EQ(q2.decode(std::vector<TokenId>{151669, 200000}), "");  // ids without a token decode to nothing, as in HF
-  // The fingerprint: stable across loads, different across vocabularies.
-  EXPECT_EQ(Tokenizer::load(qwen_json("qwen2").parent_path().string()).fingerprint(), q2.fingerprint());
   EXPECT_NE(q2.fingerprint(), q35.fingerprint());
 }
 
@@ -338,7 +336,7 @@ TEST(Tokenizer, FingerprintSeesMergesAndAddedTokens) {
   test::TempDir dir;
   const auto fp = [&](const json& j) { return Tokenizer::load(write(dir, "t.json", j.dump()).string()).fingerprint(); };
   const json base = small_tokenizer(kSmallMerges);
-  EXPECT_EQ(fp(base), fp(base));
+  EXPECT_EQ(fp(base), fp(base));  // stable across loads
   json fewer = base;
   fewer["model"]["merges"].erase(fewer["model"]["merges"].end() - 1);
   EXPECT_NE(fp(fewer), fp(base));
@@ -386,8 +384,8 @@ TEST(Tokenizer, StreamDecoderHoldsSplitCharacters) {
 }
 
 TEST(Tokenizer, StreamDecoderMatchesDecodeOnRealText) {
-  ASSERT_TRUE(have_qwen("qwen3_5"));
-  const Tokenizer& tok = qwen("qwen3_5");
+  ASSERT_TRUE(have_qwen("qwen2"));
+  const Tokenizer& tok = qwen("qwen2");
   std::mt19937 rng(99);
   for (int i = 0; i < 200; ++i) {
     const std::string s = random_text(rng, 80) + "中文😀👨‍👩‍👧 <|im_end|>";

@@ -298,16 +298,14 @@ void add_token(Impl& t, TokenId id, std::string bytes, Kind kind) {
 }
 
 // The model's vocabulary (token string -> id, tokens spelled in the byte alphabet).
-void read_vocab(Impl& t, const json& vocab, const std::string& file) {
-  if (!vocab.is_object()) fail(file, "the BPE vocab is not an object");
+void read_vocab(Impl& t, const std::vector<std::pair<std::string, int64_t>>& vocab, const std::string& file) {
   t.vocab.reserve(vocab.size());
   std::string bytes;
-  for (const auto& [token, idj] : vocab.items()) {
-    const int64_t id = idj.get<int64_t>();
+  for (const auto& [token, id] : vocab) {
     if (id < 0 || id > INT32_MAX) fail(file, "vocab id " + std::to_string(id) + " of \"" + token + "\" is out of range");
     // A token outside the byte alphabet cannot come out of byte-level text; it decodes to its own UTF-8.
     if (!alphabet().to_bytes(token, bytes)) bytes = token;
-    t.vocab.emplace(bytes, static_cast<TokenId>(id));
+    t.vocab[bytes] = static_cast<TokenId>(id);  // a key given twice keeps its last id, as a JSON map does
     add_token(t, static_cast<TokenId>(id), bytes, Kind::Vocab);
   }
 }
@@ -371,18 +369,179 @@ std::string read_file(const fs::path& p) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
-json parse_json(const fs::path& p) {
+using VocabList = std::vector<std::pair<std::string, int64_t>>;
+using MergeList = std::vector<std::pair<std::string, std::string>>;
+
+// A SAX reader that keeps the two big members (the BPE vocab, an object of ~250k entries, and its merges) as flat
+// lists and builds the rest as a json document: nlohmann's own document would put the vocab in a std::map and take
+// seconds to build for the Qwen vocabularies.
+class TokenizerSax final : public json::json_sax_t {
+ public:
+  // vocab_at_root: the file is a vocab.json (the whole document is the vocab).
+  explicit TokenizerSax(bool vocab_at_root) : vocab_at_root_(vocab_at_root) {}
+  json root;
+  VocabList vocab;
+  MergeList merges;
+  bool has_vocab = false, has_merges = false;
+  std::string error;
+
+  bool null() override { return value(json()); }
+  bool boolean(bool v) override { return value(v); }
+  bool number_integer(number_integer_t v) override { return mode_ == Mode::Vocab ? vocab_id(v) : value(v); }
+  bool number_unsigned(number_unsigned_t v) override {
+    return mode_ == Mode::Vocab ? vocab_id(static_cast<int64_t>(std::min<uint64_t>(v, INT64_MAX))) : value(v);
+  }
+  bool number_float(number_float_t v, const string_t&) override { return value(v); }
+  bool binary(binary_t&) override { return bad("binary data"); }
+  bool string(string_t& v) override {
+    if (mode_ == Mode::Merges) {
+      const size_t sp = v.find(' ');
+      if (sp == std::string::npos || v.find(' ', sp + 1) != std::string::npos)
+        return bad("merge \"" + v + "\" is not two tokens separated by one space");
+      merges.emplace_back(v.substr(0, sp), v.substr(sp + 1));
+      return true;
+    }
+    if (mode_ == Mode::MergePair) {
+      pair_.push_back(std::move(v));
+      return pair_.size() <= 2 || bad("a merge [a, b] has more than two tokens");
+    }
+    return value(std::move(v));
+  }
+  bool key(string_t& k) override {
+    key_ = std::move(k);
+    return true;
+  }
+  bool start_object(size_t) override {
+    if (vocab_at_root_ && stack_.empty() && mode_ == Mode::Dom) {
+      mode_ = Mode::Vocab;
+      has_vocab = true;
+      return true;
+    }
+    if (mode_ == Mode::Dom && at_model_member("vocab")) {
+      mode_ = Mode::Vocab;
+      has_vocab = true;
+      return true;
+    }
+    if (mode_ != Mode::Dom) return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge is an object");
+    return open(json::object());
+  }
+  bool end_object() override {
+    if (mode_ == Mode::Vocab) {
+      mode_ = Mode::Dom;
+      return true;
+    }
+    stack_.pop_back();
+    opened_as_.pop_back();
+    return true;
+  }
+  bool start_array(size_t) override {
+    if (mode_ == Mode::Dom && at_model_member("merges")) {
+      mode_ = Mode::Merges;
+      has_merges = true;
+      return true;
+    }
+    if (mode_ == Mode::Merges) {
+      mode_ = Mode::MergePair;
+      pair_.clear();
+      return true;
+    }
+    if (mode_ != Mode::Dom) return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge nests arrays");
+    return open(json::array());
+  }
+  bool end_array() override {
+    if (mode_ == Mode::MergePair) {
+      if (pair_.size() != 2) return bad("a merge [a, b] does not have two tokens");
+      merges.emplace_back(std::move(pair_[0]), std::move(pair_[1]));
+      mode_ = Mode::Merges;
+      return true;
+    }
+    if (mode_ == Mode::Merges) {
+      mode_ = Mode::Dom;
+      return true;
+    }
+    stack_.pop_back();
+    opened_as_.pop_back();
+    return true;
+  }
+  bool parse_error(size_t, const std::string&, const nlohmann::detail::exception& e) override {
+    error = std::string("not valid JSON (truncated or corrupt?): ") + e.what();
+    return false;
+  }
+
+ private:
+  enum class Mode { Dom, Vocab, Merges, MergePair };
+  bool bad(const std::string& what) {
+    error = "malformed: " + what;
+    return false;
+  }
+  bool vocab_id(int64_t id) {
+    vocab.emplace_back(std::move(key_), id);
+    return true;
+  }
+  // Whether the value about to start is model.<name> of a tokenizer.json.
+  bool at_model_member(const char* name) const {
+    return !vocab_at_root_ && stack_.size() == 2 && stack_[0]->is_object() && stack_[1]->is_object() &&
+           opened_as_[1] == "model" && key_ == name;
+  }
+  bool value(json v) {
+    if (mode_ == Mode::Vocab) return bad("a vocab entry is not an integer id");
+    if (mode_ != Mode::Dom) return bad("a merge is neither \"a b\" nor [a, b]");
+    if (stack_.empty()) {
+      root = std::move(v);
+      return true;
+    }
+    json& top = *stack_.back();
+    if (top.is_array())
+      top.push_back(std::move(v));
+    else
+      top[key_] = std::move(v);
+    return true;
+  }
+  bool open(json v) {
+    if (stack_.empty()) {
+      root = std::move(v);
+      stack_.push_back(&root);
+      opened_as_.emplace_back();
+      return true;
+    }
+    json& top = *stack_.back();
+    json* slot;
+    if (top.is_array()) {
+      top.push_back(std::move(v));
+      slot = &top.back();
+    } else {
+      slot = &(top[key_] = std::move(v));
+    }
+    opened_as_.push_back(top.is_array() ? std::string() : key_);
+    stack_.push_back(slot);
+    return true;
+  }
+
+  bool vocab_at_root_;
+  Mode mode_ = Mode::Dom;
+  std::vector<json*> stack_;
+  std::string key_;
+  std::vector<std::string> pair_;
+  std::vector<std::string> opened_as_;  // per open container, the key it is the value of
+};
+
+// Parses `p` (a tokenizer.json, or a vocab.json when vocab_at_root) into `sax`.
+void parse_file(const fs::path& p, TokenizerSax& sax) {
   const std::string text = read_file(p);
+  bool ok = false;
   try {
-    return json::parse(text);
+    ok = json::sax_parse(text, &sax);
   } catch (const json::exception& e) {
     fail(p.string(), std::string("not valid JSON (truncated or corrupt?): ") + e.what());
   }
+  if (!ok) fail(p.string(), sax.error.empty() ? "not valid JSON" : sax.error);
 }
 
 std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
   const std::string file = path.string();
-  const json j = parse_json(path);
+  TokenizerSax sax(false);
+  parse_file(path, sax);
+  const json& j = sax.root;
   auto t = std::make_shared<Impl>();
   t->source = file;
   try {
@@ -400,24 +559,10 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
       if (m.contains(k) && !m[k].is_null() && !m[k].get<std::string>().empty())
         fail(file, std::string("BPE ") + k + " is not supported");
     t->ignore_merges = m.value("ignore_merges", false);
-    read_vocab(*t, m.at("vocab"), file);
-    std::vector<std::pair<std::string, std::string>> merges;
-    const json& mj = m.at("merges");
-    merges.reserve(mj.size());
-    for (const json& x : mj) {
-      if (x.is_string()) {
-        const std::string s = x.get<std::string>();
-        const size_t sp = s.find(' ');
-        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos)
-          fail(file, "merge \"" + s + "\" is not two tokens separated by one space");
-        merges.emplace_back(s.substr(0, sp), s.substr(sp + 1));
-      } else if (x.is_array() && x.size() == 2) {
-        merges.emplace_back(x[0].get<std::string>(), x[1].get<std::string>());
-      } else {
-        fail(file, "a merge is neither \"a b\" nor [a, b]: " + x.dump());
-      }
-    }
-    read_merges(*t, merges, file);
+    if (!sax.has_vocab) fail(file, "the BPE model has no vocab object");
+    if (!sax.has_merges) fail(file, "the BPE model has no merges list");
+    read_vocab(*t, sax.vocab, file);
+    read_merges(*t, sax.merges, file);
 
     t->normalizer = Normalizer(parse_normalizer(j.value("normalizer", json()), file));
     if (!parse_pre_tokenizer(*t, j.value("pre_tokenizer", json()), file, false))
@@ -452,11 +597,10 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
 std::shared_ptr<Impl> load_vocab_merges(const fs::path& vocab_path, const fs::path& merges_path) {
   auto t = std::make_shared<Impl>();
   t->source = vocab_path.string();
-  try {
-    read_vocab(*t, parse_json(vocab_path), vocab_path.string());
-  } catch (const json::exception& e) {
-    fail(vocab_path.string(), std::string("malformed: ") + e.what());
-  }
+  TokenizerSax sax(true);
+  parse_file(vocab_path, sax);
+  if (!sax.has_vocab || !sax.root.is_null()) fail(vocab_path.string(), "not a vocab.json (an object of token ids)");
+  read_vocab(*t, sax.vocab, vocab_path.string());
   std::ifstream in(merges_path);
   if (!in) fail(merges_path.string(), "cannot be read");
   std::vector<std::pair<std::string, std::string>> merges;

@@ -1,6 +1,8 @@
 // Hugging Face byte-level BPE tokenizers (the kind Qwen2 / Qwen3 / Qwen3-Next / Qwen3.5 ship as tokenizer.json):
 // added and special tokens, NFC normalization, the split pre-tokenizer's Unicode-class regex, the byte-level
-// mapping, BPE merges and the byte-level decoder. Ids equal those of the Hugging Face `tokenizers` library.
+// mapping, BPE merges and the byte-level decoder. Ids equal those of the Hugging Face `tokenizers` library, except
+// next to letters newer than the Unicode 14.0 of Debian 12's PCRE2 (docs/tokenizer.md: what is supported, the regex
+// dialects, the Unicode versions).
 #pragma once
 #include <cstddef>
 #include <cstdint>
