@@ -148,6 +148,24 @@ void AtomicFile::write(std::span<const std::byte> bytes) {
   written_ += bytes.size();
 }
 
+void AtomicFile::write_at(uint64_t offset, std::span<const std::byte> bytes) {
+  if (fd_ < 0 || finished_)
+    throw std::logic_error("AtomicFile: write_at to '"s + target_.string() + "' after finish or failure");
+  if (offset + bytes.size() > written_)
+    throw std::logic_error("AtomicFile: write_at past the bytes written to '"s + target_.string() + "'");
+  flush_buffer();
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t got = ::pwrite(fd_, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      fail("cannot write", errno);
+    }
+    if (got == 0) fail("cannot write", EIO);
+    done += static_cast<size_t>(got);
+  }
+}
+
 void AtomicFile::finish() {
   if (finished_) return;
   if (fd_ < 0) throw std::logic_error("AtomicFile: finish of '"s + target_.string() + "' after failure");

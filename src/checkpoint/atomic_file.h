@@ -42,6 +42,8 @@ class AtomicFile {
   // Appends bytes (buffered; large pieces go straight to the kernel). Throws IoError (ENOSPC, EFBIG, ...).
   void write(std::span<const std::byte> bytes);
   void write(std::string_view text) { write(std::as_bytes(std::span(text.data(), text.size()))); }
+  // Replaces bytes already written at `offset` (a header whose counts are known only at the end).
+  void write_at(uint64_t offset, std::span<const std::byte> bytes);
 
   // Flushes, fsyncs and closes: the contents are durable under the temporary name, not yet visible.
   // Lets a multi-file writer finish every file before making any of them visible.

@@ -31,6 +31,23 @@ namespace {
 
 const char* kNativeFile = "hybridscan.json";
 const char* kOptimizerFile = "optimizer.safetensors";
+// The tokenizer files (and generation config) of a Hugging Face checkpoint: they travel with the weights through
+// every conversion.
+const char* const kTokenizerFiles[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                       "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja"};
+
+void copy_file_atomically(const fs::path& from, const fs::path& to) {
+  std::ifstream f(from, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot read " + from.string());
+  AtomicFile out(to);
+  std::vector<char> buf(size_t(1) << 20);
+  while (f) {
+    f.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    out.write(std::as_bytes(std::span(buf.data(), static_cast<size_t>(f.gcount()))));
+  }
+  if (f.bad()) throw std::runtime_error("error reading " + from.string());
+  out.commit();
+}
 
 json read_json(const fs::path& p) {
   std::ifstream f(p);
@@ -310,6 +327,8 @@ ConvertReport convert_checkpoint(const fs::path& from, const fs::path& to, const
     if (src.format == Format::Native && src.native.contains("state")) native["state"] = src.native["state"];
     write_file_atomically(tmp.path / kNativeFile, native.dump(2) + "\n");
   }
+  for (const char* name : kTokenizerFiles)
+    if (fs::is_regular_file(src.path / name)) copy_file_atomically(src.path / name, tmp.path / name);
   install_directory(tmp.path, to, opt.overwrite);
   tmp.keep = true;
   rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -355,6 +374,7 @@ void save_native(const fs::path& dir, const TrainingState& s, bool overwrite) {
   }
   native["state"] = state;
   write_file_atomically(tmp.path / kNativeFile, native.dump(2) + "\n");
+  if (!s.tokenizer.empty()) copy_file_atomically(s.tokenizer, tmp.path / "tokenizer.json");
   install_directory(tmp.path, dir, overwrite);
   tmp.keep = true;
 }

@@ -8,7 +8,9 @@
 //   model.safetensors    the parameters in the stacked layout ("local.*" [block, local, ...], "global.*" [block, ...],
 //                        "remainder.*" [remainder, ...], the globals), or model-0000k-of-0000n + index when sharded
 //   optimizer.safetensors  (training checkpoints) AdamW moments "m.<name>", "v.<name>" in fp32
-// A Hugging Face directory holds config.json and model.safetensors (or shards + index) with per-layer names.
+//   tokenizer.json       (when the model has one) the tokenizer its ids belong to
+// A Hugging Face directory holds config.json and model.safetensors (or shards + index) with per-layer names, and
+// usually tokenizer.json (with tokenizer_config.json and the like). Conversion copies these tokenizer files along.
 //
 // Conversion streams: every target tensor is written as spans of the memory-mapped source (pure index arithmetic:
 // see hf_layout.h), pages are dropped after use, so the working set stays bounded whatever the checkpoint size.
@@ -78,6 +80,7 @@ struct TrainingState {
   const model::ParamSet* m = nullptr;
   const model::ParamSet* v = nullptr;
   nlohmann::json state;  // step, seed, options...
+  std::filesystem::path tokenizer;  // a tokenizer.json to copy in beside the weights (empty: none)
 };
 void save_native(const std::filesystem::path& dir, const TrainingState& s, bool overwrite = true);
 // Reads the AdamW moments of a native training checkpoint into m and v (fp32 ParamSets of the same config).

@@ -94,31 +94,41 @@ void register_inspect(CLI::App& app) {
 
 void register_eval(CLI::App& app) {
   struct Args {
-    std::string checkpoint, text, compute = "fp32";
+    std::string checkpoint, compute = "fp32";
+    train::DataOptions data;
     int64_t seq = 512, batch = 8;
   };
   auto a = std::make_shared<Args>();
-  CLI::App* c = app.add_subcommand("eval", "Cross-entropy of a checkpoint (native or Hugging Face) on a text (byte tokens)");
+  CLI::App* c = app.add_subcommand("eval", "Cross-entropy and bits per byte of a checkpoint (native or Hugging Face) "
+                                           "on a text or a token file");
   c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
-  c->add_option("--text", a->text, "Text file")->required()->check(CLI::ExistingFile);
+  auto* text = c->add_option("--text", a->data.text,
+                             "Text file: encoded by --tokenizer, else by the checkpoint's tokenizer.json, else byte tokens")
+                   ->check(CLI::ExistingFile);
+  c->add_option("--data", a->data.data, "Token file from 'hybridscan tokenize' (memory-mapped)")
+      ->check(CLI::ExistingFile)
+      ->excludes(text);
+  c->add_option("--tokenizer", a->data.tokenizer, "tokenizer.json (or a directory holding one); must be the model's own")
+      ->check(CLI::ExistingPath);
   c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
   c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
   c->add_option("--compute-dtype", a->compute, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->callback([a] {
+    if (a->data.text.empty() && a->data.data.empty())
+      throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
     checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->checkpoint);
+    // The data is checked against the model before any weight is read.
+    const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(a->checkpoint)});
     MemoryAccountant mem;
     model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
     for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
-    std::vector<int32_t> tokens = train::read_byte_tokens(a->text);
-    for (int32_t t : tokens)
-      if (t >= d.config.vocab)
-        throw std::invalid_argument("byte token " + std::to_string(t) + " is outside the model's vocabulary of " +
-                                    std::to_string(d.config.vocab));
-    train::EvalResult e = train::evaluate_tokens(params, tokens, a->seq, a->batch, train::parse_dtype(a->compute), mem);
-    std::printf("%s\n", nlohmann::json({{"cross_entropy", e.ce}, {"tokens", e.count}, {"bits_per_byte", e.ce / std::log(2.0)},
-                                        {"checkpoint", a->checkpoint}, {"text", a->text}, {"seq", a->seq}})
-                            .dump()
-                            .c_str());
+    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, train::parse_dtype(a->compute), mem);
+    nlohmann::json j = {{"cross_entropy", e.ce}, {"tokens", e.count}, {"text_bytes", e.text_bytes},
+                        {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq}};
+    if (!a->data.text.empty()) j["text"] = a->data.text;
+    if (!a->data.data.empty()) j["data"] = a->data.data;
+    if (!t.tokenizer.empty()) j["tokenizer"] = t.tokenizer;
+    std::printf("%s\n", j.dump().c_str());
   });
 }
 

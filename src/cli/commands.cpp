@@ -5,6 +5,7 @@ namespace hs::cli {
 void register_commands(CLI::App& app) {
   register_train(app);
   register_eval(app);
+  register_tokenize(app);
   register_convert(app);
   register_inspect(app);
   register_plan(app);

@@ -46,11 +46,20 @@ void print_memory(const MemorySnapshot& s) {
 
 void register_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
-  CLI::App* c = app.add_subcommand("train", "Train a model on a text file (byte tokens) or on random tokens");
-  auto* preset = c->add_option("--preset", a->preset, "Model preset: tiny, small, qwen3-next-80b-a3b, qwen3.5-35b-a3b, qwen3.5-397b-a17b");
+  CLI::App* c = app.add_subcommand("train", "Train a model on a text (byte tokens or a tokenizer's), a token file, or random tokens");
+  auto* preset = c->add_option("--preset", a->preset, "Model preset: tiny, small, qwen3.5-tiny (the Qwen3.5 vocabulary), qwen3-next-80b-a3b, qwen3.5-35b-a3b, qwen3.5-397b-a17b");
   auto* config = c->add_option("--config", a->config, "Hugging Face config.json (or a directory holding one)");
   preset->excludes(config);
-  c->add_option("--text", a->o.text, "Training text (UTF-8 bytes are the tokens); the last 2% is held out")->check(CLI::ExistingFile);
+  auto* text = c->add_option("--text", a->o.text,
+                             "Training text: byte tokens, or encoded by --tokenizer (default: the tokenizer.json beside "
+                             "the --init / --resume weights); the last 2% is held out")
+                   ->check(CLI::ExistingFile);
+  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out")
+      ->check(CLI::ExistingFile)
+      ->excludes(text);
+  c->add_option("--tokenizer", a->o.tokenizer,
+                "tokenizer.json (or a directory holding one) to encode --text with and to check --data against")
+      ->check(CLI::ExistingPath);
   c->add_flag("--synthetic", a->o.synthetic, "Train on random tokens (for benchmarking)");
   c->add_option("--steps", a->o.steps, "Optimizer steps")->capture_default_str();
   c->add_option("--batch", a->o.batch, "Sequences per step")->capture_default_str();
@@ -108,8 +117,8 @@ void register_train(CLI::App& app) {
     if (x.report_memory) print_memory(s.peak);
     std::printf("trained %lld steps: final loss %.4f (ce %.4f), %.0f tokens/s%s\n", (long long)s.steps, s.final_loss,
                 s.final_ce, s.tokens_per_s,
-                s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats = " +
-                                  std::to_string(s.eval_ce / std::log(2.0)) + " bits/byte").c_str()
+                s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats/token = " +
+                                  std::to_string(s.eval_bits_per_byte) + " bits/byte").c_str()
                                : "");
     if (x.json) {
       nlohmann::json j = {{"steps", s.steps},
@@ -117,6 +126,7 @@ void register_train(CLI::App& app) {
                           {"final_loss", s.final_loss},
                           {"final_ce", s.final_ce},
                           {"eval_ce", s.eval_ce},
+                          {"eval_bits_per_byte", s.eval_bits_per_byte},
                           {"argument_bytes", s.argument_bytes},
                           {"temp_bytes", s.temp_bytes},
                           {"peak_bytes", s.peak_bytes},

@@ -31,19 +31,23 @@ std::string format_duration(double s) {
 
 }  // namespace
 
-EvalResult evaluate_tokens(const model::ParamSet& params, const std::vector<int32_t>& tokens, int64_t seq,
+EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
                            int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches) {
   EvalResult r;
   double sum = 0;
-  int64_t done = 0;
-  for (const TokenBatch& tb : eval_windows(tokens, seq, batch)) {
-    if (max_batches >= 0 && done++ >= max_batches) break;
+  int64_t n = eval_batch_count(tokens.size(), seq, batch);
+  if (max_batches >= 0) n = std::min(n, max_batches);
+  for (int64_t i = 0; i < n; ++i) {
+    const TokenBatch tb = eval_batch(tokens, seq, batch, i);
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
     StepResult s = forward_only(params, b, compute, mem);
     sum += s.ce_sum;
     r.count += s.count;
+    for (int32_t t : tb.targets)
+      if (t >= 0) r.text_bytes += tokens.text_bytes(t);
   }
   r.ce = r.count ? sum / static_cast<double>(r.count) : 0.0;
+  r.bits_per_byte = r.text_bytes ? sum / std::log(2.0) / static_cast<double>(r.text_bytes) : 0.0;
   return r;
 }
 
@@ -97,8 +101,8 @@ void write_svg_chart(const std::string& path, const std::string& title, const st
 }
 
 nlohmann::json options_to_json(const TrainOptions& o) {
-  return {{"model", o.model}, {"text", o.text}, {"synthetic", o.synthetic}, {"steps", o.steps}, {"batch", o.batch},
-          {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr}, {"min_lr_ratio", o.opt.min_lr_ratio},
+  return {{"model", o.model}, {"text", o.text}, {"data", o.data}, {"synthetic", o.synthetic}, {"steps", o.steps},
+          {"batch", o.batch}, {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr}, {"min_lr_ratio", o.opt.min_lr_ratio},
           {"warmup", o.opt.warmup}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
           {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
@@ -106,7 +110,9 @@ nlohmann::json options_to_json(const TrainOptions& o) {
 }
 
 void options_from_json(const nlohmann::json& j, TrainOptions& o) {
+  // The tokenizer is not taken back: the checkpoint carries its own copy, which a resume uses.
   o.text = j.value("text", o.text);
+  o.data = j.value("data", o.data);
   o.synthetic = j.value("synthetic", o.synthetic);
   o.batch = j.value("batch", o.batch);
   o.seq = j.value("seq", o.seq);
@@ -140,16 +146,19 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   const model::ModelConfig cfg = resume ? resume->config : (!o.init.empty() ? checkpoint::open_checkpoint_dir(o.init).config
                                                                              : model::load_config(o.model));
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
+  const ModelVocabulary vocab{cfg.vocab, checkpoint_tokenizer(!o.resume.empty() ? o.resume : o.init)};
+  Tokens tokens;
   Corpus corpus;
   if (!o.synthetic) {
-    if (o.text.empty() && std::filesystem::exists("data/kjv.txt")) o.text = "data/kjv.txt";
-    if (o.text.empty())
-      throw std::invalid_argument("no corpus: pass --text FILE, run scripts/setup.sh to install the default one "
-                                  "(data/kjv.txt), or use --synthetic for random tokens");
-    corpus = load_byte_corpus(o.text, o.heldout_fraction, o.seq);
-    if (cfg.vocab < 256)
-      throw std::invalid_argument("byte tokens need vocab_size >= 256; model '" + cfg.name + "' has " + std::to_string(cfg.vocab));
+    if (o.text.empty() && o.data.empty() && std::filesystem::exists("data/kjv.txt")) o.text = "data/kjv.txt";
+    if (o.text.empty() && o.data.empty())
+      throw std::invalid_argument("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to install the "
+                                  "default one (data/kjv.txt), or use --synthetic for random tokens");
+    tokens = load_tokens({o.data, o.text, o.tokenizer}, vocab);
+    corpus = split_heldout(tokens.tokens, o.heldout_fraction, o.seq, tokens.description);
   }
+  // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
+  const std::string carried_tokenizer = !tokens.tokenizer.empty() ? tokens.tokenizer : vocab.tokenizer;
   if (!o.out.empty()) std::filesystem::create_directories(o.out);
 
   MemoryAccountant mem;
@@ -182,14 +191,16 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
     nlohmann::json state = {{"step", step}, {"options", options_to_json(o)}};
     if (!hf_origin.is_null()) state["hf"] = hf_origin;
     if (!source_config.is_null()) state["config_json"] = source_config;
-    checkpoint::save_native(dir, {&params, &opt.first_moment(), &opt.second_moment(), state});
+    checkpoint::save_native(dir, {&params, &opt.first_moment(), &opt.second_moment(), state, carried_tokenizer});
     log << "saved " << dir << "\n";
   };
   log << "model: " << model::describe(cfg) << "\n"
       << "params " << params.numel() << " (" << format_bytes(double(params.nbytes())) << " " << dtype_name(o.weight_dtype)
       << "), remat " << remat_name(o.step.remat) << ", compute " << dtype_name(o.step.compute) << ", batch " << o.batch
       << " x seq " << o.seq << ", " << o.steps << " steps";
-  if (!o.synthetic) log << ", corpus " << o.text << " (" << corpus.train.size() << " train / " << corpus.heldout.size() << " held-out bytes)";
+  if (!o.synthetic)
+    log << ", corpus " << tokens.description << ": " << corpus.train.size() << " train / " << corpus.heldout.size()
+        << " held-out tokens";
   log << "\n";
 
   std::ofstream metrics;
@@ -231,9 +242,10 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
     if (do_eval) {
       EvalResult e = evaluate_tokens(params, corpus.heldout, o.seq, o.batch, o.step.compute, mem, o.eval_batches);
       sum.eval_ce = e.ce;
+      sum.eval_bits_per_byte = e.bits_per_byte;
       eval_curve.points.emplace_back(double(step + 1), e.ce);
       m["eval_ce"] = e.ce;
-      m["eval_bits_per_byte"] = e.ce / std::log(2.0);
+      m["eval_bits_per_byte"] = e.bits_per_byte;
     }
     if (metrics.is_open()) metrics << m.dump() << "\n" << std::flush;
     if (o.progress) {
@@ -244,7 +256,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
                     format_duration(eta).c_str());
       std::string s = line;
       if (do_eval) {
-        std::snprintf(line, sizeof line, " | held-out %.4f (%.3f bits/byte)", sum.eval_ce, sum.eval_ce / std::log(2.0));
+        std::snprintf(line, sizeof line, " | held-out %.4f (%.3f bits/byte)", sum.eval_ce, sum.eval_bits_per_byte);
         s += line;
       }
       if (tty) std::fprintf(stderr, "\r\033[K%s%s", s.c_str(), do_eval || step + 1 == last_step ? "\n" : "");

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/memory.h"
+#include "dataset/token_source.h"
 #include "model/config.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
@@ -17,7 +18,9 @@ namespace hs::train {
 
 struct TrainOptions {
   std::string model = "small";  // preset name or config.json path
-  std::string text;             // corpus (byte tokens)
+  std::string text;             // corpus: byte tokens, or encoded by `tokenizer` / the --init checkpoint's tokenizer.json
+  std::string data;             // corpus: a token file (memory-mapped)
+  std::string tokenizer;        // tokenizer.json for `text` (default: the one beside the --init / --resume weights)
   bool synthetic = false;       // random tokens instead of text
   int64_t steps = 200, batch = 8, seq = 256;
   uint64_t seed = 1;
@@ -40,7 +43,7 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o);
 
 struct TrainSummary {
   int64_t steps = 0, tokens = 0;
-  double final_loss = 0, final_ce = 0, eval_ce = -1;
+  double final_loss = 0, final_ce = 0, eval_ce = -1, eval_bits_per_byte = -1;
   double tokens_per_s = 0, seconds = 0;
   MemorySnapshot peak;          // the largest step peak (live bytes per category then)
   size_t argument_bytes = 0, temp_bytes = 0, peak_bytes = 0;
@@ -49,9 +52,14 @@ struct TrainSummary {
 
 TrainSummary run_training(const TrainOptions& o, std::ostream& log);
 
-// Mean cross-entropy (nats) and count over `tokens` cut into windows of seq+1 that overlap by one token.
-struct EvalResult { double ce = 0; int64_t count = 0; };
-EvalResult evaluate_tokens(const model::ParamSet& params, const std::vector<int32_t>& tokens, int64_t seq,
+// Cross-entropy over `tokens` cut into windows of seq+1 that overlap by one token: the mean in nats per predicted
+// token, their count, the bytes of original text they stand for, and bits per byte = total nats / ln 2 / those bytes.
+struct EvalResult {
+  double ce = 0;
+  int64_t count = 0, text_bytes = 0;
+  double bits_per_byte = 0;
+};
+EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
                            int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches = -1);
 
 // Writes an SVG line chart of (x, y) series to `path` (atomically).

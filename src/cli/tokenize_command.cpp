@@ -1,0 +1,83 @@
+// tokenize: text files to a token file (docs/token_format.md) that train and eval memory-map with --data.
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+
+#include "cli/commands.h"
+#include "core/memory.h"
+#include "dataset/token_file.h"
+#include "dataset/vocabulary.h"
+
+namespace hs::cli {
+
+void register_tokenize(CLI::App& app) {
+  struct Args {
+    std::string tokenizer, out;
+    std::vector<std::string> texts;
+    bool raw = false, quiet = false;
+    int threads = 0;
+  };
+  auto a = std::make_shared<Args>();
+  CLI::App* c = app.add_subcommand(
+      "tokenize", "Encode text files with a tokenizer into a token file for 'train --data' and 'eval --data'");
+  c->add_option("--tokenizer", a->tokenizer, "tokenizer.json, or a directory holding it (or vocab.json + merges.txt)")
+      ->required()
+      ->check(CLI::ExistingPath);
+  c->add_option("--text", a->texts, "Text files, one document each, separated by the end-of-text token")
+      ->required()
+      ->check(CLI::ExistingFile);
+  c->add_option("--out", a->out, "Token file to write (replaced atomically)")->required();
+  c->add_flag("--raw", a->raw,
+              "Debugging: the ids of one file encoded as one string (no special tokens added), as plain "
+              "little-endian uint32 without a header");
+  c->add_option("--threads", a->threads, "Encoding threads (0: all cores)")->capture_default_str();
+  c->add_flag("--quiet", a->quiet, "No progress line");
+  c->callback([a] {
+    const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();
+    const auto t0 = std::chrono::steady_clock::now();
+    const tokenizer::Tokenizer tok = tokenizer::Tokenizer::load(a->tokenizer);
+    const auto since = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); };
+    const double load_s = since();  // tokens/s counts the encoding only
+    if (a->raw) {
+      if (a->texts.size() != 1) throw std::invalid_argument("--raw encodes exactly one --text file");
+      std::ifstream f(a->texts[0], std::ios::binary);
+      if (!f) throw std::runtime_error("cannot read text file '" + a->texts[0] + "'");
+      const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+      const std::vector<tokenizer::TokenId> ids = tok.encode_parallel(text, threads);
+      dataset::write_raw_tokens(a->out, ids);
+      std::printf("wrote %s: %zu ids (raw little-endian uint32) from %zu bytes in %.2f s\n", a->out.c_str(), ids.size(),
+                  text.size(), since() - load_s);
+      return;
+    }
+    dataset::WriterOptions wo;
+    wo.threads = threads;
+    for (const auto& t : a->texts) wo.bytes_total += std::filesystem::file_size(t);
+    const bool tty = isatty(STDERR_FILENO);
+    if (!a->quiet)
+      wo.progress = [tty](const dataset::WriteProgress& p) {
+        const double pct = p.bytes_total ? 100.0 * double(p.bytes_done) / double(p.bytes_total) : 0.0;
+        std::fprintf(stderr, "%stokenize: %s / %s (%.0f%%), %lld tokens, %.2f MB/s%s", tty ? "\r\033[K" : "",
+                     format_bytes(double(p.bytes_done)).c_str(), format_bytes(double(p.bytes_total)).c_str(), pct,
+                     static_cast<long long>(p.tokens), p.seconds > 0 ? double(p.bytes_done) / p.seconds / 1e6 : 0.0,
+                     tty ? "" : "\n");
+      };
+    dataset::TokenFileWriter w(a->out, dataset::vocabulary_of(tok), dataset::encoder_of(tok), wo);
+    for (const auto& t : a->texts) w.add_text_file(t);
+    const dataset::TokenFileHeader h = w.commit();
+    if (!a->quiet && tty) std::fprintf(stderr, "\n");
+    const double s = since() - load_s;
+    std::printf("wrote %s: %lld tokens (uint%u), %lld documents, %lld bytes of text (%.2f bytes/token) in %.2f s on %d "
+                "threads (tokenizer loaded in %.2f s before): %.0f tokens/s, %.2f MB/s\n",
+                a->out.c_str(), static_cast<long long>(h.tokens), h.dtype_bytes * 8, static_cast<long long>(h.documents),
+                static_cast<long long>(h.text_bytes), h.tokens ? double(h.text_bytes) / double(h.tokens) : 0.0, s,
+                threads, load_s, s > 0 ? double(h.tokens) / s : 0.0, s > 0 ? double(h.text_bytes) / s / 1e6 : 0.0);
+  });
+}
+
+}  // namespace hs::cli
