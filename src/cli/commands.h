@@ -9,4 +9,5 @@ void register_plan(CLI::App& app);
 void register_convert(CLI::App& app);
 void register_inspect(CLI::App& app);
 void register_eval(CLI::App& app);
+void register_generate(CLI::App& app);
 }  // namespace hs::cli
