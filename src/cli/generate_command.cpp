@@ -168,13 +168,15 @@ void run_generate(const GenerateArgs& a) {
   std::fprintf(stderr, "generate: prefill %lld tokens at %.1f tokens/s, decode %lld tokens at %.1f tokens/s, "
                        "caches %s, peak RSS %s\n",
                (long long)r.prefill_tokens, prefill_tps, (long long)r.decode_tokens, decode_tps,
-               format_bytes(double(r.cache_bytes)).c_str(), format_bytes(double(rss)).c_str());
+               format_bytes(double(r.kv_cache_bytes + r.recurrent_state_bytes)).c_str(), format_bytes(double(rss)).c_str());
   if (a.json) {
     nlohmann::json text = nlohmann::json::array();
     for (const auto& t : texts) text.push_back(t);
     std::printf("%s\n", nlohmann::json({{"tokens", r.tokens}, {"text", text}, {"prefill_tokens_per_s", prefill_tps},
                                         {"decode_tokens_per_s", decode_tps}, {"peak_rss_bytes", rss},
-                                        {"cache_bytes", r.cache_bytes}})
+                                        {"kv_cache_bytes", r.kv_cache_bytes},
+                                        {"recurrent_state_bytes", r.recurrent_state_bytes},
+                                        {"accounted_peak_bytes", r.peak_bytes}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
   }

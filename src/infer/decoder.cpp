@@ -42,6 +42,18 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
   row_slots_.resize(1);
 }
 
+size_t Decoder::kv_cache_bytes() const {
+  size_t n = 0;
+  for (const model::LayerCache& c : caches_) n += c.k.bytes() + c.v.bytes();
+  return n;
+}
+
+size_t Decoder::recurrent_state_bytes() const {
+  size_t n = 0;
+  for (const model::LayerCache& c : caches_) n += c.conv.bytes() + c.state.bytes();
+  return n;
+}
+
 void Decoder::reset(int64_t slot) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
   length_[static_cast<size_t>(slot)] = 0;

@@ -29,6 +29,9 @@ class Decoder {
   int64_t capacity() const { return capacity_; }
   int64_t length(int64_t slot) const { return length_.at(static_cast<size_t>(slot)); }
   const model::ModelConfig& config() const { return cfg_; }
+  // Bytes of the attention layers' key/value caches and of the Gated DeltaNet layers' conv windows + states.
+  size_t kv_cache_bytes() const;
+  size_t recurrent_state_bytes() const;
   // Empties a slot: zero conv windows and states (cached keys are overwritten before they are read).
   void reset(int64_t slot);
   // Continues the sequence of `slot` with `ids`. logits: fp32 [ids.size(), V] when all_logits, else [V] for the last

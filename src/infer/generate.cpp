@@ -66,10 +66,11 @@ GenerateResult generate(const model::ParamSet& params, const std::vector<std::ve
   }
   const int64_t B = static_cast<int64_t>(prompts.size()), V = params.config().vocab;
   // A finished sequence's last token is never fed back, so max_new_tokens - 1 positions follow the prompt.
-  const size_t before = mem.live_total();
+  mem.reset_peak();
   Decoder dec(params, opt.compute, B, longest + opt.max_new_tokens - 1, mem, opt.piece);
   GenerateResult r;
-  r.cache_bytes = mem.live_total() - before;
+  r.kv_cache_bytes = dec.kv_cache_bytes();
+  r.recurrent_state_bytes = dec.recurrent_state_bytes();
   r.tokens.resize(static_cast<size_t>(B));
   Buffer logits = mem.allocate_n<float>(static_cast<size_t>(B * V), MemCategory::Workspace, "generate.logits");
   std::vector<std::mt19937_64> rngs;
@@ -111,6 +112,7 @@ GenerateResult generate(const model::ParamSet& params, const std::vector<std::ve
   const auto t2 = Clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   r.decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  r.peak_bytes = mem.peak_total();
   return r;
 }
 

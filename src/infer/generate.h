@@ -36,13 +36,15 @@ struct GenerateResult {
   std::vector<std::vector<int32_t>> tokens;  // the new ids of each prompt
   int64_t prefill_tokens = 0, decode_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
-  size_t cache_bytes = 0;  // what the decoder's caches took
+  size_t kv_cache_bytes = 0, recurrent_state_bytes = 0;  // the decoder's caches
+  size_t peak_bytes = 0;  // the accountant's peak while generating (weights included), what plan_generate predicts
 };
 
 // Prefills every prompt (each in its own slot), then decodes all unfinished sequences together, one token each per
 // step. on_token(prompt index, id) sees every new id as it is chosen; returning false ends that sequence (a stop
 // string). Sequence i draws from a generator seeded with sampling.seed + i, so its tokens do not depend on the other
-// prompts. Throws std::invalid_argument for an empty prompt or max_new_tokens <= 0.
+// prompts. Restarts the accountant's peak (mem.reset_peak()). Throws std::invalid_argument for an empty prompt or
+// max_new_tokens <= 0.
 GenerateResult generate(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
                         const GenerateOptions& opt, MemoryAccountant& mem,
                         const std::function<bool(size_t, int32_t)>& on_token = {});
