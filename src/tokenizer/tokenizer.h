@@ -2,6 +2,7 @@
 // added and special tokens, NFC normalization, the split pre-tokenizer's Unicode-class regex, the byte-level
 // mapping, BPE merges and the byte-level decoder. Ids equal those of the Hugging Face `tokenizers` library.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -25,8 +26,8 @@ class Tokenizer {
   // bytes.decode("utf-8", errors="replace") makes of it). Thread-safe.
   std::vector<TokenId> encode(std::string_view text) const;
   // The same ids as encode(text), computed on `threads` threads (the text is cut only where no pre-token can
-  // straddle the cut).
-  std::vector<TokenId> encode_parallel(std::string_view text, int threads) const;
+  // straddle the cut, into pieces of at least `min_chunk_bytes`; texts under two of them are encoded serially).
+  std::vector<TokenId> encode_parallel(std::string_view text, int threads, size_t min_chunk_bytes = 1 << 16) const;
   // The text of `ids` (byte-level decoder); bytes that do not form valid UTF-8 are returned as they are.
   std::string decode(std::span<const TokenId> ids, bool skip_special_tokens = false) const;
 
