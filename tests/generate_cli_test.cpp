@@ -8,6 +8,7 @@
 
 #include "checkpoint/hf_io.h"
 #include "infer/generate.h"
+#include "tokenizer/tokenizer.h"
 #include "test_util.h"
 
 namespace hs {
@@ -120,6 +121,37 @@ TEST(GenerateCli, BadInputGivesClearErrors) {
   // A truncated weights file.
   std::filesystem::resize_file(dir / "ck" / "model.safetensors", 1000);
   fails_with("--checkpoint " + (dir / "ck").string() + " --prompt hello", "model.safetensors");
+}
+
+// A checkpoint with a tokenizer.json: text prompts are encoded by it and the output decoded by it (the parity model
+// has a vocabulary of 256, so the Qwen2 tokenizer's byte-level ids below 256 are what it can read and write).
+TEST(GenerateCli, TextGoesThroughTheCheckpointsTokenizer) {
+  const std::string json = std::string(HS_SOURCE_DIR) + "/data/tokenizers/qwen2/tokenizer.json";
+  ASSERT_TRUE(std::filesystem::exists(json)) << json << " (run scripts/setup.sh: it builds data/tokenizers/)";
+  test::TempDir dir;
+  std::filesystem::copy(kCase, dir / "ck");
+  std::filesystem::copy(json, dir / "ck" / "tokenizer.json");
+  const auto tok = tokenizer::Tokenizer::load(json);
+  const std::vector<tokenizer::TokenId> enc = tok.encode("a");
+  std::vector<int32_t> ids(enc.begin(), enc.end());
+  for (int32_t id : ids) ASSERT_LT(id, 256);
+  const Outcome r = run("--checkpoint " + (dir / "ck").string() + " --prompt a --max-new-tokens 16 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = last_line(r.out);
+  MemoryAccountant mem;
+  model::ParamSet ps(model::load_config(kCase), DType::F32, mem, MemCategory::Parameters, false);
+  checkpoint::load_hf_params(checkpoint::CheckpointReader(kCase + "/model.safetensors"), ps);
+  infer::GenerateOptions opt;
+  opt.max_new_tokens = 16;
+  const auto want = infer::generate(ps, {ids}, opt, mem).tokens[0];
+  EXPECT_EQ(j["tokens"][0].get<std::vector<int32_t>>(), want);
+  const std::vector<tokenizer::TokenId> out(want.begin(), want.end());
+  const std::string text = tok.decode(out, true);  // streamed as it is (the JSON replaces invalid UTF-8)
+  EXPECT_EQ(r.out.substr(0, text.size() + 1), text + "\n");
+  // The chat format's special tokens are beyond this model's vocabulary: a clear error, not a crash.
+  const Outcome chat = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat");
+  EXPECT_NE(chat.status, 0);
+  EXPECT_NE(chat.err.find("outside the model's vocabulary"), std::string::npos) << chat.err;
 }
 
 }  // namespace

@@ -6,11 +6,13 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "infer/generate.h"
+#include "tokenizer/tokenizer.h"
 #include "train/schedule.h"
 
 namespace hs::cli {
@@ -86,22 +88,33 @@ void run_generate(const GenerateArgs& a) {
 
   checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a.checkpoint);
   const model::ModelConfig& cfg = d.config;
-  // Text is bytes: the byte-level presets (vocabulary 256). A checkpoint's tokenizer.json needs the tokenizer
-  // library, which this build does not have yet.
-  const bool bytes_vocab = cfg.vocab == 256;
-  const bool has_tokenizer = std::filesystem::exists(d.path / "tokenizer.json");
-  auto text_ids = [&](const std::string& text) {
-    if (!bytes_vocab)
-      throw std::invalid_argument(has_tokenizer ? "text prompts through tokenizer.json are not supported by this build "
-                                                  "yet: give --prompt-ids"
-                                                : "checkpoint " + a.checkpoint + " has no tokenizer.json and a "
-                                                  "vocabulary of " + std::to_string(cfg.vocab) +
-                                                  " (not bytes): give --prompt-ids");
-    if (text.empty()) throw std::invalid_argument("an empty prompt");
-    return std::vector<int32_t>(reinterpret_cast<const unsigned char*>(text.data()),
-                                reinterpret_cast<const unsigned char*>(text.data()) + text.size());
+  // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
+  // vocabulary 256).
+  std::optional<tokenizer::Tokenizer> tok;
+  if (std::filesystem::exists(d.path / "tokenizer.json")) tok = tokenizer::Tokenizer::load((d.path / "tokenizer.json").string());
+  const bool bytes_vocab = !tok && cfg.vocab == 256;
+  auto check_ids = [&](const std::vector<int32_t>& ids) {
+    for (int32_t id : ids)
+      if (id < 0 || id >= cfg.vocab)
+        throw std::invalid_argument("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +
+                                    std::to_string(cfg.vocab) + " (a tokenizer that does not belong to the model?)");
+    return ids;
   };
-  if (a.chat) throw std::invalid_argument("--chat needs a tokenizer with <|im_start|> / <|im_end|>: not in this build");
+  auto text_ids = [&](const std::string& text) {
+    if (text.empty()) throw std::invalid_argument("an empty prompt");
+    const std::string wrapped = a.chat ? "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n" : text;
+    if (tok) {
+      const std::vector<tokenizer::TokenId> ids = tok->encode(wrapped);
+      return check_ids(std::vector<int32_t>(ids.begin(), ids.end()));
+    }
+    if (!bytes_vocab)
+      throw std::invalid_argument("checkpoint " + a.checkpoint + " has no tokenizer.json and a vocabulary of " +
+                                  std::to_string(cfg.vocab) + " (not bytes): give --prompt-ids");
+    return std::vector<int32_t>(reinterpret_cast<const unsigned char*>(wrapped.data()),
+                                reinterpret_cast<const unsigned char*>(wrapped.data()) + wrapped.size());
+  };
+  if (a.chat && !(tok && tok->token_to_id("<|im_start|>") && tok->token_to_id("<|im_end|>")))
+    throw std::invalid_argument("--chat needs a tokenizer.json with <|im_start|> and <|im_end|>");
 
   std::vector<std::vector<int32_t>> prompts;
   if (!a.prompt.empty()) prompts.push_back(text_ids(a.prompt));
@@ -123,6 +136,9 @@ void run_generate(const GenerateArgs& a) {
   opt.max_new_tokens = context > 0 ? std::min(a.max_new_tokens, context - longest) : a.max_new_tokens;
   opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
   opt.stop_ids = eos_ids(d.config_json);
+  if (tok)
+    for (const char* end : {"<|im_end|>", "<|endoftext|>"})
+      if (auto id = tok->token_to_id(end)) opt.stop_ids.push_back(static_cast<int32_t>(*id));
 
   // Weights in their stored dtype (the embedding's) unless --weight-dtype converts them; compute in the same dtype,
   // so no layer casts its weights per token.
@@ -138,10 +154,16 @@ void run_generate(const GenerateArgs& a) {
   // Streams the single prompt's text; several prompts print at the end. Stop strings end a sequence once its text
   // holds one (the text is cut before it).
   std::vector<std::string> texts(prompts.size());
+  std::vector<tokenizer::StreamDecoder> decoders;
+  std::vector<char> cut(prompts.size(), 0);  // ended by a stop string: nothing follows the cut
+  if (tok)
+    for (size_t i = 0; i < prompts.size(); ++i) decoders.emplace_back(*tok, /*skip_special_tokens=*/true);
   const bool stream = prompts.size() == 1;
   auto on_token = [&](size_t i, int32_t id) {
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) return false;
-    std::string piece = bytes_vocab ? std::string(1, static_cast<char>(id)) : "<" + std::to_string(id) + ">";
+    std::string piece = tok           ? decoders[i].push(static_cast<tokenizer::TokenId>(id))
+                        : bytes_vocab ? std::string(1, static_cast<char>(id))
+                                      : "<" + std::to_string(id) + ">";
     const size_t old = texts[i].size();
     texts[i] += piece;
     for (const std::string& s : a.stop) {
@@ -149,6 +171,7 @@ void run_generate(const GenerateArgs& a) {
       if (!s.empty() && at != std::string::npos) {
         if (stream && at > old) std::fwrite(texts[i].data() + old, 1, at - old, stdout);
         texts[i].resize(at);
+        cut[i] = 1;
         return false;
       }
     }
@@ -159,6 +182,12 @@ void run_generate(const GenerateArgs& a) {
     return true;
   };
   infer::GenerateResult r = infer::generate(params, prompts, opt, mem, on_token);
+  for (size_t i = 0; i < decoders.size(); ++i) {  // bytes of a character the last token left incomplete
+    if (cut[i]) continue;
+    const std::string rest = decoders[i].finish();
+    texts[i] += rest;
+    if (stream) std::fwrite(rest.data(), 1, rest.size(), stdout);
+  }
   if (stream) std::printf("\n");
   else
     for (size_t i = 0; i < texts.size(); ++i) std::printf("[%zu] %s\n", i, texts[i].c_str());
