@@ -50,9 +50,9 @@ void plan_generation(const PlanArgs& a) {
   }
   std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
               (long long)r.batch, (long long)r.context, a.weight_dtype.c_str());
-  std::printf("%-18s %12s\n%-18s %12s\n%-18s %12s\n%-18s %12s\n%-18s %12s\n", "weights", gb(p.weights).c_str(),
-              "kv cache", gb(p.kv_cache).c_str(), "recurrent state", gb(p.recurrent_state).c_str(), "workspace",
-              gb(p.workspace).c_str(), "total", gb(p.total).c_str());
+  for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
+                                    {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
+    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
 }
 
 }  // namespace
