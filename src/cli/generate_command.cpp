@@ -12,6 +12,7 @@
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "infer/generate.h"
+#include "infer/weights.h"
 #include "tokenizer/tokenizer.h"
 #include "train/schedule.h"
 
@@ -140,15 +141,14 @@ void run_generate(const GenerateArgs& a) {
     for (const char* end : {"<|im_end|>", "<|endoftext|>"})
       if (auto id = tok->token_to_id(end)) opt.stop_ids.push_back(static_cast<int32_t>(*id));
 
-  // Weights in their stored dtype (the embedding's) unless --weight-dtype converts them; compute in the same dtype,
-  // so no layer casts its weights per token.
-  checkpoint::CheckpointReader reader(d.path);
-  const DType stored = reader.info(reader.tensor_names().front()).dtype == checkpoint::FileDType::BF16 ? DType::BF16
-                                                                                                       : DType::F32;
-  const DType wdt = a.weight_dtype.empty() ? stored : train::parse_dtype(a.weight_dtype);
+  // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
+  // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
-  model::ParamSet params(cfg, wdt, mem, MemCategory::Parameters, false);
-  for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "generate: %s\n", n.c_str());
+  std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
+      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem);
+  for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
+  const model::ParamSet& params = *weights->params;
+  const DType wdt = params.global(model::g::kLmHead).dtype;
   opt.compute = wdt;
 
   // Streams the single prompt's text; several prompts print at the end. Stop strings end a sequence once its text
@@ -205,7 +205,8 @@ void run_generate(const GenerateArgs& a) {
                                         {"decode_tokens_per_s", decode_tps}, {"peak_rss_bytes", rss},
                                         {"kv_cache_bytes", r.kv_cache_bytes},
                                         {"recurrent_state_bytes", r.recurrent_state_bytes},
-                                        {"accounted_peak_bytes", r.peak_bytes}})
+                                        {"accounted_peak_bytes", r.peak_bytes},
+                                        {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
   }
