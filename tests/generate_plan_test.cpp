@@ -24,7 +24,7 @@ TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
       model::init_params(ps, 3);
       std::mt19937 rng(1);
       std::vector<std::vector<int32_t>> prompts;
-      for (int64_t n : {70, 64, 90}) {  // each fills the first 64-token piece
+      for (int64_t n : {130, 128, 90}) {  // the first two fill two 64-token pieces
         prompts.emplace_back(static_cast<size_t>(n));
         for (auto& x : prompts.back()) x = static_cast<int32_t>(rng() % 256);
       }
@@ -35,7 +35,7 @@ TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
       const infer::GenerateResult g = infer::generate(ps, prompts, opt, mem);
       planner::GeneratePlanRequest r;
       r.model = cfg;
-      r.context = 90 + 12 - 1;
+      r.context = 130 + 12 - 1;
       r.batch = 3;
       r.piece = 64;
       r.weight_dtype = dt;
@@ -54,12 +54,12 @@ TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
   }
 }
 
-// The command line: plan --generate and generate --json report the same bytes for a 600-byte prompt (one 512-token
-// piece prefilled first, as planned).
+// The command line: plan --generate and generate --json report the same bytes for a 1100-byte prompt (two 512-token
+// pieces, as planned); a 300-byte prompt needs less.
 TEST(GeneratePlan, CommandLineFiguresAgree) {
   test::TempDir dir;
   const std::string ck = kParity + "qwen3_5_L7";
-  const std::string prompt(600, 'a');
+  const std::string prompt(1100, 'a');
   auto run = [&](const std::string& args) {
     const std::string out = (dir / "out").string();
     EXPECT_EQ(std::system((std::string(HS_BINARY) + " " + args + " >" + out + " 2>/dev/null").c_str()), 0) << args;
@@ -69,8 +69,10 @@ TEST(GeneratePlan, CommandLineFiguresAgree) {
     return nlohmann::json::parse(s.substr(start == std::string::npos ? 0 : start + 1, end - start));
   };
   const auto g = run("generate --checkpoint " + ck + " --prompt " + prompt + " --max-new-tokens 5 --json");
-  const auto p = run("plan --generate --model " + ck + "/config.json --context 604 --batch 1 --weight-dtype fp32 --json");
+  const auto p = run("plan --generate --model " + ck + "/config.json --context 1104 --batch 1 --weight-dtype fp32 --json");
   EXPECT_EQ(g["accounted_peak_bytes"], p["total_bytes"]);
+  const auto shorter = run("generate --checkpoint " + ck + " --prompt " + std::string(300, 'a') + " --max-new-tokens 805 --json");
+  EXPECT_LT(shorter["accounted_peak_bytes"].get<size_t>(), p["total_bytes"].get<size_t>());
   EXPECT_EQ(g["kv_cache_bytes"], p["kv_cache_bytes"]);
   EXPECT_EQ(g["recurrent_state_bytes"], p["recurrent_state_bytes"]);
 }

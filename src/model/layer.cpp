@@ -259,12 +259,15 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
   AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
-  // Decoding writes the keys and values into the cache; rows that start their sequence (a whole prompt) still take
-  // the flash kernel over their own keys, later pieces and single tokens attend to the cache.
-  // (Planning has no positions: it takes prompts to be whole and single tokens to continue.)
-  bool from_start = !ctx.cache || !P || ctx.seq > 1;
-  if (ctx.cache && !P)
-    for (int64_t b = 0; b < ctx.batch; ++b) from_start = from_start && ctx.positions[b * ctx.seq] == 0;
+  // Decoding writes the keys and values into the cache. Rows that all start their sequences (whole prompts) still
+  // take the flash kernel over their own keys; later pieces and single tokens attend to the cache.
+  auto starts_sequences = [&] {
+    if (!ctx.cache) return true;
+    for (int64_t b = 0; b < ctx.batch; ++b)
+      if (ctx.positions[b * ctx.seq] != 0) return false;
+    return true;
+  };
+  const bool from_start = starts_sequences();
   if (ctx.cache) {
     const KvCacheShape kc{nKV, hd, ctx.cache->capacity};
     if (!P)

@@ -38,8 +38,8 @@ struct LayerContext {
   // A forward that saves for backward also keeps what its kernels' backwards would otherwise recompute (the delta
   // rule's per-chunk states): remat none, where nothing is recomputed and memory is traded for speed.
   bool keep_recomputables = false;
-  // Decoding: the layer reads and advances these caches (the mixer's state), positions are absolute. Null: every
-  // row is a whole sequence from position 0.
+  // Decoding: the layer reads and advances these caches (the mixer's state); positions are absolute and given even
+  // in planning mode (they choose the attention kernel). Null: every row is a whole sequence from position 0.
   LayerCache* cache = nullptr;
   const int32_t* slots = nullptr;
   int64_t tokens() const { return batch * seq; }

@@ -82,7 +82,8 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   infer::Decoder dec(params, r.weight_dtype, r.batch, r.context, mem, r.piece);
   Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * r.model.vocab), MemCategory::Workspace,
                                         "generate.logits");
-  const std::vector<int32_t> prompt(static_cast<size_t>(std::min(r.piece, r.context)), 0);
+  // Two pieces: the first attends with the flash kernel, later ones against the cache (workspace of its capacity).
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::min(2 * r.piece, r.context)), 0);
   dec.prefill(0, prompt, nullptr);
   std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);

@@ -43,8 +43,10 @@ PlanResult plan_auto(PlanRequest r, size_t budget);
 
 // Generation (hybridscan generate) on one device: `batch` sequences of up to `context` positions, weights stored and
 // computed in weight_dtype, prompts prefilled `piece` tokens per pass. The decoder itself runs over shapes (the
-// caches, one prefill piece of min(piece, context) tokens, one decode step of every sequence), so the total is the
-// accountant peak generate() reaches when a prompt fills a piece (shorter prompts need less workspace).
+// caches, a prompt of min(2 piece, context) tokens, one decode step of every sequence) with this process's thread
+// count, so the total is the accountant peak generate() reaches when a prompt fills two pieces, and bounds it for
+// shorter ones (a piece's workspace grows with its tokens). Memory-mapped weights are file pages: the total counts
+// them as weights all the same.
 struct GeneratePlanRequest {
   model::ModelConfig model;
   int64_t context = 4096, batch = 1, piece = 512;
