@@ -9,6 +9,7 @@ void register_commands(CLI::App& app) {
   register_convert(app);
   register_inspect(app);
   register_plan(app);
+  register_generate(app);
 }
 
 }  // namespace hs::cli

@@ -10,4 +10,5 @@ void register_convert(CLI::App& app);
 void register_inspect(CLI::App& app);
 void register_eval(CLI::App& app);
 void register_tokenize(CLI::App& app);
+void register_generate(CLI::App& app);
 }  // namespace hs::cli

@@ -11,8 +11,8 @@ namespace {
 
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", chip, hbm;
-  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1;
-  bool compare = false, json = false;
+  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
+  bool compare = false, json = false, generate = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -31,6 +31,28 @@ std::string gb(size_t b) {
   char s[32];
   std::snprintf(s, sizeof s, "%.2f GB", double(b) / 1e9);
   return s;
+}
+
+void plan_generation(const PlanArgs& a) {
+  planner::GeneratePlanRequest r;
+  r.model = model::load_config(a.model);
+  r.context = a.context;
+  r.batch = a.gen_batch;
+  r.weight_dtype = train::parse_dtype(a.weight_dtype);
+  const planner::GeneratePlan p = planner::plan_generate(r);
+  if (a.json) {
+    std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
+                                        {"recurrent_state_bytes", p.recurrent_state}, {"workspace_bytes", p.workspace},
+                                        {"total_bytes", p.total}, {"context", r.context}, {"batch", r.batch}})
+                            .dump()
+                            .c_str());
+    return;
+  }
+  std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
+              (long long)r.batch, (long long)r.context, a.weight_dtype.c_str());
+  for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
+                                    {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
+    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
 }
 
 }  // namespace
@@ -53,8 +75,15 @@ void register_plan(CLI::App& app) {
   auto* hbm = c->add_option("--hbm", a->hbm, "HBM per device, e.g. 95GiB or 80GB");
   chip->excludes(hbm);
   c->add_flag("--compare", a->compare, "Plan none, block and sublayer side by side");
+  c->add_flag("--generate", a->generate, "Plan generation instead of training (weights in --weight-dtype)");
+  c->add_option("--context", a->context, "--generate: positions per sequence (prompt + new tokens)")->capture_default_str();
+  c->add_option("--batch", a->gen_batch, "--generate: sequences decoded together")->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->callback([a] {
+    if (a->generate) {
+      plan_generation(*a);
+      return;
+    }
     planner::PlanRequest r;
     r.model = model::load_config(a->model);
     r.devices = a->devices;

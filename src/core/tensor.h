@@ -53,6 +53,12 @@ class Tensor {
   Tensor() = default;
   static Tensor empty(MemoryAccountant& mem, MemCategory cat, DType t, Shape s, std::string_view tag);
   static Tensor zeros(MemoryAccountant& mem, MemCategory cat, DType t, Shape s, std::string_view tag);
+  // A view of memory the tensor does not own (a memory-mapped checkpoint); defined() is false.
+  static Tensor borrowed(TensorView v) {
+    Tensor r;
+    r.view_ = std::move(v);
+    return r;
+  }
 
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }

@@ -488,11 +488,18 @@ struct ChunkStates {
   float *W = nullptr, *vn = nullptr, *S = nullptr;
 };
 
+// carry (optional, [dk, dv] unpadded): the head's start state on entry, its end state on return (decoding).
 template <typename T>
 void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const float* beta, const float* g, T* o,
-                  float* tinv_out, float* gcum_out, const ChunkStates& keep, ForwardScratch& w) {
+                  float* tinv_out, float* gcum_out, const ChunkStates& keep, ForwardScratch& w,
+                  float* carry = nullptr) {
   ChunkTiles& t = w.t;
   const int64_t dkp = t.dkp, dvp = t.dvp, nchunks = hv.s.chunks(), nS = dkp * dvp;
+  const int64_t dk = hv.s.dk, dv = hv.s.dv;
+  if (carry) {  // the scratch state, zero-padded, advances in place from the carried one
+    std::fill_n(w.S, nS, 0.0f);
+    for (int64_t i = 0; i < dk; ++i) std::copy_n(carry + i * dv, dv, w.S + i * dvp);
+  }
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t t0 = c * C, n = std::min(C, hv.s.seq - t0);
     load_chunk(hv, c, q, k, v, beta, t);
@@ -518,8 +525,8 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     // O = (exp(G) Q) S0 + P Vn with the state at chunk start, before it advances.
     // The first chunk starts from a zero state (the state is only written at its end). Kept states go to their
     // own slots; otherwise the scratch state advances in place.
-    const float* S0 = c == 0 ? nullptr : keep.S ? keep.S + c * nS : w.S;
-    float* S1 = c + 1 == nchunks ? nullptr : keep.S ? keep.S + (c + 1) * nS : w.S;
+    const float* S0 = c == 0 && !carry ? nullptr : keep.S ? keep.S + c * nS : w.S;
+    float* S1 = c + 1 == nchunks && !carry ? nullptr : keep.S ? keep.S + (c + 1) * nS : w.S;
     float* Wc = keep.W ? keep.W + c * C * dkp : w.W;
     float* vn = keep.vn ? keep.vn + c * C * dvp : w.vn;
     if (S0) {
@@ -535,6 +542,8 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     for (int64_t i = 0; i < n; ++i)
       for (int64_t j = 0; j < hv.s.dv; ++j) dst[i * hv.vo_stride() + j] = from_f32<T>(w.out[i * dvp + j]);
   }
+  if (carry)
+    for (int64_t i = 0; i < dk; ++i) std::copy_n(w.S + i * dvp, dv, carry + i * dv);
 }
 
 // ---- Backward ---------------------------------------------------------------------------------------------
@@ -844,6 +853,32 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
 }
 
 template <typename T>
+void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem) {
+  check_shape(s);
+  const int64_t heads = s.batch * s.v_heads;
+  const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
+  const int64_t workers = worker_count(s);
+  Carver sizing(nullptr);
+  ForwardScratch{sizing, dkp, dvp};
+  const int64_t per_thread = sizing.used();
+  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
+  if (mem.planning() || heads == 0 || s.seq == 0) return;
+
+#pragma omp parallel num_threads(static_cast<int>(workers))
+  {
+    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
+    ForwardScratch w(cv, dkp, dvp);
+#pragma omp for schedule(static)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
+      float* carry = state + (int64_t{slots[hv.b]} * s.v_heads + hv.h) * s.dk * s.dv;
+      forward_head(hv, q, k, v, beta, g, o, nullptr, nullptr, ChunkStates{}, w, carry);
+    }
+  }
+}
+
+template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* /*g: read back from saved.gcum*/, const DeltaRuleSaved& saved, const float* d_o,
                          float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem,
@@ -927,6 +962,8 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
 #define HS_INSTANTIATE(T)                                                                                       \
   template void delta_rule_forward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,         \
                                       const float*, T*, DeltaRuleSaved*, MemoryAccountant&, bool);               \
+  template void delta_rule_forward_cached<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,  \
+                                             const float*, T*, float*, const int32_t*, MemoryAccountant&);       \
   template void delta_rule_backward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,        \
                                        const float*, const DeltaRuleSaved&, const float*, float*, float*, float*, \
                                        float*, float*, MemoryAccountant&, bool);

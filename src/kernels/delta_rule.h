@@ -41,6 +41,13 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem,
                         bool keep_chunk_states = false);
 
+// Inference that continues sequences (src/infer's prefill): the same chunked forward, nothing saved, starting from
+// state[slots[b]] ([slots, Hv, dk, dv] fp32, one [dk, dv] state per value head) instead of zero, and leaving each
+// sequence's end state there, so a sequence processed in pieces gives what it gives processed at once.
+template <typename T>
+void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem);
+
 // Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32; with accumulate
 // false it writes them, so the caller clears nothing; the same bits as adding to zeros), given
 // d_o [B, T, Hv, dv]. Recomputes W, U and the chunk-start states from `saved` unless the forward kept them (g

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "kernels/conv.h"
+#include "kernels/decode.h"
 #include "kernels/gdn_gates.h"
 #include "kernels/norms.h"
 #include "kernels/rope.h"
@@ -115,10 +116,14 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   s.q = A.make<T>(N * KD, "gdn.q");
   s.k = A.make<T>(N * KD, "gdn.k");
   s.v = A.make<T>(N * VD, "gdn.v");
-  if (!P)  // the conv's channels are [q | k | v]: written straight into the three tensors
-    causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv),
-                             ColumnBlocks<T>().add(ptr<T>(s.q), KD).add(ptr<T>(s.k), KD).add(ptr<T>(s.v), VD),
-                             ctx.batch, ctx.seq, CD, c.conv_width);
+  if (!P) {  // the conv's channels are [q | k | v]: written straight into the three tensors
+    const auto qkv = ColumnBlocks<T>().add(ptr<T>(s.q), KD).add(ptr<T>(s.k), KD).add(ptr<T>(s.v), VD);
+    if (ctx.cache)
+      causal_conv_silu_cached(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ptr<T>(ctx.cache->conv), ctx.slots, ctx.batch,
+                              ctx.seq, CD, c.conv_width);
+    else
+      causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ctx.batch, ctx.seq, CD, c.conv_width);
+  }
   s.qn = A.make<T>(N * KD, "gdn.qn");
   s.kn = A.make<T>(N * KD, "gdn.kn");
   s.rstdq = A.make<float>(N * Hk, "gdn.rstdq");
@@ -134,8 +139,17 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   }
   s.o = A.make<T>(N * VD, "gdn.o");
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
-  delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
-                     keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables);
+  if (!ctx.cache) {
+    delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
+                       keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables);
+  } else if (ctx.seq == 1) {  // one token per sequence: the recurrent step (the chunked form would pad it to 64)
+    if (!P)
+      delta_rule_step(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
+                      ptr<float>(ctx.cache->state), ctx.slots);
+  } else {
+    delta_rule_forward_cached(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g),
+                              ptr<T>(s.o), ptr<float>(ctx.cache->state), ctx.slots, mem);
+  }
   s.y = A.make<T>(N * VD, "gdn.y");
   s.rstdg = A.make<float>(N * Hv, "gdn.rstdg");
   if (!P) {
@@ -245,8 +259,27 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
   AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
-  gated_attention_forward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), ptr<T>(s.attn_out),
-                          keep ? &s.attn : nullptr, mem);
+  // Decoding writes the keys and values into the cache. Rows that all start their sequences (whole prompts) still
+  // take the flash kernel over their own keys; later pieces and single tokens attend to the cache.
+  auto starts_sequences = [&] {
+    if (!ctx.cache) return true;
+    for (int64_t b = 0; b < ctx.batch; ++b)
+      if (ctx.positions[b * ctx.seq] != 0) return false;
+    return true;
+  };
+  const bool from_start = starts_sequences();
+  if (ctx.cache) {
+    const KvCacheShape kc{nKV, hd, ctx.cache->capacity};
+    if (!P)
+      kv_cache_write(kc, ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(ctx.cache->k), ptr<T>(ctx.cache->v), ctx.slots,
+                     ctx.positions, ctx.batch, ctx.seq);
+    if (!from_start)
+      attention_cached_forward(kc, nH, ptr<T>(s.qn), ptr<T>(s.gate), ptr<T>(ctx.cache->k), ptr<T>(ctx.cache->v),
+                               ptr<T>(s.attn_out), ctx.slots, ctx.positions, ctx.batch, ctx.seq, mem);
+  }
+  if (from_start)
+    gated_attention_forward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), ptr<T>(s.attn_out),
+                            keep ? &s.attn : nullptr, mem);
   if (!P) linear_forward(ptr<T>(s.attn_out), w.mat(p::kO), mix, N, H, nH * hd);
 }
 

@@ -17,6 +17,15 @@
 
 namespace hs::model {
 
+// What incremental decoding (src/infer) keeps per layer between calls. Sequences live in slots: batch row b of a call
+// continues the sequence of slot LayerContext::slots[b], at the absolute positions LayerContext::positions.
+struct LayerCache {
+  Buffer conv;   // Gated DeltaNet: [slots, K-1, conv_dim] in T, the last K-1 pre-conv inputs (zeros at start)
+  Buffer state;  // Gated DeltaNet: [slots, Hv, dk, dv] fp32, the delta-rule state (zero at start)
+  Buffer k, v;   // attention: [slots, nKV, capacity, hd] in T, after k_norm and RoPE
+  int64_t capacity = 0;
+};
+
 struct LayerContext {
   const ModelConfig& cfg;
   MemoryAccountant& mem;
@@ -29,6 +38,10 @@ struct LayerContext {
   // A forward that saves for backward also keeps what its kernels' backwards would otherwise recompute (the delta
   // rule's per-chunk states): remat none, where nothing is recomputed and memory is traded for speed.
   bool keep_recomputables = false;
+  // Decoding: the layer reads and advances these caches (the mixer's state); positions are absolute and given even
+  // in planning mode (they choose the attention kernel). Null: every row is a whole sequence from position 0.
+  LayerCache* cache = nullptr;
+  const int32_t* slots = nullptr;
   int64_t tokens() const { return batch * seq; }
 };
 

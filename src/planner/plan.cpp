@@ -1,9 +1,11 @@
 #include "planner/plan.h"
 
 #include <chrono>
+#include <numeric>
 #include <stdexcept>
 
 #include "core/collectives.h"
+#include "infer/decoder.h"
 #include "model/params.h"
 
 namespace hs::planner {
@@ -66,6 +68,31 @@ PlanResult plan_auto(PlanRequest r, size_t budget) {
   if (none.fits) return none;
   r.remat = train::RematPolicy::Sublayer;
   return plan(r);
+}
+
+GeneratePlan plan_generate(const GeneratePlanRequest& r) {
+  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("plan --generate: context and batch must be positive");
+  r.model.validate();
+  MemoryAccountant mem(/*planning=*/true);
+  model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
+  GeneratePlan p;
+  p.weights = mem.live_total();
+  // What infer::generate allocates, in its order: the decoder's caches, the logits of every sequence, then the
+  // prefill of one piece and a step of all sequences.
+  infer::Decoder dec(params, r.weight_dtype, r.batch, r.context, mem, r.piece);
+  Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * r.model.vocab), MemCategory::Workspace,
+                                        "generate.logits");
+  // Two pieces: the first attends with the flash kernel, later ones against the cache (workspace of its capacity).
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::min(2 * r.piece, r.context)), 0);
+  dec.prefill(0, prompt, nullptr);
+  std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
+  std::iota(slots.begin(), slots.end(), 0);
+  dec.step(slots, ids, nullptr);
+  p.kv_cache = dec.kv_cache_bytes();
+  p.recurrent_state = dec.recurrent_state_bytes();
+  p.total = mem.peak_total();
+  p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state;
+  return p;
 }
 
 }  // namespace hs::planner

@@ -41,4 +41,20 @@ size_t chip_hbm_bytes(const std::string& chip);
 // plans above block); if nothing fits, sublayer (the smallest) with fits = false.
 PlanResult plan_auto(PlanRequest r, size_t budget);
 
+// Generation (hybridscan generate) on one device: `batch` sequences of up to `context` positions, weights stored and
+// computed in weight_dtype, prompts prefilled `piece` tokens per pass. The decoder itself runs over shapes (the
+// caches, a prompt of min(2 piece, context) tokens, one decode step of every sequence) with this process's thread
+// count, so the total is the accountant peak generate() reaches when a prompt fills two pieces, and bounds it for
+// shorter ones (a piece's workspace grows with its tokens). Memory-mapped weights are file pages: the total counts
+// them as weights all the same.
+struct GeneratePlanRequest {
+  model::ModelConfig model;
+  int64_t context = 4096, batch = 1, piece = 512;
+  DType weight_dtype = DType::BF16;
+};
+struct GeneratePlan {
+  size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
+};
+GeneratePlan plan_generate(const GeneratePlanRequest& r);
+
 }  // namespace hs::planner

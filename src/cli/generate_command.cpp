@@ -1,0 +1,237 @@
+// generate: text from a checkpoint (native or Hugging Face) through the incremental decoder (src/infer).
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "checkpoint/convert.h"
+#include "cli/commands.h"
+#include "infer/generate.h"
+#include "infer/weights.h"
+#include "tokenizer/tokenizer.h"
+#include "train/schedule.h"
+
+namespace hs::cli {
+
+namespace {
+
+struct GenerateArgs {
+  std::string checkpoint, prompt, prompt_ids, prompts_file, weight_dtype;
+  int64_t max_new_tokens = 128, top_k = 0;
+  double temperature = 0, top_p = 1;
+  uint64_t seed = 0;
+  std::vector<std::string> stop;
+  bool chat = false, json = false;
+};
+
+size_t peak_rss_bytes() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<size_t>(u.ru_maxrss) * 1024;  // kilobytes on Linux
+}
+
+std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
+  std::vector<int32_t> ids;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || item.find_first_not_of(" \t", used) != std::string::npos)
+      throw std::invalid_argument("--prompt-ids: '" + item + "' is not an integer");
+    if (v < 0 || v >= vocab)
+      throw std::invalid_argument("--prompt-ids: id " + std::to_string(v) + " is outside the vocabulary [0, " +
+                                  std::to_string(vocab) + ")");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  if (ids.empty()) throw std::invalid_argument("--prompt-ids: no ids");
+  return ids;
+}
+
+// The model's context from config.json (max_position_embeddings, at the top or in text_config); 0 when absent.
+int64_t context_of(const nlohmann::json& cfg) {
+  const nlohmann::json& t = cfg.contains("text_config") ? cfg["text_config"] : cfg;
+  return t.value("max_position_embeddings", int64_t{0});
+}
+
+// The end-of-text ids config.json names (eos_token_id: one id or a list).
+std::vector<int32_t> eos_ids(const nlohmann::json& cfg) {
+  std::vector<int32_t> ids;
+  for (const nlohmann::json* j : {&cfg, cfg.contains("text_config") ? &cfg["text_config"] : &cfg}) {
+    if (!j->contains("eos_token_id")) continue;
+    const nlohmann::json& e = (*j)["eos_token_id"];
+    if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
+    if (e.is_array())
+      for (const auto& x : e)
+        if (x.is_number_integer()) ids.push_back(x.get<int32_t>());
+  }
+  return ids;
+}
+
+void run_generate(const GenerateArgs& a) {
+  const int given = !a.prompt.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty();
+  if (given != 1) throw std::invalid_argument("give exactly one of --prompt, --prompt-ids, --prompts");
+  if (a.max_new_tokens <= 0)
+    throw std::invalid_argument("--max-new-tokens must be positive (got " + std::to_string(a.max_new_tokens) + ")");
+  if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
+  if (a.top_p <= 0 || a.top_p > 1) throw std::invalid_argument("--top-p must be in (0, 1]");
+  if (a.top_k < 0) throw std::invalid_argument("--top-k must be >= 0");
+
+  checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a.checkpoint);
+  const model::ModelConfig& cfg = d.config;
+  // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
+  // vocabulary 256).
+  std::optional<tokenizer::Tokenizer> tok;
+  if (std::filesystem::exists(d.path / "tokenizer.json")) tok = tokenizer::Tokenizer::load((d.path / "tokenizer.json").string());
+  const bool bytes_vocab = !tok && cfg.vocab == 256;
+  auto check_ids = [&](const std::vector<int32_t>& ids) {
+    for (int32_t id : ids)
+      if (id < 0 || id >= cfg.vocab)
+        throw std::invalid_argument("the prompt's token " + std::to_string(id) + " is outside the model's vocabulary of " +
+                                    std::to_string(cfg.vocab) + " (a tokenizer that does not belong to the model?)");
+    return ids;
+  };
+  auto text_ids = [&](const std::string& text) {
+    if (text.empty()) throw std::invalid_argument("an empty prompt");
+    const std::string wrapped = a.chat ? "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n" : text;
+    if (tok) {
+      const std::vector<tokenizer::TokenId> ids = tok->encode(wrapped);
+      return check_ids(std::vector<int32_t>(ids.begin(), ids.end()));
+    }
+    if (!bytes_vocab)
+      throw std::invalid_argument("checkpoint " + a.checkpoint + " has no tokenizer.json and a vocabulary of " +
+                                  std::to_string(cfg.vocab) + " (not bytes): give --prompt-ids");
+    return std::vector<int32_t>(reinterpret_cast<const unsigned char*>(wrapped.data()),
+                                reinterpret_cast<const unsigned char*>(wrapped.data()) + wrapped.size());
+  };
+  if (a.chat && !(tok && tok->token_to_id("<|im_start|>") && tok->token_to_id("<|im_end|>")))
+    throw std::invalid_argument("--chat needs a tokenizer.json with <|im_start|> and <|im_end|>");
+
+  std::vector<std::vector<int32_t>> prompts;
+  if (!a.prompt.empty()) prompts.push_back(text_ids(a.prompt));
+  if (!a.prompt_ids.empty()) prompts.push_back(parse_ids(a.prompt_ids, cfg.vocab));
+  if (!a.prompts_file.empty()) {
+    std::ifstream in(a.prompts_file);
+    if (!in) throw std::invalid_argument("cannot read --prompts file " + a.prompts_file);
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) prompts.push_back(text_ids(line));
+    if (prompts.empty()) throw std::invalid_argument("--prompts file " + a.prompts_file + " holds no prompt");
+  }
+  const int64_t context = context_of(d.config_json);
+  int64_t longest = 0;
+  for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  if (context > 0 && longest >= context)
+    throw std::invalid_argument("a prompt of " + std::to_string(longest) + " tokens does not fit the model's context of " +
+                                std::to_string(context) + " (max_position_embeddings)");
+  infer::GenerateOptions opt;
+  opt.max_new_tokens = context > 0 ? std::min(a.max_new_tokens, context - longest) : a.max_new_tokens;
+  opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  opt.stop_ids = eos_ids(d.config_json);
+  if (tok)
+    for (const char* end : {"<|im_end|>", "<|endoftext|>"})
+      if (auto id = tok->token_to_id(end)) opt.stop_ids.push_back(static_cast<int32_t>(*id));
+
+  // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
+  // place); compute in the same dtype, so no layer casts its weights per token.
+  MemoryAccountant mem;
+  std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
+      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem);
+  for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
+  const model::ParamSet& params = *weights->params;
+  const DType wdt = params.global(model::g::kLmHead).dtype;
+  opt.compute = wdt;
+
+  // Streams the single prompt's text; several prompts print at the end. Stop strings end a sequence once its text
+  // holds one (the text is cut before it).
+  std::vector<std::string> texts(prompts.size());
+  std::vector<tokenizer::StreamDecoder> decoders;
+  std::vector<char> cut(prompts.size(), 0);  // ended by a stop string: nothing follows the cut
+  if (tok)
+    for (size_t i = 0; i < prompts.size(); ++i) decoders.emplace_back(*tok, /*skip_special_tokens=*/true);
+  const bool stream = prompts.size() == 1;
+  auto on_token = [&](size_t i, int32_t id) {
+    if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) return false;
+    std::string piece = tok           ? decoders[i].push(static_cast<tokenizer::TokenId>(id))
+                        : bytes_vocab ? std::string(1, static_cast<char>(id))
+                                      : "<" + std::to_string(id) + ">";
+    const size_t old = texts[i].size();
+    texts[i] += piece;
+    for (const std::string& s : a.stop) {
+      const size_t at = texts[i].find(s, old >= s.size() ? old - s.size() + 1 : 0);
+      if (!s.empty() && at != std::string::npos) {
+        if (stream && at > old) std::fwrite(texts[i].data() + old, 1, at - old, stdout);
+        texts[i].resize(at);
+        cut[i] = 1;
+        return false;
+      }
+    }
+    if (stream) {
+      std::fwrite(piece.data(), 1, piece.size(), stdout);
+      std::fflush(stdout);
+    }
+    return true;
+  };
+  infer::GenerateResult r = infer::generate(params, prompts, opt, mem, on_token);
+  for (size_t i = 0; i < decoders.size(); ++i) {  // bytes of a character the last token left incomplete
+    if (cut[i]) continue;
+    const std::string rest = decoders[i].finish();
+    texts[i] += rest;
+    if (stream) std::fwrite(rest.data(), 1, rest.size(), stdout);
+  }
+  if (stream) std::printf("\n");
+  else
+    for (size_t i = 0; i < texts.size(); ++i) std::printf("[%zu] %s\n", i, texts[i].c_str());
+  const double prefill_tps = r.prefill_seconds > 0 ? double(r.prefill_tokens) / r.prefill_seconds : 0;
+  const double decode_tps = r.decode_seconds > 0 ? double(r.decode_tokens) / r.decode_seconds : 0;
+  const size_t rss = peak_rss_bytes();
+  std::fprintf(stderr, "generate: prefill %lld tokens at %.1f tokens/s, decode %lld tokens at %.1f tokens/s, "
+                       "caches %s, peak RSS %s\n",
+               (long long)r.prefill_tokens, prefill_tps, (long long)r.decode_tokens, decode_tps,
+               format_bytes(double(r.kv_cache_bytes + r.recurrent_state_bytes)).c_str(), format_bytes(double(rss)).c_str());
+  if (a.json) {
+    nlohmann::json text = nlohmann::json::array();
+    for (const auto& t : texts) text.push_back(t);
+    std::printf("%s\n", nlohmann::json({{"tokens", r.tokens}, {"text", text}, {"prefill_tokens_per_s", prefill_tps},
+                                        {"decode_tokens_per_s", decode_tps}, {"peak_rss_bytes", rss},
+                                        {"kv_cache_bytes", r.kv_cache_bytes},
+                                        {"recurrent_state_bytes", r.recurrent_state_bytes},
+                                        {"accounted_peak_bytes", r.peak_bytes},
+                                        {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped}})
+                            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+                            .c_str());
+  }
+}
+
+}  // namespace
+
+void register_generate(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* c = app.add_subcommand("generate", "Generate text from a checkpoint (native or Hugging Face)");
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--prompt", a->prompt, "Prompt text (bytes for the byte-level presets)");
+  c->add_option("--prompt-ids", a->prompt_ids, "Prompt as token ids, e.g. 1,2,3");
+  c->add_option("--prompts", a->prompts_file, "File of prompts, one a line, generated together");
+  c->add_option("--max-new-tokens", a->max_new_tokens, "Tokens to generate per prompt")->capture_default_str();
+  c->add_option("--temperature", a->temperature, "0: greedy")->capture_default_str();
+  c->add_option("--top-k", a->top_k, "Sample among the k most likely (0: all)")->capture_default_str();
+  c->add_option("--top-p", a->top_p, "Sample among the most likely up to this probability")->capture_default_str();
+  c->add_option("--seed", a->seed, "Sampling seed (prompt i uses seed + i)")->capture_default_str();
+  c->add_option("--stop", a->stop, "End a sequence when its text holds this string (repeatable)");
+  c->add_option("--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)")
+      ->check(CLI::IsMember({"fp32", "bf16"}));
+  c->add_flag("--chat", a->chat, "Wrap the prompt in the Qwen chat format");
+  c->add_flag("--json", a->json, "End with one JSON line: tokens, text, tokens/s, peak RSS");
+  c->callback([a] { run_generate(*a); });
+}
+
+}  // namespace hs::cli

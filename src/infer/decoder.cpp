@@ -1,0 +1,143 @@
+#include "infer/decoder.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels/embedding.h"
+#include "kernels/matmul.h"
+#include "kernels/norms.h"
+#include "model/linear.h"
+
+namespace hs::infer {
+
+using model::LayerKind;
+
+Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
+                 int64_t piece)
+    : params_(params), cfg_(params.config()), compute_(compute), slots_(slots), capacity_(capacity), piece_(piece),
+      mem_(mem) {
+  if (slots <= 0 || capacity <= 0 || piece <= 0)
+    throw std::invalid_argument("decoder: slots, capacity and piece must be positive");
+  if (params.shards() != 1) throw std::invalid_argument("decoder: the parameters must not be sharded");
+  if (compute != DType::F32 && compute != DType::BF16) throw std::invalid_argument("decoder: compute fp32 or bf16");
+  const int64_t T = dtype_size(compute), hist = cfg_.conv_width - 1;
+  for (int64_t i = 0; i < cfg_.layers; ++i) order_.push_back(model::slot_of_layer(cfg_, i));  // decoder order
+  for (const model::LayerSlot& s : order_) {
+    model::LayerCache c;
+    c.capacity = capacity;
+    if (s.kind() == LayerKind::LinearAttention) {
+      c.conv = mem.allocate(static_cast<size_t>(slots * hist * cfg_.conv_dim() * T), MemCategory::Activations,
+                            "cache.conv_window", true);
+      c.state = mem.allocate_n<float>(static_cast<size_t>(slots * cfg_.v_heads * cfg_.dk * cfg_.dv),
+                                      MemCategory::Activations, "cache.delta_state", true);
+    } else {
+      const size_t n = static_cast<size_t>(slots * cfg_.kv_heads * capacity * cfg_.head_dim * T);
+      c.k = mem.allocate(n, MemCategory::Activations, "cache.keys");
+      c.v = mem.allocate(n, MemCategory::Activations, "cache.values");
+    }
+    caches_.push_back(std::move(c));
+  }
+  length_.assign(static_cast<size_t>(slots), 0);
+  positions_.resize(static_cast<size_t>(std::max(piece, slots)));
+  row_slots_.resize(1);
+}
+
+size_t Decoder::kv_cache_bytes() const {
+  size_t n = 0;
+  for (const model::LayerCache& c : caches_) n += c.k.bytes() + c.v.bytes();
+  return n;
+}
+
+size_t Decoder::recurrent_state_bytes() const {
+  size_t n = 0;
+  for (const model::LayerCache& c : caches_) n += c.conv.bytes() + c.state.bytes();
+  return n;
+}
+
+void Decoder::reset(int64_t slot) {
+  if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
+  length_[static_cast<size_t>(slot)] = 0;
+  if (mem_.planning()) return;
+  for (model::LayerCache& c : caches_) {
+    if (c.conv.empty()) continue;
+    const size_t conv = c.conv.bytes() / static_cast<size_t>(slots_), state = c.state.bytes() / static_cast<size_t>(slots_);
+    zero_bytes(static_cast<char*>(c.conv.data()) + static_cast<size_t>(slot) * conv, conv);
+    zero_bytes(static_cast<char*>(c.state.data()) + static_cast<size_t>(slot) * state, state);
+  }
+}
+
+void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits) {
+  if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
+  const int64_t n = static_cast<int64_t>(ids.size());
+  int64_t& len = length_[static_cast<size_t>(slot)];
+  if (len + n > capacity_)
+    throw std::out_of_range("decoder: " + std::to_string(len + n) + " positions exceed the capacity " +
+                            std::to_string(capacity_));
+  row_slots_[0] = static_cast<int32_t>(slot);
+  for (int64_t off = 0; off < n; off += piece_) {
+    const int64_t m = std::min(piece_, n - off);
+    for (int64_t i = 0; i < m; ++i) positions_[static_cast<size_t>(i)] = static_cast<int32_t>(len + i);
+    // Logits of every token, or only of the last piece's last token.
+    float* out = all_logits ? (logits ? logits + off * cfg_.vocab : nullptr) : off + m == n ? logits : nullptr;
+    if (compute_ == DType::F32) run<float>(1, m, row_slots_.data(), ids.data() + off, out, all_logits);
+    else run<bf16>(1, m, row_slots_.data(), ids.data() + off, out, all_logits);
+    len += m;
+  }
+}
+
+void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits) {
+  const int64_t B = static_cast<int64_t>(slots.size());
+  if (static_cast<int64_t>(ids.size()) != B) throw std::invalid_argument("decoder: one id per slot");
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t s = slots[static_cast<size_t>(b)];
+    if (s < 0 || s >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(s) + " does not exist");
+    if (length_[static_cast<size_t>(s)] >= capacity_)
+      throw std::out_of_range("decoder: slot " + std::to_string(s) + " is full (capacity " + std::to_string(capacity_) +
+                              ")");
+    positions_[static_cast<size_t>(b)] = static_cast<int32_t>(length_[static_cast<size_t>(s)]);
+  }
+  if (compute_ == DType::F32) run<float>(B, 1, slots.data(), ids.data(), logits, true);
+  else run<bf16>(B, 1, slots.data(), ids.data(), logits, true);
+  for (int32_t s : slots) ++length_[static_cast<size_t>(s)];
+}
+
+template <typename T>
+void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits,
+                  bool all_logits) {
+  const bool P = mem_.planning();
+  const int64_t N = batch * seq, H = cfg_.hidden, V = cfg_.vocab;
+  Buffer h = mem_.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.embed");
+  if (!P) {
+    const TensorView& e = params_.global(model::g::kEmbed);
+    if (e.dtype == DType::F32) kernels::embedding_forward(ids, N, static_cast<const float*>(e.data), V, H, ptr<T>(h));
+    else kernels::embedding_forward(ids, N, static_cast<const bf16*>(e.data), V, H, ptr<T>(h));
+  }
+  for (size_t i = 0; i < order_.size(); ++i) {
+    model::LayerContext ctx{cfg_, mem_, batch, seq, positions_.data(), nullptr, 1, false, &caches_[i], slots};
+    Buffer out = mem_.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.layer_out");
+    model::layer_forward<T>(ctx, params_.layer(order_[i]), ptr<T>(h), ptr<T>(out), nullptr);
+    h = std::move(out);
+  }
+  // The head runs on the rows whose logits are wanted: all, or each row's last token.
+  const int64_t rows = all_logits ? N : batch;
+  Buffer last;
+  const T* x = ptr<T>(h);
+  if (!all_logits && seq > 1) {
+    last = mem_.allocate_n<T>(static_cast<size_t>(batch * H), MemCategory::Workspace, "h.last");
+    if (!P)
+      for (int64_t b = 0; b < batch; ++b)
+        std::copy_n(ptr<T>(h) + ((b + 1) * seq - 1) * H, H, ptr<T>(last) + b * H);
+    x = ptr<T>(last);
+  }
+  Buffer xf = mem_.allocate_n<T>(static_cast<size_t>(rows * H), MemCategory::Workspace, "final_norm.out");
+  Buffer rstd = mem_.allocate_n<float>(static_cast<size_t>(rows), MemCategory::Workspace, "final_norm.rstd");
+  model::Converted<float> wn = model::as_type<float>(params_.global(model::g::kFinalNorm), mem_,
+                                                     MemCategory::WeightCasts, "weight_cast");
+  model::Converted<T> wl = model::as_type<T>(params_.global(model::g::kLmHead), mem_, MemCategory::WeightCasts,
+                                             "weight_cast");
+  if (P || !logits) return;
+  kernels::rmsnorm_forward(x, wn.ptr, ptr<T>(xf), ptr<float>(rstd), rows, H, float(cfg_.rms_eps));
+  kernels::matmul(ptr<T>(xf), wl.ptr, logits, rows, V, H, false, true);
+}
+
+}  // namespace hs::infer

@@ -1,0 +1,58 @@
+// Incremental decoding of a hybrid model (spec/model.md, "Decoding"): the decoder layers of src/model run with their
+// per-layer caches (LayerCache: the causal-conv window and delta-rule state of each Gated DeltaNet layer, the keys
+// and values of each attention layer), so a prompt is prefilled with the chunked kernels, in pieces that carry the
+// state when it is long, and each new token then costs one pass over the weights and the caches.
+//
+// Sequences live in slots. All caches are allocated when the decoder is made, for `slots` sequences of up to
+// `capacity` positions each (MemCategory::Activations, tagged "cache.*"): decoding a token allocates nothing that
+// outlives the call; its workspace is the same for every token.
+#pragma once
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/memory.h"
+#include "model/layer.h"
+#include "model/params.h"
+
+namespace hs::infer {
+
+class Decoder {
+ public:
+  // compute: the activation dtype (F32 or BF16); weights stored in another dtype are cast per layer call, so decoding
+  // reads only the routed experts' weights when the weights are stored in the compute dtype. piece: prefill tokens per
+  // layer pass (longer prompts are fed in pieces).
+  Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
+          int64_t piece = 512);
+
+  int64_t slots() const { return slots_; }
+  int64_t capacity() const { return capacity_; }
+  int64_t length(int64_t slot) const { return length_.at(static_cast<size_t>(slot)); }
+  const model::ModelConfig& config() const { return cfg_; }
+  // Bytes of the attention layers' key/value caches and of the Gated DeltaNet layers' conv windows + states.
+  size_t kv_cache_bytes() const;
+  size_t recurrent_state_bytes() const;
+  // Empties a slot: zero conv windows and states (cached keys are overwritten before they are read).
+  void reset(int64_t slot);
+  // Continues the sequence of `slot` with `ids`. logits: fp32 [ids.size(), V] when all_logits, else [V] for the last
+  // id. Throws std::out_of_range when the sequence would pass the capacity or an id is outside the vocabulary.
+  void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false);
+  // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V].
+  void step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits);
+
+ private:
+  template <typename T>
+  void run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits, bool all_logits);
+
+  const model::ParamSet& params_;
+  const model::ModelConfig& cfg_;
+  DType compute_;
+  int64_t slots_, capacity_, piece_;
+  MemoryAccountant& mem_;
+  std::vector<model::LayerSlot> order_;
+  std::vector<model::LayerCache> caches_;  // per layer, in scan order
+  std::vector<int64_t> length_;            // positions filled per slot
+  std::vector<int32_t> positions_, row_slots_;  // per-call scratch, sized once
+};
+
+}  // namespace hs::infer

@@ -1,0 +1,169 @@
+#include "kernels/decode.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/conv.h"
+#include "kernels/vec_math.h"
+
+namespace hs::kernels {
+
+template <typename T>
+void causal_conv_silu_cached(const T* x, const float* w, const ColumnBlocks<T>& y, T* window, const int32_t* slots,
+                             int64_t batch, int64_t seq, int64_t channels, int64_t width) {
+  if (width < 1 || width > kMaxConvWidth)
+    throw std::invalid_argument("causal_conv_silu_cached: width " + std::to_string(width) + " is outside [1, " +
+                                std::to_string(kMaxConvWidth) + "]");
+  if (y.channels() != channels) throw std::invalid_argument("causal_conv_silu_cached: column blocks do not match");
+  const int64_t hist = width - 1;
+  // Per (row, channel): the taps in order j = 0..width-1, as the full-sequence kernel sums them, so a sequence fed in
+  // pieces gives its bits (a window zero at sequence start adds +0 where that kernel skips the tap).
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t c = 0; c < channels; ++c) {
+      T* win = window + int64_t{slots[b]} * hist * channels + c;  // win[i * channels]: input at time i - hist
+      const T* xb = x + b * seq * channels + c;
+      auto input = [&](int64_t u) { return to_f32(u >= 0 ? xb[u * channels] : win[(hist + u) * channels]); };
+      for (int64_t t = 0; t < seq; ++t) {
+        float pre = 0.0f;
+        for (int64_t j = 0; j < width; ++j) pre += w[c * width + j] * input(t - hist + j);
+        const float out = silu_vec(pre);
+        y.for_each_run(b * seq + t, c, 1, [&](T* d, int64_t, int64_t) { *d = from_f32<T>(out); });
+      }
+      // The new window: the last `hist` inputs of (window ++ x), oldest first; ascending i reads only inputs that
+      // are still to be overwritten later (source index >= i).
+      for (int64_t i = 0; i < hist; ++i) {
+        const int64_t u = seq - hist + i;
+        win[i * channels] = u >= 0 ? xb[u * channels] : win[(hist + u) * channels];
+      }
+    }
+}
+
+template <typename T>
+void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta, const float* g,
+                     T* o, float* state, const int32_t* slots) {
+  if (s.seq != 1) throw std::invalid_argument("delta_rule_step: one token per row (seq must be 1)");
+  if (s.k_heads <= 0 || s.v_heads % s.k_heads != 0) throw std::invalid_argument("delta_rule_step: bad head counts");
+  if (s.dv > 512) throw std::invalid_argument("delta_rule_step: value head dim above 512");
+  const int64_t dk = s.dk, dv = s.dv, r = s.ratio();
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t h = 0; h < s.v_heads; ++h) {
+      float* S = state + (int64_t{slots[b]} * s.v_heads + h) * dk * dv;
+      const T* qt = q + (b * s.k_heads + h / r) * dk;
+      const T* kt = k + (b * s.k_heads + h / r) * dk;
+      const T* vt = v + (b * s.v_heads + h) * dv;
+      const float decay = std::exp(std::min(g[b * s.v_heads + h], 0.0f)), bt = beta[b * s.v_heads + h];
+      float kv[512], delta[512], out[512];  // dv <= 512 (checked below)
+      std::fill_n(kv, dv, 0.0f);
+      // S <- exp(g) S and kv = S^T k in one pass over the rows of S.
+      for (int64_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv;
+        const float ki = to_f32(kt[i]);
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] *= decay;
+          kv[j] += row[j] * ki;
+        }
+      }
+#pragma omp simd
+      for (int64_t j = 0; j < dv; ++j) {
+        delta[j] = bt * (to_f32(vt[j]) - kv[j]);
+        out[j] = 0.0f;
+      }
+      // S <- S + k delta^T and o = S^T q in a second pass.
+      for (int64_t i = 0; i < dk; ++i) {
+        float* row = S + i * dv;
+        const float ki = to_f32(kt[i]), qi = to_f32(qt[i]);
+#pragma omp simd
+        for (int64_t j = 0; j < dv; ++j) {
+          row[j] += ki * delta[j];
+          out[j] += row[j] * qi;
+        }
+      }
+      T* ot = o + (b * s.v_heads + h) * dv;
+      for (int64_t j = 0; j < dv; ++j) ot[j] = from_f32<T>(out[j]);
+    }
+}
+
+template <typename T>
+void kv_cache_write(const KvCacheShape& c, const T* k, const T* v, T* kcache, T* vcache, const int32_t* slots,
+                    const int32_t* positions, int64_t batch, int64_t seq) {
+  const int64_t hd = c.head_dim;
+  for (int64_t n = 0; n < batch * seq; ++n)
+    if (positions[n] < 0 || positions[n] >= c.capacity)
+      throw std::out_of_range("kv cache: position " + std::to_string(positions[n]) + " is outside the capacity " +
+                              std::to_string(c.capacity));
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < batch * seq; ++n) {
+    const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + int64_t{positions[n]} * hd;
+    for (int64_t h = 0; h < c.kv_heads; ++h) {
+      std::copy_n(k + (n * c.kv_heads + h) * hd, hd, kcache + base + h * c.capacity * hd);
+      std::copy_n(v + (n * c.kv_heads + h) * hd, hd, vcache + base + h * c.capacity * hd);
+    }
+  }
+}
+
+template <typename T>
+void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
+                              const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t batch,
+                              int64_t seq, MemoryAccountant& mem) {
+  const int64_t hd = c.head_dim, group = q_heads / c.kv_heads, rows = batch * seq;
+  if (c.kv_heads <= 0 || q_heads % c.kv_heads != 0) throw std::invalid_argument("attention_cached: bad head counts");
+  if (hd > 1024) throw std::invalid_argument("attention_cached: head_dim above 1024");
+  const int threads = omp_get_max_threads();
+  Buffer ws = mem.allocate_n<float>(static_cast<size_t>(threads * c.capacity), MemCategory::Workspace,
+                                    "attention_cached.scores");
+  if (mem.planning() || rows == 0) return;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
+  for (int64_t n = 0; n < rows; ++n)
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const int64_t len = int64_t{positions[n]} + 1;
+      const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + (h / group) * c.capacity * hd;
+      const T* K = kcache + base;
+      const T* V = vcache + base;
+      float* sc = ws.as<float>() + omp_get_thread_num() * c.capacity;
+      float qf[1024], acc[1024];
+      for (int64_t d = 0; d < hd; ++d) qf[d] = to_f32(q[(n * q_heads + h) * hd + d]);
+      float mx = -INFINITY;
+      for (int64_t p = 0; p < len; ++p) {
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < hd; ++d) dot += qf[d] * to_f32(K[p * hd + d]);
+        sc[p] = dot * scale;
+        mx = std::max(mx, sc[p]);
+      }
+      float sum = 0.0f;
+      std::fill_n(acc, hd, 0.0f);
+      for (int64_t p = 0; p < len; ++p) {
+        const float e = std::exp(sc[p] - mx);
+        sum += e;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) acc[d] += e * to_f32(V[p * hd + d]);
+      }
+      const float inv = 1.0f / sum;
+      const T* gt = gate + (n * q_heads + h) * hd;
+      T* ot = out + (n * q_heads + h) * hd;
+      for (int64_t d = 0; d < hd; ++d) ot[d] = from_f32<T>(acc[d] * inv * sigmoidf(to_f32(gt[d])));
+    }
+}
+
+#define HS_INSTANTIATE(T)                                                                                         \
+  template void causal_conv_silu_cached<T>(const T*, const float*, const ColumnBlocks<T>&, T*, const int32_t*,   \
+                                           int64_t, int64_t, int64_t, int64_t);                                  \
+  template void delta_rule_step<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,             \
+                                   const float*, T*, float*, const int32_t*);                                    \
+  template void kv_cache_write<T>(const KvCacheShape&, const T*, const T*, T*, T*, const int32_t*, const int32_t*, \
+                                  int64_t, int64_t);                                                             \
+  template void attention_cached_forward<T>(const KvCacheShape&, int64_t, const T*, const T*, const T*, const T*, \
+                                            T*, const int32_t*, const int32_t*, int64_t, int64_t, MemoryAccountant&);
+HS_INSTANTIATE(float)
+HS_INSTANTIATE(bf16)
+#undef HS_INSTANTIATE
+
+}  // namespace hs::kernels
