@@ -12,7 +12,7 @@ namespace {
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", chip, hbm;
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1;
-  bool compare = false, json = false;
+  bool compare = false, json = false, prefetch = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -54,12 +54,14 @@ void register_plan(CLI::App& app) {
   chip->excludes(hbm);
   c->add_flag("--compare", a->compare, "Plan none, block and sublayer side by side");
   c->add_flag("--json", a->json, "Print JSON");
+  c->add_flag("--prefetch", a->prefetch, "As train --prefetch: the next sub-layer's gathers overlap this one's compute");
   c->callback([a] {
     planner::PlanRequest r;
     r.model = model::load_config(a->model);
     r.devices = a->devices;
     r.fsdp = a->fsdp;
     r.expert_parallel = a->ep;
+    r.prefetch = a->prefetch;
     r.batch_per_device = a->batch;
     r.seq = a->seq;
     r.weight_dtype = train::parse_dtype(a->weight_dtype);
