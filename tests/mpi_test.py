@@ -189,6 +189,7 @@ def case_faults(binary):
                   check=False)
         if r.returncode != 0:
             failures.append(f"resume from the last complete checkpoint {last} failed: {r.stderr[-300:]}")
+    failures += stopped_rank(binary)
     # Mismatched options: MPMD launch with a different --lr on rank 1.
     base = [binary, "train", "--preset", "tiny", "--synthetic", "--seq", "16", "--threads", "1", "--quiet",
             "--steps", "2", "--batch", "4"]
@@ -202,6 +203,36 @@ def case_faults(binary):
     if p.returncode == 0 or "--batch 3 (the global batch) must be a multiple of the 2 ranks" not in p.stderr:
         failures.append(f"batch 3 on 2 ranks: no clear error: {p.stderr[-500:]}")
     return failures
+
+
+def stopped_rank(binary):
+    """A rank that stops answering without dying (SIGSTOP): the watchdog of the waiting rank ends the job."""
+    args = [binary, "train", "--preset", "tiny", "--synthetic", "--seq", "16", "--threads", "1", "--quiet",
+            "--steps", "100000", "--batch", "4"]
+    p = subprocess.Popen(mpirun(2, args), env=dict(ENV, HS_MPI_TIMEOUT_S="3"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    victim = None
+    for _ in range(100):
+        time.sleep(0.1)
+        victim = rank_pid(p.pid, 1)
+        if victim:
+            break
+    if victim is None:
+        p.kill()
+        return ["could not find rank 1's process"]
+    time.sleep(1.0)
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.kill(victim, signal.SIGKILL)
+        p.kill()
+        return ["the job did not stop after rank 1 stopped answering"]
+    said = [l for l in err.splitlines() if "did not complete within" in l]
+    print(f"rank 1 stopped (SIGSTOP): exit {p.returncode}; {said[:1]}")
+    if p.returncode == 0 or not said:
+        return [f"stopped rank: exit {p.returncode}, no watchdog message: {err[-500:]}"]
+    return []
 
 
 def safetensors_header(path):

@@ -114,9 +114,12 @@ void Runtime::loop() {
       rc = MPI_Test(&req, &flag, MPI_STATUS_IGNORE);
       if (flag || rc != MPI_SUCCESS) break;
       const double waited = std::chrono::duration<double>(Clock::now() - t0).count();
-      if (timeout_s_ > 0 && waited > timeout_s_)
-        abort("MPI " + job->what + " did not complete within " + std::to_string(timeout_s_) +
+      if (timeout_s_ > 0 && waited > timeout_s_) {
+        char limit[32];
+        std::snprintf(limit, sizeof limit, "%g", timeout_s_);
+        abort("MPI " + job->what + " did not complete within " + limit +
               " s (HS_MPI_TIMEOUT_S): another rank has stopped taking part; ending the job");
+      }
       if (spins < 64) std::this_thread::yield();
       else std::this_thread::sleep_for(std::chrono::microseconds(50));
     }
