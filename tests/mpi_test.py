@@ -5,7 +5,7 @@
 
 Cases: agree (N = 2 and 4 ranks train the same losses as one process with the same global batch, both families,
 models with a remainder layer count, fp32 and bf16 compute, with and without --prefetch), fsdp (FSDP groups of 2
-inside 4 ranks), memory (each rank's measured step peak equals `plan --devices N`), checkpoint (saved by 2 ranks,
+inside 4 ranks), memory (each rank's measured step peak equals `plan --devices N [--fsdp G]`), checkpoint (saved by 2 ranks,
 resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), faults (a killed rank, mismatched options, a
 world size that does not divide the batch).
 
@@ -106,7 +106,8 @@ def case_memory(binary):
     failures = []
     for model, n, remat, dtype, extra in [("tiny", 2, "sublayer", "fp32", []), ("tiny", 4, "block", "bf16", ["--prefetch"]),
                                           ("qwen3-next-L7", 2, "none", "bf16", ["--prefetch"]),
-                                          ("qwen3.5-L5", 4, "sublayer", "fp32", ["--prefetch"])]:
+                                          ("qwen3.5-L5", 4, "sublayer", "fp32", ["--prefetch"]),
+                                          ("tiny", 4, "sublayer", "fp32", ["--fsdp", "2"])]:
         batch = 2 * n
         r = train(binary, n, model, ["--steps", "2", "--batch", str(batch), "--remat", remat, "--compute-dtype", dtype,
                                      *extra])
