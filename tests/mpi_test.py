@@ -160,14 +160,14 @@ def case_faults(binary):
                 "--steps", "100000", "--batch", "4", "--save-every", "5", "--out", f"{d}/k"]
         p = subprocess.Popen(mpirun(2, args), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         victim = None
-        for _ in range(200):
+        for _ in range(600):
             time.sleep(0.1)
             victim = rank_pid(p.pid, 1)
             if victim and (pathlib.Path(d) / "k" / "checkpoint-5").exists():
                 break
-        if victim is None:
+        if victim is None or not (pathlib.Path(d) / "k" / "checkpoint-5").exists():
             p.kill()
-            return ["could not find rank 1's process"]
+            return ["rank 1's process or its first checkpoint did not appear within 60 s"]
         time.sleep(0.3)
         os.kill(victim, signal.SIGKILL)
         try:
