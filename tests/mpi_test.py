@@ -199,6 +199,11 @@ def case_faults(binary):
     print("mismatched options:", [l for l in p.stderr.splitlines() if "other options" in l][:1])
     if p.returncode == 0 or "were started with other options or another model than rank 0 (rank 1 is one)" not in p.stderr:
         failures.append(f"mismatched options: no clear error: {p.stderr[-500:]}")
+    # --prefetch changes the order of the collectives: one rank with it and one without must not start.
+    p = run([MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "1", *base, ":", "-np", "1", *base, "--prefetch"],
+            check=False)
+    if p.returncode == 0 or "(rank 1 is one)" not in p.stderr:
+        failures.append(f"--prefetch on one rank only: no clear error: {p.stderr[-500:]}")
     p = train(binary, 2, "tiny", ["--steps", "1", "--batch", "3"], check=False)
     print("batch 3 on 2 ranks:", [l for l in p.stderr.splitlines() if "multiple" in l][:1])
     if p.returncode == 0 or "--batch 3 (the global batch) must be a multiple of the 2 ranks" not in p.stderr:

@@ -43,7 +43,8 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
 // Every rank must run the same command: rank 0's options and model are compared with each rank's before any step.
 void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
   const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
-                           "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume;
+                           "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
+                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.dist->fsdp->size());
   uint64_t h = 1469598103934665603ull, root;
   for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
   root = h;
