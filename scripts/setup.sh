@@ -30,10 +30,11 @@ done
 #   libgtest-dev libgmock-dev libbenchmark-dev     the tests and bench/
 #   libpcre2-dev libicu-dev                        the tokenizer: the split regex (PCRE2, UTF + UCP, JIT) and
 #                                                  Unicode normalization (ICU)
+#   openmpi-bin libopenmpi-dev                     multi-process training (src/mpi) and its tests under mpirun
 #   python3 python3-venv ca-certificates           the .venv of the tests' Python peers, pip over HTTPS
 #   bible-kjv bible-kjv-text                       the demo's corpus
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
-      libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev python3 python3-venv ca-certificates
+      libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev openmpi-bin libopenmpi-dev python3 python3-venv ca-certificates
       bible-kjv bible-kjv-text)
 missing=()
 for p in "${pkgs[@]}"; do

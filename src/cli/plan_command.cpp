@@ -12,7 +12,7 @@ namespace {
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", chip, hbm;
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
-  bool compare = false, json = false, generate = false;
+  bool compare = false, json = false, generate = false, prefetch = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -79,6 +79,7 @@ void register_plan(CLI::App& app) {
   c->add_option("--context", a->context, "--generate: positions per sequence (prompt + new tokens)")->capture_default_str();
   c->add_option("--batch", a->gen_batch, "--generate: sequences decoded together")->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
+  c->add_flag("--prefetch", a->prefetch, "As train --prefetch: the next sub-layer's gathers overlap this one's compute");
   c->callback([a] {
     if (a->generate) {
       plan_generation(*a);
@@ -89,6 +90,7 @@ void register_plan(CLI::App& app) {
     r.devices = a->devices;
     r.fsdp = a->fsdp;
     r.expert_parallel = a->ep;
+    r.prefetch = a->prefetch;
     r.batch_per_device = a->batch;
     r.seq = a->seq;
     r.weight_dtype = train::parse_dtype(a->weight_dtype);

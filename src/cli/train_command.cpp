@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "mpi/mpi_collectives.h"
 #include "planner/plan.h"
 #include "train/trainer.h"
 
@@ -18,6 +19,7 @@ struct TrainArgs {
   train::TrainOptions o;
   std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", budget;
   int threads = 0;
+  int64_t fsdp = 0;
   bool report_memory = false, json = false, quiet = false;
 };
 
@@ -88,8 +90,30 @@ void register_train(CLI::App& app) {
                      ->check(CLI::ExistingDirectory);
   init->excludes(resume);
   c->add_option("--stop-after", a->o.stop_after, "Stop (and save) after N steps of the --steps schedule");
+  c->add_option("--fsdp", a->fsdp, "Under mpirun: ranks per FSDP group (default: all; data parallel across groups)");
+  c->add_flag("--prefetch", a->o.step.prefetch,
+              "Sharded runs: gather the next sub-layer's weights while this one computes and reduce-scatter its "
+              "gradients during the next backward (one more sub-layer's weights and gradients live)");
   c->callback([a] {
     TrainArgs& x = *a;
+    // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
+    std::unique_ptr<mpi::Runtime> rt;
+    mpi::Groups groups;
+    train::Distributed dist;
+    if (mpi::launched_by_mpirun()) {
+      rt = std::make_unique<mpi::Runtime>(nullptr, nullptr);
+      try {
+        groups = mpi::make_groups(*rt, x.fsdp);
+      } catch (const std::exception& e) {
+        rt->abort(std::string("error: ") + e.what());
+      }
+      dist = {groups.world.get(), groups.fsdp.get(), groups.replicas.get()};
+      x.o.dist = &dist;
+    } else if (x.fsdp > 1) {
+      throw std::invalid_argument("--fsdp " + std::to_string(x.fsdp) + " needs that many processes: start with mpirun -np N");
+    }
+    const int64_t world = rt ? rt->world_size() : 1;
+    const bool lead = !rt || rt->world_rank() == 0;
     x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");
     x.o.weight_dtype = train::parse_dtype(x.weight_dtype);
     x.o.step.compute = train::parse_dtype(x.compute_dtype);
@@ -99,13 +123,16 @@ void register_train(CLI::App& app) {
       planner::PlanRequest r;
       r.model = model::load_config(!x.o.resume.empty() || !x.o.init.empty() ? (!x.o.resume.empty() ? x.o.resume : x.o.init)
                                                                           : x.o.model);
-      r.batch_per_device = x.o.batch;
+      r.devices = world;
+      r.fsdp = x.fsdp;
+      r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
+      r.prefetch = x.o.step.prefetch;
       r.seq = x.o.seq;
       r.weight_dtype = x.o.weight_dtype;
       r.compute_dtype = x.o.step.compute;
       planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.budget));
       x.o.step.remat = p.remat;
-      std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),
+      if (lead) std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),
                    format_bytes(double(p.total_bytes)).c_str(), x.budget.c_str(),
                    p.fits ? "" : " -- does not fit: the smallest policy is used, expect to run out of memory");
     } else {
@@ -113,13 +140,36 @@ void register_train(CLI::App& app) {
     }
     x.o.progress = !x.quiet;
     if (x.threads > 0) omp_set_num_threads(x.threads);
-    train::TrainSummary s = train::run_training(x.o, std::cerr);
+    train::TrainSummary s;
+    if (rt) {
+      // A rank's error ends the job: the other ranks would wait for it in their next collective.
+      try {
+        s = train::run_training(x.o, std::cerr);
+      } catch (const std::exception& e) {
+        rt->abort(std::string("error: ") + e.what());
+      }
+    } else {
+      s = train::run_training(x.o, std::cerr);
+    }
+    // Every rank's step peak and exposed communication, for rank 0 to report.
+    std::vector<double> peaks(static_cast<size_t>(world), 0.0), exposed(static_cast<size_t>(world), 0.0);
+    const size_t me = rt ? static_cast<size_t>(rt->world_rank()) : 0;
+    peaks[me] = double(s.peak_bytes);
+    exposed[me] = s.comm_exposed_s;
+    if (rt) {
+      dist.world->all_reduce_sum(peaks.data(), world);
+      dist.world->all_reduce_sum(exposed.data(), world);
+    }
+    if (!lead) return;
     if (x.report_memory) print_memory(s.peak);
     std::printf("trained %lld steps: final loss %.4f (ce %.4f), %.0f tokens/s%s\n", (long long)s.steps, s.final_loss,
                 s.final_ce, s.tokens_per_s,
                 s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats/token = " +
                                   std::to_string(s.eval_bits_per_byte) + " bits/byte").c_str()
                                : "");
+    if (rt)
+      std::printf("%lld ranks: rank 0 waited %.3f s for communication in %.3f s of steady-state steps\n",
+                  (long long)world, s.comm_exposed_s, s.step_s);
     if (x.json) {
       nlohmann::json j = {{"steps", s.steps},
                           {"tokens_per_s", s.tokens_per_s},
@@ -130,6 +180,11 @@ void register_train(CLI::App& app) {
                           {"argument_bytes", s.argument_bytes},
                           {"temp_bytes", s.temp_bytes},
                           {"peak_bytes", s.peak_bytes},
+                          {"ranks", world},
+                          {"rank_peak_bytes", std::vector<size_t>(peaks.begin(), peaks.end())},
+                          {"rank_comm_exposed_s", exposed},
+                          {"step_s", s.step_s},
+                          {"losses", s.losses},
                           {"temp_by_category", memory_json(s.peak)},
                           {"remat", x.remat},
                           {"weight_dtype", x.weight_dtype},

@@ -1,8 +1,18 @@
 // Collectives of a data-parallel group, behind one small interface so the step schedule is the same for one
-// process (LocalCollectives), for planning (VirtualCollectives: a group of any size, no data moves) and, later, for
-// MPI/NCCL runs. Sharded tensors hold ceil(n / size) elements per rank.
+// process (LocalCollectives), for planning (VirtualCollectives: a group of any size, no data moves) and for MPI runs
+// (src/mpi). Sharded tensors hold shard_elems(n, size) = ceil(n / size) elements per rank: rank r holds elements
+// [r * shard, (r + 1) * shard) of the n, the last rank's tail past n is zero padding.
+//
+// Gathers and reduce-scatters are non-blocking: start_* returns a Request and the buffers must stay alive until its
+// wait(). A caller that splits a big tensor into pieces (each piece sharded over the group on its own, so a piece's
+// shard is contiguous on every rank) gathers or reduce-scatters a piece with the same calls on that piece's shard and
+// full buffers, and bounds the memory by keeping a fixed window of Requests in flight (two: double buffering).
+//
+// Sums are in rank order (rank 0 + rank 1 + ...), whatever the transport, so a run is deterministic for a given
+// group size.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "core/tensor.h"
@@ -11,37 +21,90 @@ namespace hs {
 
 class Collectives {
  public:
-  explicit Collectives(int64_t size) : size_(size) {}
+  // A started collective. wait() completes it, including the local part that follows the transfer (the rank-order
+  // sum of a reduce-scatter), and rethrows the transport's error. Destroying a pending Request waits for it (errors
+  // are then dropped: this only happens while an earlier error unwinds the step) so no buffer is freed under a
+  // transfer.
+  class Request {
+   public:
+    Request() = default;
+    explicit Request(std::function<void()> finish) : finish_(std::move(finish)) {}
+    Request(Request&& o) noexcept : finish_(std::move(o.finish_)) { o.finish_ = nullptr; }
+    Request& operator=(Request&& o) noexcept;
+    Request(const Request&) = delete;
+    Request& operator=(const Request&) = delete;
+    ~Request() { wait_quietly(); }
+    void wait();
+    bool pending() const { return static_cast<bool>(finish_); }
+
+   private:
+    void wait_quietly() noexcept;
+    std::function<void()> finish_;
+  };
+
+  explicit Collectives(int64_t size, int64_t rank = 0) : size_(size), rank_(rank) {}
   virtual ~Collectives() = default;
   int64_t size() const { return size_; }
+  int64_t rank() const { return rank_; }
   static int64_t shard_elems(int64_t n, int64_t size) { return (n + size - 1) / size; }
-  // full[0..n) (dtype `to`) = the concatenation of every rank's shard (converted from the shard's dtype).
-  virtual void all_gather(const TensorView& shard, void* full, DType to, int64_t n) = 0;
-  // shard += this rank's slice of the sum over ranks of full[0..n).
-  virtual void reduce_scatter(const float* full, int64_t n, float* shard) = 0;
-  // Sum of a scalar over ranks (loss, token counts, squared gradient norms).
-  virtual double all_reduce_sum(double x) = 0;
+  // Elements of a full buffer that gathers write and reduce-scatters read: n rounded up to a multiple of size.
+  static int64_t padded_elems(int64_t n, int64_t size) { return shard_elems(n, size) * size; }
+  int64_t padded_elems(int64_t n) const { return padded_elems(n, size_); }
+
+  // full[0..n) (dtype `to`) = the concatenation of every rank's shard (converted from the shard's dtype, which is
+  // shard.dtype; shard.data holds shard_elems(n, size) elements). full holds padded_elems(n) elements; the tail past
+  // n is scratch.
+  virtual Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) = 0;
+  // shard[0..shard_elems(n, size)) += this rank's slice of the sum over ranks of full[0..n). full holds
+  // padded_elems(n) floats (the tail past n zero) and is overwritten.
+  virtual Request start_reduce_scatter(float* full, int64_t n, float* shard) = 0;
+  void all_gather(const TensorView& shard, void* full, DType to, int64_t n) { start_all_gather(shard, full, to, n).wait(); }
+  void reduce_scatter(float* full, int64_t n, float* shard) { start_reduce_scatter(full, n, shard).wait(); }
+
+  // In place: x[i] = the sum over ranks of x[i] (loss, token counts, squared norms, router statistics).
+  virtual void all_reduce_sum(double* x, int64_t n) = 0;
+  double all_reduce_sum(double x) {
+    all_reduce_sum(&x, 1);
+    return x;
+  }
+  // In place, fp32 (the gradient shards of data-parallel replicas).
+  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  // Rank `root`'s bytes to every rank.
+  virtual void broadcast(void* data, size_t bytes, int64_t root) = 0;
+
+  // Seconds the calling thread spent blocked on this group's communication (inside wait() and the blocking calls)
+  // since the group was made: the communication that computation did not hide.
+  virtual double exposed_seconds() const { return 0; }
 
  private:
-  int64_t size_;
+  int64_t size_, rank_;
 };
 
 // A group of one: gathers are dtype conversions, reduce-scatters are adds.
 class LocalCollectives final : public Collectives {
  public:
   LocalCollectives() : Collectives(1) {}
-  void all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
-  void reduce_scatter(const float* full, int64_t n, float* shard) override;
-  double all_reduce_sum(double x) override { return x; }
+  using Collectives::all_reduce_sum;
+  Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
+  Request start_reduce_scatter(float* full, int64_t n, float* shard) override;
+  void all_reduce_sum(double*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t) override {}
+  void broadcast(void*, size_t, int64_t) override {}
 };
 
 // Planning: a group of `size` ranks whose buffers are virtual; nothing is touched.
 class VirtualCollectives final : public Collectives {
  public:
   explicit VirtualCollectives(int64_t size) : Collectives(size) {}
-  void all_gather(const TensorView&, void*, DType, int64_t) override {}
-  void reduce_scatter(const float*, int64_t, float*) override {}
-  double all_reduce_sum(double x) override { return x; }
+  using Collectives::all_reduce_sum;
+  Request start_all_gather(const TensorView&, void*, DType, int64_t) override { return {}; }
+  Request start_reduce_scatter(float*, int64_t, float*) override { return {}; }
+  void all_reduce_sum(double*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t) override {}
+  void broadcast(void*, size_t, int64_t) override {}
 };
+
+// dst[0..n) (dtype to) = src[0..n) (dtype from): a copy, or an fp32 <-> bf16 conversion.
+void convert_elements(const void* src, DType from, void* dst, DType to, int64_t n);
 
 }  // namespace hs

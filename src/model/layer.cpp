@@ -17,8 +17,8 @@ using namespace hs::kernels;
 bool is_routed_expert(const ParamSpec& s) { return s.name.rfind("mlp.experts.", 0) == 0; }
 
 template <typename T>
-ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                  Collectives* comm, int64_t expert_parallel) {
+ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
+                                        Collectives* comm, int64_t expert_parallel) {
   ComputeWeights<T> cw;
   auto specs = layer_specs(c, w.kind);
   for (size_t i = 0; i < specs.size(); ++i) {
@@ -27,8 +27,9 @@ ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, M
       if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
       const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
       const int64_t n = is_routed_expert(specs[i]) ? t.numel() / expert_parallel : t.numel();
-      Buffer full = mem.allocate(static_cast<size_t>(n) * dtype_size(to), MemCategory::WeightCasts, "gathered:" + specs[i].name);
-      comm->all_gather(t, full.data(), to, n);
+      Buffer full = mem.allocate(static_cast<size_t>(comm->padded_elems(n)) * dtype_size(to), MemCategory::WeightCasts,
+                                 "gathered:" + specs[i].name);
+      cw.pending.push_back(comm->start_all_gather(t, full.data(), to, n));
       cw.ptr.push_back(full.data());
       cw.owned.push_back(std::move(full));
       continue;
@@ -43,6 +44,14 @@ ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, M
       if (!v.owned.empty()) cw.owned.push_back(std::move(v.owned));
     }
   }
+  return cw;
+}
+
+template <typename T>
+ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
+                                  Collectives* comm, int64_t expert_parallel) {
+  ComputeWeights<T> cw = start_compute_weights<T>(c, w, mem, comm, expert_parallel);
+  cw.wait();
   return cw;
 }
 
@@ -332,7 +341,7 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
 
 template <typename T>
 RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const T* h_in, T* h_out,
-                          LayerSaved<T>* saved) {
+                          LayerSaved<T>* saved, ComputeWeights<T>* weights) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
   const bool P = mem.planning();
@@ -341,7 +350,8 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
   if (ctx.expert_parallel > 1 && !P) throw std::logic_error("expert parallelism is only planned, not run, in this version");
-  s.weights = compute_weights<T>(c, lw, mem, ctx.comm, ctx.expert_parallel);
+  s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm, ctx.expert_parallel);
+  s.weights.wait();
   const ComputeWeights<T>& w = s.weights;
   Alloc A{mem, keep};
   {
@@ -412,8 +422,12 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
 }
 
 #define HS_INSTANTIATE(T)                                                                                          \
-  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&, Collectives*, int64_t);        \
-  template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*);   \
+  template ComputeWeights<T> start_compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&,  \
+                                                      Collectives*, int64_t);                                      \
+  template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&,        \
+                                                Collectives*, int64_t);                                            \
+  template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*,    \
+                                        ComputeWeights<T>*);                                                       \
   template void layer_backward<T>(const LayerContext&, const LayerWeights&, const LayerWeights&, const T*,          \
                                   const LayerSaved<T>&, const float*, float*, const float*);
 HS_INSTANTIATE(float)

@@ -51,9 +51,19 @@ struct LayerContext {
 template <typename T> struct ComputeWeights {
   std::vector<Buffer> owned;
   std::vector<const void*> ptr;
+  std::vector<Collectives::Request> pending;  // gathers still in flight; after `owned` so they finish first
   const T* mat(size_t i) const { return static_cast<const T*>(ptr[i]); }
   const float* vec(size_t i) const { return static_cast<const float*>(ptr[i]); }
+  void wait() {
+    for (auto& r : pending) r.wait();
+    pending.clear();
+  }
 };
+// Starts the gathers (or does the casts) and returns with the gathers in flight: the schedule starts the next
+// sub-layer's while this one computes. compute_weights also waits.
+template <typename T>
+ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
+                                        Collectives* comm, int64_t expert_parallel = 1);
 template <typename T>
 ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
                                   Collectives* comm, int64_t expert_parallel = 1);
@@ -75,10 +85,11 @@ template <typename T> struct LayerSaved {
 };
 
 // Runs the layer. With `saved` it keeps what backward needs; without, every intermediate is freed on return.
-// Returns the MoE router statistics of this layer (empty for a dense FFN) as a value.
+// `weights`, when given, are this layer's compute weights already started by start_compute_weights (taken over);
+// otherwise they are made here. Returns the MoE router statistics of this layer (empty for a dense FFN) as a value.
 template <typename T>
 kernels::RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& w, const T* h_in, T* h_out,
-                                   LayerSaved<T>* saved);
+                                   LayerSaved<T>* saved, ComputeWeights<T>* weights = nullptr);
 // Backward from dh_out (fp32 [tokens, H]); writes dh_in (fp32, not accumulated) and accumulates the parameter
 // gradients into `grads` (fp32 views shaped like w). aux_dprob is the load-balance gradient per expert (or null).
 template <typename T>

@@ -1,8 +1,11 @@
 #include "model/params.h"
 
+#include "core/collectives.h"
 #include "core/hash.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 namespace hs::model {
@@ -101,7 +104,13 @@ ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& m
     full.insert(full.end(), s.shape.begin(), s.shape.end());
     DType t = (s.keep_fp32 || cat != MemCategory::Parameters) ? DType::F32 : weight_dtype;
     std::string name = prefix + s.name;
-    Shape stored = shards == 1 ? full : Shape{(hs::numel(full) + shards - 1) / shards};
+    // Sharded: each layer's tensor is split over the ranks on its own, so a sub-layer's gather reads one
+    // contiguous shard per rank: lead ++ [ceil(per-layer numel / shards)].
+    Shape stored = full;
+    if (shards > 1) {
+      stored = lead;
+      stored.push_back(Collectives::shard_elems(hs::numel(s.shape), shards));
+    }
     Tensor tensor = zero ? Tensor::zeros(mem, cat, t, stored, name) : Tensor::empty(mem, cat, t, stored, name);
     params_.push_back({name, s, lead, std::move(tensor), full, t});
   };
@@ -127,17 +136,12 @@ LayerWeights ParamSet::layer(const LayerSlot& s) const {
   LayerWeights w{s.kind(), {}, shards_};
   size_t n = layer_specs(cfg_, s.kind()).size();
   size_t first = first_[static_cast<int>(s.group)];
-  if (shards_ > 1) {
-    for (size_t i = 0; i < n; ++i) {
-      const StackedParam& sp = params_.at(first + i);
-      w.t.emplace_back(nullptr, sp.dtype, sp.spec.shape);
-    }
-    return w;
-  }
   for (size_t i = 0; i < n; ++i) {
-    const TensorView& full = params_.at(first + i).tensor.view();
-    TensorView v = full[s.block];
+    const StackedParam& sp = params_.at(first + i);
+    TensorView v = sp.tensor.view()[s.block];
     if (s.group == StackGroup::Local) v = v[s.local];
+    // Sharded: this rank's shard of the layer's tensor, described by the per-layer shape the gather produces.
+    if (shards_ > 1) v = TensorView(v.data, sp.dtype, sp.spec.shape);
     w.t.push_back(v);
   }
   return w;
@@ -203,6 +207,67 @@ void init_params(ParamSet& params, uint64_t seed) {
     };
     if (prm.tensor.dtype() == DType::F32) fill(prm.tensor.as<float>(), prm.tensor.numel(), gen);
     else fill(prm.tensor.as<bf16>(), prm.tensor.numel(), gen);
+  }
+}
+
+}  // namespace hs::model
+
+namespace hs::model {
+
+namespace {
+
+// The pairs of tensors copy_shard and gather_full move between, checked to be of the same model and dtypes.
+struct ShardGeometry {
+  int64_t layers, per_layer, shard;
+  size_t elem;
+};
+ShardGeometry geometry(const StackedParam& full, const StackedParam& shard, int64_t shards) {
+  if (full.name != shard.name || full.dtype != shard.dtype || full.full_shape != shard.full_shape)
+    throw std::invalid_argument("shards of '" + shard.name + "' do not match the full tensor '" + full.name + "'");
+  const int64_t per_layer = hs::numel(shard.spec.shape);
+  return {hs::numel(shard.lead), per_layer, Collectives::shard_elems(per_layer, shards), dtype_size(shard.dtype)};
+}
+
+void check_sets(const ParamSet& full, const ParamSet& shard) {
+  if (full.shards() != 1 || full.all().size() != shard.all().size())
+    throw std::invalid_argument("a sharded set needs a full set of the same model");
+}
+
+}  // namespace
+
+void copy_shard(const ParamSet& full, ParamSet& shard, int64_t rank) {
+  check_sets(full, shard);
+  for (size_t t = 0; t < full.all().size(); ++t) {
+    const StackedParam& f = full.all()[t];
+    StackedParam& s = shard.all()[t];
+    const ShardGeometry g = geometry(f, s, shard.shards());
+    const int64_t begin = std::min(g.per_layer, rank * g.shard), count = std::min(g.shard, g.per_layer - begin);
+    for (int64_t l = 0; l < g.layers; ++l) {
+      const char* src = static_cast<const char*>(f.tensor.data()) + (l * g.per_layer + begin) * g.elem;
+      char* dst = static_cast<char*>(s.tensor.data()) + l * g.shard * g.elem;
+      std::memcpy(dst, src, static_cast<size_t>(count) * g.elem);
+      std::memset(dst + count * g.elem, 0, static_cast<size_t>(g.shard - count) * g.elem);
+    }
+  }
+}
+
+void gather_full(const ParamSet& shard, ParamSet& full, Collectives& group) {
+  check_sets(full, shard);
+  if (group.size() != shard.shards())
+    throw std::invalid_argument("the set is sharded " + std::to_string(shard.shards()) + " ways but the group has " +
+                                std::to_string(group.size()) + " ranks");
+  std::vector<char> gathered;
+  for (size_t t = 0; t < full.all().size(); ++t) {
+    const StackedParam& s = shard.all()[t];
+    StackedParam& f = full.all()[t];
+    const ShardGeometry g = geometry(f, s, shard.shards());
+    gathered.resize(static_cast<size_t>(group.padded_elems(g.per_layer)) * g.elem);
+    for (int64_t l = 0; l < g.layers; ++l) {
+      char* src = static_cast<char*>(s.tensor.data()) + l * g.shard * g.elem;
+      group.all_gather(TensorView(src, s.dtype, {g.shard}), gathered.data(), s.dtype, g.per_layer);
+      std::memcpy(static_cast<char*>(f.tensor.data()) + l * g.per_layer * g.elem, gathered.data(),
+                  static_cast<size_t>(g.per_layer) * g.elem);
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "core/collectives.h"
 #include "core/tensor.h"
 #include "model/config.h"
 
@@ -47,7 +48,7 @@ enum Global { kEmbed = 0, kFinalNorm, kLmHead };
 struct LayerWeights {
   LayerKind kind;
   std::vector<TensorView> t;  // in layer_specs order
-  int64_t shards = 1;         // > 1: the views carry per-layer shapes and dtypes only; the data is sharded
+  int64_t shards = 1;         // > 1: each view points at this rank's shard and carries the per-layer (gathered) shape
   const TensorView& operator[](size_t i) const { return t[i]; }
 };
 
@@ -77,7 +78,8 @@ int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s);
 class ParamSet {
  public:
   ParamSet() = default;
-  // shards > 1: fully-sharded data parallelism; each tensor holds ceil(numel / shards) elements (1-D) on this rank.
+  // shards > 1: fully-sharded data parallelism; each layer's slice of a stacked tensor is split over the ranks on its
+  // own, so a tensor holds lead ++ [ceil(per-layer numel / shards)] elements on this rank.
   ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero,
            int64_t shards = 1);
   int64_t shards() const { return shards_; }
@@ -105,5 +107,11 @@ class ParamSet {
 // 0 (scale 1); the gated norm weight 1; A_log = log(U(1,16)); dt_bias = log(expm1(U(0.001, 0.1))) (softplus^-1 of
 // a step in [0.001, 0.1], as Mamba-2 does); conv weights U(-1/sqrt(K), 1/sqrt(K)).
 void init_params(ParamSet& params, uint64_t seed);
+
+// Between a full set and a sharded set of the same model and dtypes: this rank's shards cut out of the full set (the
+// padding zeroed), and the full set put together from every rank's shards (a collective: every rank of `group`
+// calls it, and every rank receives the full set).
+void copy_shard(const ParamSet& full, ParamSet& shard, int64_t rank);
+void gather_full(const ParamSet& shard, ParamSet& full, Collectives& group);
 
 }  // namespace hs::model

@@ -43,6 +43,7 @@ PlanResult plan(const PlanRequest& r) {
     throw std::invalid_argument("--expert-parallel " + std::to_string(r.expert_parallel) + " must divide the FSDP group (" +
                                 std::to_string(fsdp) + ")");
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
+  opt.prefetch = r.prefetch;
   train::forward_backward(params, b, opt, mem, &grads);
 
   PlanResult out;

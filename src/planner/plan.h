@@ -23,6 +23,7 @@ struct PlanRequest {
   DType weight_dtype = DType::F32;
   DType compute_dtype = DType::BF16;
   size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
+  bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
 };
 
 struct PlanResult {

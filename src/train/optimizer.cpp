@@ -18,13 +18,15 @@ double lr_at(const OptimizerConfig& c, int64_t step) {
 
 AdamWOptimizer::AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem)
     : cfg_(cfg),
-      m_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true),
-      v_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true) {}
+      m_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true, params.shards()),
+      v_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true, params.shards()) {}
 
-double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads) {
+double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads, Collectives* shards) {
   std::vector<std::pair<const float*, int64_t>> arrays;
   for (auto& g : grads.all()) arrays.emplace_back(g.tensor.as<float>(), g.tensor.numel());
-  const double norm = std::sqrt(kernels::sum_squares_all(arrays));
+  double squares = kernels::sum_squares_all(arrays);
+  if (shards) squares = shards->all_reduce_sum(squares);
+  const double norm = std::sqrt(squares);
   kernels::AdamWParams p;
   if (cfg_.clip > 0 && norm > cfg_.clip) p.grad_scale = static_cast<float>(cfg_.clip / (norm + 1e-6));
   p.lr = static_cast<float>(lr_at(cfg_, step_));

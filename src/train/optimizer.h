@@ -1,4 +1,4 @@
-// AdamW over a ParamSet with fp32 moments, global-norm gradient clipping, and a warmup + cosine learning-rate
+// AdamW over a ParamSet (or this rank's shards of one: the moments are sharded alike) with fp32 moments, global-norm gradient clipping, and a warmup + cosine learning-rate
 // schedule.
 #pragma once
 #include <cstdint>
@@ -24,8 +24,9 @@ class AdamWOptimizer {
  public:
   AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem);
   // Clips `grads` to the configured global norm, updates `params` and leaves `grads` zeroed (ready to
-  // accumulate the next step's gradients); returns the norm before clipping.
-  double step(model::ParamSet& params, model::ParamSet& grads);
+  // accumulate the next step's gradients); returns the norm before clipping. Sharded sets: `shards` is the group
+  // holding the other shards, over which the squared norm is summed.
+  double step(model::ParamSet& params, model::ParamSet& grads, Collectives* shards = nullptr);
   int64_t steps_taken() const { return step_; }
   void set_steps_taken(int64_t s) { step_ = s; }
   model::ParamSet& first_moment() { return m_; }

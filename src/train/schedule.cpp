@@ -16,6 +16,7 @@ using model::LayerSlot;
 using model::ModelConfig;
 using model::ParamSet;
 using model::StackGroup;
+using kernels::RouterStats;
 
 std::string remat_name(RematPolicy p) {
   switch (p) {
@@ -89,12 +90,29 @@ struct Runner {
   std::vector<LayerSlot> slots;
   LocalCollectives local;
   Collectives* comm;
+  Collectives* batch_comm;  // sums over the global batch (the ranks that share it)
   int64_t ep = 1;
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
+  bool prefetch = false;
 
-  Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group)
+  // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
+  // call k takes its weights, call k+1's gathers are started and run while k computes.
+  std::vector<size_t> calls;
+  size_t next_call = 0;
+  model::ComputeWeights<T> ahead;
+  bool have_ahead = false;
+  // A reduce-scatter left in flight while the next backward computes: its full gradients and requests (the requests
+  // last, so they are finished before the buffers are freed).
+  struct InFlight {
+    std::vector<Buffer> full;
+    std::vector<Collectives::Request> requests;
+  };
+  InFlight in_flight;
+
+  Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group, Collectives* batch_group)
       : params(p), c(p.config()), b(bt), mem(m), P(m.planning()), N(bt.batch * bt.seq), H(p.config().hidden),
-        slots(scan_order(p.config())), comm(group ? group : &local) {
+        slots(scan_order(p.config())), comm(group ? group : &local),
+        batch_comm(batch_group ? batch_group : &local) {
     if (comm->size() != p.shards())
       throw std::invalid_argument("parameters are sharded " + std::to_string(p.shards()) + " ways but the group has " +
                                   std::to_string(comm->size()) + " ranks");
@@ -106,6 +124,34 @@ struct Runner {
     return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables};
   }
   bool sharded() const { return params.shards() > 1; }
+  bool prefetching() const { return prefetch && sharded(); }
+
+  model::ComputeWeights<T> start_weights(size_t i) {
+    return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm, ep);
+  }
+  // The weights of layer_forward call number next_call (of layer i), with the next call's gathers started.
+  model::ComputeWeights<T> weights_for(size_t i) {
+    if (!prefetching()) return start_weights(i);
+    if (next_call >= calls.size() || calls[next_call] != i) throw std::logic_error("schedule: layer calls out of order");
+    model::ComputeWeights<T> w = have_ahead ? std::move(ahead) : start_weights(i);
+    have_ahead = ++next_call < calls.size();
+    if (have_ahead) ahead = start_weights(calls[next_call]);
+    return w;
+  }
+  RouterStats run_layer(size_t i, const T* in, T* out, model::LayerSaved<T>* saved) {
+    model::ComputeWeights<T> w = weights_for(i);
+    return model::layer_forward<T>(ctx(), params.layer(slots[i]), in, out, saved, &w);
+  }
+
+  // Hands a started reduce-scatter over: waited for now, or (prefetching) when the next one is handed over.
+  void submit(InFlight next) {
+    for (auto& q : in_flight.requests) q.wait();
+    in_flight = {};
+    if (prefetching()) in_flight = std::move(next);
+    else
+      for (auto& q : next.requests) q.wait();
+  }
+  void finish_in_flight() { submit({}); }
 
   // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
   // the storage dtype differs, else used in place.
@@ -114,7 +160,7 @@ struct Runner {
     if (!sharded()) return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
     model::Converted<E> r;
     const int64_t n = hs::numel(sp.full_shape);
-    r.owned = mem.allocate_n<E>(static_cast<size_t>(n), MemCategory::WeightCasts, "gathered_weight");
+    r.owned = mem.allocate_n<E>(static_cast<size_t>(comm->padded_elems(n)), MemCategory::WeightCasts, "gathered_weight");
     comm->all_gather(sp.tensor.view(), r.owned.data(), dtype_of<E>(), n);
     r.ptr = static_cast<const E*>(r.owned.data());
     return r;
@@ -124,6 +170,7 @@ struct Runner {
   // temporaries that are reduce-scattered into this rank's shards once the layer's backward is done.
   struct GradTarget {
     std::vector<Buffer> full;
+    std::vector<float*> shards;  // this rank's gradient shard of each tensor
     model::LayerWeights view;
   };
   GradTarget layer_grads(ParamSet& grads, const LayerSlot& s) {
@@ -134,8 +181,9 @@ struct Runner {
     for (size_t i = 0; i < g.view.t.size(); ++i) {
       TensorView& v = g.view.t[i];
       if (model::is_routed_expert(specs[i]) && ep > 1) v.shape[0] /= ep;  // this rank's experts only
-      g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(v.numel()), MemCategory::Gradients,
+      g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(v.numel())), MemCategory::Gradients,
                                              "layer_grad:" + specs[i].name, true));
+      g.shards.push_back(static_cast<float*>(v.data));
       v.data = g.full.back().data();
       v.dtype = DType::F32;
     }
@@ -143,8 +191,11 @@ struct Runner {
     return g;
   }
   void reduce_scatter(GradTarget& g) {
-    for (size_t i = 0; i < g.full.size(); ++i) comm->reduce_scatter(ptr<float>(g.full[i]), g.view.t[i].numel(), nullptr);
-    g.full.clear();
+    InFlight f;
+    for (size_t i = 0; i < g.full.size(); ++i)
+      f.requests.push_back(comm->start_reduce_scatter(ptr<float>(g.full[i]), g.view.t[i].numel(), g.shards[i]));
+    f.full = std::move(g.full);
+    submit(std::move(f));
   }
   struct GlobalGrad {
     Buffer full;
@@ -153,14 +204,19 @@ struct Runner {
   GlobalGrad global_grad(ParamSet& grads, model::g::Global which) {
     const model::StackedParam& sp = grads.global_param(which);
     if (!sharded()) return {Buffer(), static_cast<float*>(sp.tensor.data())};
-    Buffer full = mem.allocate_n<float>(static_cast<size_t>(hs::numel(sp.full_shape)), MemCategory::Gradients, "global_grad", true);
+    Buffer full = mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(hs::numel(sp.full_shape))),
+                                        MemCategory::Gradients, "global_grad", true);
     float* p = ptr<float>(full);
     return {std::move(full), p};
   }
   void reduce_scatter(GlobalGrad& g, ParamSet& grads, model::g::Global which) {
     if (!sharded()) return;
-    comm->reduce_scatter(ptr<float>(g.full), hs::numel(grads.global_param(which).full_shape), nullptr);
-    g.full.reset();
+    const model::StackedParam& sp = grads.global_param(which);
+    InFlight f;
+    f.requests.push_back(
+        comm->start_reduce_scatter(ptr<float>(g.full), hs::numel(sp.full_shape), static_cast<float*>(sp.tensor.data())));
+    f.full.push_back(std::move(g.full));
+    submit(std::move(f));
   }
 
   Buffer embed(MemCategory cat) {
@@ -202,10 +258,31 @@ struct Runner {
     return r;
   }
 
+  // Router statistics of every layer summed over the batch group, in one call: [counts, prob sums, rows] per layer.
+  void sum_router_stats(std::vector<RouterStats>& router) {
+    if (batch_comm->size() == 1 || router.empty()) return;
+    std::vector<double> v;
+    for (const RouterStats& s : router) {
+      v.insert(v.end(), s.expert_counts.begin(), s.expert_counts.end());
+      v.insert(v.end(), s.prob_sums.begin(), s.prob_sums.end());
+      v.push_back(static_cast<double>(s.rows));
+    }
+    batch_comm->all_reduce_sum(v.data(), static_cast<int64_t>(v.size()));
+    size_t k = 0;
+    for (RouterStats& s : router) {
+      for (double& e : s.expert_counts) e = v[k++];
+      for (double& e : s.prob_sums) e = v[k++];
+      s.rows = static_cast<int64_t>(v[k++]);
+    }
+  }
+
   void finish(StepResult& r, const kernels::XentResult& x, std::vector<float>* dprob) {
-    r.ce_sum = x.loss_sum;
-    r.count = x.count;
-    r.ce = x.count ? x.loss_sum / static_cast<double>(x.count) : 0.0;
+    double sums[2] = {x.loss_sum, static_cast<double>(x.count)};
+    batch_comm->all_reduce_sum(sums, 2);
+    r.ce_sum = sums[0];
+    r.count = static_cast<int64_t>(sums[1]);
+    sum_router_stats(r.router);
+    r.ce = r.count ? r.ce_sum / static_cast<double>(r.count) : 0.0;
     if (c.moe()) r.aux = kernels::load_balance_loss(r.router, c.experts, dprob);
     r.loss = r.ce + c.router_aux_coef * r.aux;
     if (dprob)
@@ -235,13 +312,23 @@ struct Runner {
     auto keeps_input = [&](size_t i) {
       return i == L || policy != RematPolicy::Block || seg[i];
     };
+    for (size_t i = 0; i < L; ++i) calls.push_back(i);
+    if (policy == RematPolicy::Sublayer) {
+      for (size_t i = L; i-- > 0;) calls.push_back(i);
+    } else if (policy == RematPolicy::Block) {
+      for (size_t end = L; end > 0;) {
+        size_t start = end - 1;
+        while (!seg[start]) --start;
+        for (size_t i = start; i < end; ++i) calls.push_back(i);
+        end = start;
+      }
+    }
     Buffer h = embed(keeps_input(0) ? MemCategory::Activations : MemCategory::Workspace);
     for (size_t i = 0; i < L; ++i) {
       MemCategory out_cat = keeps_input(i + 1) ? MemCategory::Activations : MemCategory::Workspace;
       Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), out_cat, "h.layer_out");
       if (policy == RematPolicy::None) states[i] = std::make_unique<model::LayerSaved<T>>();
-      r.router.push_back(
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), ptr<T>(h), ptr<T>(out), states[i].get()));
+      r.router.push_back(run_layer(i, ptr<T>(h), ptr<T>(out), states[i].get()));
       if (keeps_input(i)) kept[i] = std::move(h);
       h = std::move(out);
     }
@@ -250,7 +337,7 @@ struct Runner {
     if (!*grads_out || !same_layout(**grads_out, params))
       grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
     ParamSet& grads = **grads_out;
-    const int64_t count = count_targets(b, P);
+    const int64_t count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(count_targets(b, P))));
     Buffer dh = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");
     std::vector<float> dprob;
     finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, &grads, ptr<float>(dh), nullptr),
@@ -277,7 +364,7 @@ struct Runner {
         model::LayerSaved<T> st;
         {
           Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.recompute_out");
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), ptr<T>(kept[i]), ptr<T>(out), &st);
+          run_layer(i, ptr<T>(kept[i]), ptr<T>(out), &st);
         }
         backward_one(i, ptr<T>(kept[i]), st);
         kept[i].reset();
@@ -294,7 +381,7 @@ struct Runner {
           const T* in = i == start ? ptr<T>(kept[start]) : ptr<T>(inputs.back());
           Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.recompute_out");
           st.push_back(std::make_unique<model::LayerSaved<T>>());
-          model::layer_forward<T>(ctx(), params.layer(slots[i]), in, ptr<T>(out), st.back().get());
+          run_layer(i, in, ptr<T>(out), st.back().get());
           if (i + 1 < end) inputs.push_back(std::move(out));
         }
         for (size_t i = end; i-- > start;) {
@@ -310,6 +397,7 @@ struct Runner {
     GlobalGrad de = global_grad(grads, model::g::kEmbed);
     if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
     reduce_scatter(de, grads, model::g::kEmbed);
+    finish_in_flight();
     return r;
   }
 };
@@ -320,20 +408,25 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
                             std::unique_ptr<ParamSet>* grads) {
   if (opt.expert_parallel < 1 || (params.config().moe() && params.config().experts % opt.expert_parallel != 0))
     throw std::invalid_argument("--expert-parallel must divide the number of experts");
-  if (opt.compute == DType::F32) {
-    Runner<float> r(params, b, mem, opt.comm);
+  Collectives* batch_group = opt.batch_group ? opt.batch_group : opt.comm;
+  auto run = [&](auto& r) {
     r.ep = opt.expert_parallel;
+    r.prefetch = opt.prefetch;
     return r.forward_backward(opt.remat, grads);
+  };
+  if (opt.compute == DType::F32) {
+    Runner<float> r(params, b, mem, opt.comm, batch_group);
+    return run(r);
   }
-  Runner<bf16> r(params, b, mem, opt.comm);
-  r.ep = opt.expert_parallel;
-  return r.forward_backward(opt.remat, grads);
+  Runner<bf16> r(params, b, mem, opt.comm, batch_group);
+  return run(r);
 }
 
 StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits,
                         Collectives* comm) {
-  if (compute == DType::F32) return Runner<float>(params, b, mem, comm).forward_only(logits);
-  return Runner<bf16>(params, b, mem, comm).forward_only(logits);
+  // Every rank evaluates the same batch here: nothing is summed over ranks.
+  if (compute == DType::F32) return Runner<float>(params, b, mem, comm, nullptr).forward_only(logits);
+  return Runner<bf16>(params, b, mem, comm, nullptr).forward_only(logits);
 }
 
 }  // namespace hs::train

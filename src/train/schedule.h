@@ -30,6 +30,14 @@ struct StepOptions {
   // again for its recompute) and its gradients are reduce-scattered right after its backward.
   Collectives* comm = nullptr;
   int64_t expert_parallel = 1;  // planning only: routed experts split over this many ranks of the group
+  // The ranks that share the global batch (every rank of a run; the FSDP group is one of its parts): target counts,
+  // loss sums and router statistics are summed over it, so each rank's gradients are its share of the global
+  // mean's. Null: comm.
+  Collectives* batch_group = nullptr;
+  // With sharded parameters, start the next sub-layer's gathers when one starts (they run while it computes) and
+  // leave each sub-layer's gradient reduce-scatter in flight while the next backward computes: one more sub-layer's
+  // gathered weights and full gradients live at once. No effect unsharded.
+  bool prefetch = false;
 };
 
 struct StepResult {

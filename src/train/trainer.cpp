@@ -29,10 +29,39 @@ std::string format_duration(double s) {
   return b;
 }
 
+// Rows [first, first + count) of a batch: a rank's share of the global batch.
+TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
+  TokenBatch r;
+  r.batch = count;
+  r.seq = tb.seq;
+  const auto from = static_cast<ptrdiff_t>(first * tb.seq), to = static_cast<ptrdiff_t>((first + count) * tb.seq);
+  r.inputs.assign(tb.inputs.begin() + from, tb.inputs.begin() + to);
+  r.targets.assign(tb.targets.begin() + from, tb.targets.begin() + to);
+  return r;
+}
+
+// Every rank must run the same command: rank 0's options and model are compared with each rank's before any step.
+void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
+  const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
+                           "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
+                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.dist->fsdp->size());
+  uint64_t h = 1469598103934665603ull, root;
+  for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
+  root = h;
+  world.broadcast(&root, sizeof root, 0);
+  const double differing = world.all_reduce_sum(root == h ? 0.0 : 1.0);
+  if (differing > 0)
+    throw std::invalid_argument(std::to_string(static_cast<int64_t>(differing)) + " of " + std::to_string(world.size()) +
+                                " ranks were started with other options or another model than rank 0" +
+                                (root == h ? std::string() : " (rank " + std::to_string(world.rank()) + " is one)") +
+                                ": every rank must run the same command");
+}
+
 }  // namespace
 
 EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
-                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches) {
+                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches,
+                           Collectives* shards) {
   EvalResult r;
   double sum = 0;
   int64_t n = eval_batch_count(tokens.size(), seq, batch);
@@ -40,7 +69,7 @@ EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSo
   for (int64_t i = 0; i < n; ++i) {
     const TokenBatch tb = eval_batch(tokens, seq, batch, i);
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
-    StepResult s = forward_only(params, b, compute, mem);
+    StepResult s = forward_only(params, b, compute, mem, nullptr, shards);
     sum += s.ce_sum;
     r.count += s.count;
     for (int32_t t : tb.targets)
@@ -129,8 +158,16 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
 }
 
-TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
+TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   TrainOptions o = o_in;
+  const Distributed* dist = o.dist;
+  const int64_t world = dist ? dist->world->size() : 1, rank = dist ? dist->world->rank() : 0;
+  const int64_t shards = dist ? dist->fsdp->size() : 1;
+  // Only rank 0 reports and writes files.
+  const bool lead = rank == 0;
+  std::ostream null_log(nullptr);
+  std::ostream& log = lead ? log_in : null_log;
+  if (!lead) o.progress = false;
   std::optional<checkpoint::CheckpointDir> resume;
   int64_t first_step = 0;
   if (!o.resume.empty()) {
@@ -146,6 +183,13 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   const model::ModelConfig cfg = resume ? resume->config : (!o.init.empty() ? checkpoint::open_checkpoint_dir(o.init).config
                                                                              : model::load_config(o.model));
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
+  if (dist) {
+    check_same_run(o, cfg, *dist->world);
+    if (o.batch % world != 0)
+      throw std::invalid_argument("--batch " + std::to_string(o.batch) + " (the global batch) must be a multiple of the " +
+                                  std::to_string(world) + " ranks");
+    if (o.step.expert_parallel > 1) throw std::invalid_argument("--expert-parallel is planned only, not run");
+  }
   const ModelVocabulary vocab{cfg.vocab, checkpoint_tokenizer(!o.resume.empty() ? o.resume : o.init)};
   Tokens tokens;
   Corpus corpus;
@@ -159,52 +203,101 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   }
   // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
   const std::string carried_tokenizer = !tokens.tokenizer.empty() ? tokens.tokenizer : vocab.tokenizer;
-  if (!o.out.empty()) std::filesystem::create_directories(o.out);
+  if (!o.out.empty() && lead) std::filesystem::create_directories(o.out);
 
   MemoryAccountant mem;
-  model::ParamSet params(cfg, o.weight_dtype, mem, MemCategory::Parameters, false);
+  model::ParamSet params(cfg, o.weight_dtype, mem, MemCategory::Parameters, false, shards);
   OptimizerConfig oc = o.opt;
   oc.total_steps = o.steps;
   AdamWOptimizer opt(params, oc, mem);
+  // Sharded: initialisation and checkpoints go through a full set that lives only for that moment, outside the
+  // step's accounting: each rank keeps its shards of it, and a save gathers it back, so the files are the same
+  // whatever the rank count.
+  MemoryAccountant full_mem;
+  std::unique_ptr<model::ParamSet> full_params, full_m, full_v;
+  auto make_full = [&] {
+    full_params = std::make_unique<model::ParamSet>(cfg, o.weight_dtype, full_mem, MemCategory::Parameters, false);
+    full_m = std::make_unique<model::ParamSet>(cfg, DType::F32, full_mem, MemCategory::OptimizerState, true);
+    full_v = std::make_unique<model::ParamSet>(cfg, DType::F32, full_mem, MemCategory::OptimizerState, true);
+  };
+  auto drop_full = [&] { full_params.reset(), full_m.reset(), full_v.reset(); };
+  if (shards > 1) make_full();
+  const int64_t param_count = shards > 1 ? full_params->numel() : params.numel();
+  model::ParamSet& whole = shards > 1 ? *full_params : params;  // what initialisation and loading fill
   nlohmann::json hf_origin, source_config;  // kept so that an export reproduces the source's layout and config.json
   if (resume) {
     source_config = resume->config_json;
-    checkpoint::load_parameters(*resume, params);
-    checkpoint::load_optimizer_state(*resume, opt.first_moment(), opt.second_moment());
+    checkpoint::load_parameters(*resume, whole);
+    checkpoint::load_optimizer_state(*resume, shards > 1 ? *full_m : opt.first_moment(),
+                                     shards > 1 ? *full_v : opt.second_moment());
     opt.set_steps_taken(first_step);
     if (resume->native.contains("hf")) hf_origin = resume->native["hf"];
     log << "resumed " << o.resume << " at step " << first_step << "\n";
   } else if (!o.init.empty()) {
     checkpoint::CheckpointDir init = checkpoint::open_checkpoint_dir(o.init);
     source_config = init.config_json;
-    for (const auto& n : checkpoint::load_parameters(init, params)) log << "init: " << n << "\n";
+    for (const auto& n : checkpoint::load_parameters(init, whole)) log << "init: " << n << "\n";
     hf_origin = {{"prefix", init.hf.prefix},
                  {"experts", init.hf.experts == checkpoint::ExpertLayout::Fused ? "fused" : "per_expert"},
                  {"metadata", init.hf_metadata}};
     log << "initialised from " << o.init << "\n";
   } else {
-    model::init_params(params, o.seed);
+    model::init_params(whole, o.seed);
   }
+  if (shards > 1) {
+    const int64_t r = dist->fsdp->rank();
+    copy_shard(*full_params, params, r);
+    copy_shard(*full_m, opt.first_moment(), r);
+    copy_shard(*full_v, opt.second_moment(), r);
+    drop_full();
+  }
+  // Sharded: the first FSDP group gathers the full state and rank 0 writes it (one writer: the atomic rename of one
+  // directory is what makes a checkpoint complete or absent, whatever happens to the other ranks). Every rank learns
+  // whether the write succeeded, so a failed save stops them all.
   auto save = [&](int64_t step) {
     if (o.out.empty()) return;
     const std::string dir = o.out + "/checkpoint-" + std::to_string(step);
     nlohmann::json state = {{"step", step}, {"options", options_to_json(o)}};
     if (!hf_origin.is_null()) state["hf"] = hf_origin;
     if (!source_config.is_null()) state["config_json"] = source_config;
-    checkpoint::save_native(dir, {&params, &opt.first_moment(), &opt.second_moment(), state, carried_tokenizer});
+    std::string error;
+    try {
+      if (shards > 1 && rank < shards) {
+        make_full();
+        gather_full(params, *full_params, *dist->fsdp);
+        gather_full(opt.first_moment(), *full_m, *dist->fsdp);
+        gather_full(opt.second_moment(), *full_v, *dist->fsdp);
+      }
+      if (lead) {
+        const bool full = shards > 1;
+        checkpoint::save_native(dir, {full ? full_params.get() : &params, full ? full_m.get() : &opt.first_moment(),
+                                      full ? full_v.get() : &opt.second_moment(), state,
+                                      carried_tokenizer});
+      }
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    drop_full();
+    if (dist && dist->world->all_reduce_sum(error.empty() ? 0.0 : 1.0) > 0)
+      throw std::runtime_error("saving " + dir + " failed" + (error.empty() ? " on another rank" : ": " + error));
+    if (!error.empty()) throw std::runtime_error(error);
     log << "saved " << dir << "\n";
   };
   log << "model: " << model::describe(cfg) << "\n"
-      << "params " << params.numel() << " (" << format_bytes(double(params.nbytes())) << " " << dtype_name(o.weight_dtype)
+      << "params " << param_count << " ("
+      << format_bytes(double(params.nbytes())) << " " << dtype_name(o.weight_dtype) << (shards > 1 ? " per rank" : "")
       << "), remat " << remat_name(o.step.remat) << ", compute " << dtype_name(o.step.compute) << ", batch " << o.batch
       << " x seq " << o.seq << ", " << o.steps << " steps";
   if (!o.synthetic)
     log << ", corpus " << tokens.description << ": " << corpus.train.size() << " train / " << corpus.heldout.size()
         << " held-out tokens";
   log << "\n";
+  if (dist)
+    log << world << " ranks: FSDP groups of " << shards << " (" << world / shards << " data-parallel replicas), "
+        << o.batch / world << " sequences per rank" << (o.step.prefetch ? ", prefetching" : "") << "\n";
 
   std::ofstream metrics;
-  if (!o.out.empty()) metrics.open(o.out + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
+  if (!o.out.empty() && lead) metrics.open(o.out + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
   Series train_curve{"train loss", "#1f77b4", {}}, eval_curve{"held-out loss", "#d62728", {}};
   TrainSummary sum;
   const bool tty = o.progress && isatty(STDERR_FILENO);
@@ -213,17 +306,33 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   const int64_t last_step = o.stop_after >= 0 ? std::min(o.steps, first_step + o.stop_after) : o.steps;
   // One gradient set for the whole run: the optimizer step zeroes it as it reads it, so no step clears it.
   std::unique_ptr<model::ParamSet> grads;
+  StepOptions step_opt = o.step;
+  if (dist) {
+    step_opt.comm = dist->fsdp;
+    step_opt.batch_group = dist->world;
+  }
+  auto comm_seconds = [&] {
+    return dist ? dist->world->exposed_seconds() + dist->fsdp->exposed_seconds() + dist->replicas->exposed_seconds() : 0;
+  };
+  double first_step_comm = 0;
   for (int64_t step = first_step; step < last_step; ++step) {
     TokenBatch tb = o.synthetic ? synthetic_batch(cfg.vocab, o.batch, o.seq, o.seed, step)
                                 : sample_batch(corpus.train, o.batch, o.seq, o.seed, step);
+    if (dist) tb = rows_of(tb, rank * (o.batch / world), o.batch / world);
     Buffer batch_mem = mem.allocate(2 * tb.inputs.size() * sizeof(int32_t), MemCategory::Batch, "batch");
     mem.reset_peak();
     const auto t0 = Clock::now();
+    const double c0 = comm_seconds();
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
-    StepResult r = forward_backward(params, b, o.step, mem, &grads);
+    StepResult r = forward_backward(params, b, step_opt, mem, &grads);
+    if (dist && dist->replicas->size() > 1)
+      for (auto& g : grads->all()) dist->replicas->all_reduce_sum(g.tensor.as<float>(), g.tensor.numel());
     const double lr = lr_at(oc, step);
-    const double gnorm = opt.step(params, *grads);  // leaves grads zeroed for the next step
+    const double gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    const double comm_dt = comm_seconds() - c0;
+    sum.comm_exposed_s += comm_dt;
+    if (step == first_step) first_step_comm = comm_dt;
     MemorySnapshot peak = mem.at_peak();
     if (peak.total() > sum.peak.total()) sum.peak = peak;
     step_seconds += dt;
@@ -238,9 +347,11 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
     nlohmann::json m = {{"step", step + 1}, {"loss", r.loss}, {"ce", r.ce}, {"aux", r.aux}, {"lr", lr},
                         {"grad_norm", gnorm}, {"tokens_per_s", double(o.batch * o.seq) / dt},
                         {"peak_bytes", peak.total()}};
+    if (dist) m["comm_exposed_s"] = comm_dt;
     const bool do_eval = !o.synthetic && o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps);
     if (do_eval) {
-      EvalResult e = evaluate_tokens(params, corpus.heldout, o.seq, o.batch, o.step.compute, mem, o.eval_batches);
+      EvalResult e = evaluate_tokens(params, corpus.heldout, o.seq, o.batch, o.step.compute, mem, o.eval_batches,
+                                     dist ? dist->fsdp : nullptr);
       sum.eval_ce = e.ce;
       sum.eval_bits_per_byte = e.bits_per_byte;
       eval_curve.points.emplace_back(double(step + 1), e.ce);
@@ -270,10 +381,12 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log) {
   const int64_t run = sum.steps - first_step;
   sum.tokens_per_s = run > 1 ? double((run - 1) * o.batch * o.seq) / (step_seconds - first_step_seconds)
                              : (step_seconds > 0 ? double(sum.tokens) / step_seconds : 0);
+  sum.step_s = run > 1 ? step_seconds - first_step_seconds : step_seconds;
+  if (run > 1) sum.comm_exposed_s -= first_step_comm;
   sum.peak_bytes = sum.peak.total();
   sum.argument_bytes = sum.peak.argument();
   sum.temp_bytes = sum.peak.temp();
-  if (!o.out.empty() && !train_curve.points.empty()) {
+  if (!o.out.empty() && lead && !train_curve.points.empty()) {
     std::vector<Series> s{train_curve};
     if (!eval_curve.points.empty()) s.push_back(eval_curve);
     write_svg_chart(o.out + "/loss.svg", "hybridscan: " + cfg.name + " training loss", "step", "cross-entropy (nats)", s);

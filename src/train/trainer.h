@@ -16,6 +16,15 @@
 
 namespace hs::train {
 
+// The process groups of a multi-process run (mpirun). Parameters, gradients and AdamW moments are sharded over
+// `fsdp`; the global batch is split over `world` in rank order (each rank trains on its own rows); the gradient
+// shards are summed over `replicas`, the ranks of the other FSDP groups that hold the same shards.
+struct Distributed {
+  Collectives* world = nullptr;
+  Collectives* fsdp = nullptr;
+  Collectives* replicas = nullptr;
+};
+
 struct TrainOptions {
   std::string model = "small";  // preset name or config.json path
   std::string text;             // corpus: byte tokens, or encoded by `tokenizer` / the --init checkpoint's tokenizer.json
@@ -35,6 +44,7 @@ struct TrainOptions {
   std::string init;             // start from these weights (native or Hugging Face checkpoint directory)
   std::string resume;           // continue a native training checkpoint exactly (weights, moments, step, data order)
   int64_t stop_after = -1;      // stop (and save) after this many steps of the schedule (-1: run to --steps)
+  const Distributed* dist = nullptr;  // null: one process
 };
 
 // The options a training checkpoint records, and the ones a resume takes back from it.
@@ -48,19 +58,23 @@ struct TrainSummary {
   MemorySnapshot peak;          // the largest step peak (live bytes per category then)
   size_t argument_bytes = 0, temp_bytes = 0, peak_bytes = 0;
   std::vector<double> losses;   // per step run here
+  double comm_exposed_s = 0;    // steady-state steps: seconds this rank waited for communication
+  double step_s = 0;            // steady-state steps: seconds
 };
 
 TrainSummary run_training(const TrainOptions& o, std::ostream& log);
 
 // Cross-entropy over `tokens` cut into windows of seq+1 that overlap by one token: the mean in nats per predicted
 // token, their count, the bytes of original text they stand for, and bits per byte = total nats / ln 2 / those bytes.
+// Sharded parameters: `shards` is their group, whose ranks all evaluate the same windows.
 struct EvalResult {
   double ce = 0;
   int64_t count = 0, text_bytes = 0;
   double bits_per_byte = 0;
 };
 EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
-                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches = -1);
+                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches = -1,
+                           Collectives* shards = nullptr);
 
 // Writes an SVG line chart of (x, y) series to `path` (atomically).
 struct Series { std::string name, color; std::vector<std::pair<double, double>> points; };

@@ -1,0 +1,150 @@
+// The MPI collectives against what they must compute, run by ctest under mpirun (2 and 3 ranks: with 3, no tensor
+// size below divides evenly). Every rank runs every test; a failure on any rank fails the job.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "core/memory.h"
+#include "model/params.h"
+#include "mpi/mpi_collectives.h"
+
+namespace hs::mpi {
+namespace {
+
+Runtime* g_rt = nullptr;
+MpiCollectives* g_world = nullptr;
+
+// A value that depends on (rank, element) and whose sums are inexact in fp32, so the summation order shows. Made
+// once in double and rounded, so that every use sees the same float (an inlined float expression may be contracted
+// into an FMA at one call site and not at another).
+float contribution(int64_t rank, int64_t i) {
+  return static_cast<float>(1.0 / double(3 + 7 * rank + i % 11) + double(i) * 1e-3);
+}
+
+TEST(MpiCollectives, AllGatherOfPaddedShardsConvertsToTheComputeDtype) {
+  Collectives& c = *g_world;
+  for (int64_t n : {1, 5, 7, 64, 1001}) {
+    const int64_t s = Collectives::shard_elems(n, c.size());
+    std::vector<float> shard(static_cast<size_t>(s), 0.0f);
+    for (int64_t i = 0; i < s; ++i)
+      if (c.rank() * s + i < n) shard[static_cast<size_t>(i)] = float(c.rank() * s + i) * 0.25f;
+    std::vector<float> full(static_cast<size_t>(c.padded_elems(n)), -1.0f);
+    c.all_gather(TensorView(shard.data(), DType::F32, {s}), full.data(), DType::F32, n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(full[static_cast<size_t>(i)], float(i) * 0.25f) << "n " << n << " i " << i;
+    std::vector<bf16> full16(static_cast<size_t>(c.padded_elems(n)));
+    Collectives::Request r = c.start_all_gather(TensorView(shard.data(), DType::F32, {s}), full16.data(), DType::BF16, n);
+    r.wait();
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(to_f32(full16[static_cast<size_t>(i)]), to_f32(from_f32<bf16>(float(i) * 0.25f)));
+  }
+}
+
+TEST(MpiCollectives, ReduceScatterAddsInRankOrder) {
+  Collectives& c = *g_world;
+  for (int64_t n : {1, 7, 100, 4099}) {
+    const int64_t s = Collectives::shard_elems(n, c.size());
+    std::vector<float> full(static_cast<size_t>(c.padded_elems(n)), 0.0f);
+    for (int64_t i = 0; i < n; ++i) full[static_cast<size_t>(i)] = contribution(c.rank(), i);
+    std::vector<float> shard(static_cast<size_t>(s), 0.5f);
+    c.reduce_scatter(full.data(), n, shard.data());
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t e = c.rank() * s + i;
+      float want = 0.5f;
+      for (int64_t r = 0; r < c.size(); ++r) want += e < n ? contribution(r, e) : 0.0f;
+      ASSERT_EQ(shard[static_cast<size_t>(i)], want) << "n " << n << " element " << e;  // the bits of rank order
+    }
+  }
+}
+
+TEST(MpiCollectives, OverlappingRequestsCompleteInAnyWaitOrder) {
+  Collectives& c = *g_world;
+  const int64_t n = 513, s = Collectives::shard_elems(n, c.size());
+  std::vector<float> shard(static_cast<size_t>(s), float(c.rank() + 1));
+  std::vector<float> a(static_cast<size_t>(c.padded_elems(n))), b(a.size());
+  std::vector<float> grad(a.size(), 1.0f), gshard(static_cast<size_t>(s), 0.0f);
+  Collectives::Request ra = c.start_all_gather(TensorView(shard.data(), DType::F32, {s}), a.data(), DType::F32, n);
+  Collectives::Request rs = c.start_reduce_scatter(grad.data(), n, gshard.data());
+  Collectives::Request rb = c.start_all_gather(TensorView(shard.data(), DType::F32, {s}), b.data(), DType::F32, n);
+  rb.wait();
+  rs.wait();
+  ra.wait();
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(a[static_cast<size_t>(i)], float(i / s + 1));
+    ASSERT_EQ(b[static_cast<size_t>(i)], float(i / s + 1));
+  }
+  for (int64_t i = 0; i < s; ++i) ASSERT_EQ(gshard[static_cast<size_t>(i)], float(c.size()));
+}
+
+TEST(MpiCollectives, SumsAndBroadcast) {
+  Collectives& c = *g_world;
+  double x[3] = {1.0, double(c.rank()), 0.1};
+  c.all_reduce_sum(x, 3);
+  EXPECT_EQ(x[0], double(c.size()));
+  EXPECT_EQ(x[1], double(c.size() * (c.size() - 1) / 2));
+  double want = 0;
+  for (int64_t r = 0; r < c.size(); ++r) want += 0.1;
+  EXPECT_EQ(x[2], want);
+  std::vector<float> v(37);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = contribution(c.rank(), int64_t(i));
+  c.all_reduce_sum(v.data(), int64_t(v.size()));
+  for (size_t i = 0; i < v.size(); ++i) {
+    float w = 0;
+    for (int64_t r = 0; r < c.size(); ++r) w += contribution(r, int64_t(i));
+    ASSERT_EQ(v[i], w);
+  }
+  uint64_t token = c.rank() == 0 ? 0x1234abcdull : 0;
+  c.broadcast(&token, sizeof token, 0);
+  EXPECT_EQ(token, 0x1234abcdull);
+  EXPECT_GE(c.exposed_seconds(), 0.0);
+}
+
+TEST(MpiCollectives, ShardsOfAParamSetGatherBackToTheFullSet) {
+  Collectives& c = *g_world;
+  const model::ModelConfig cfg = model::preset("tiny");
+  MemoryAccountant mem;
+  model::ParamSet full(cfg, DType::BF16, mem, MemCategory::Parameters, false);
+  model::init_params(full, 7);
+  model::ParamSet shard(cfg, DType::BF16, mem, MemCategory::Parameters, false, c.size());
+  model::copy_shard(full, shard, c.rank());
+  model::ParamSet back(cfg, DType::BF16, mem, MemCategory::Parameters, true);
+  model::gather_full(shard, back, c);
+  for (size_t t = 0; t < full.all().size(); ++t)
+    ASSERT_EQ(std::memcmp(full.all()[t].tensor.data(), back.all()[t].tensor.data(), full.all()[t].tensor.nbytes()), 0)
+        << full.all()[t].name;
+}
+
+TEST(MpiCollectives, GroupsSplitTheWorld) {
+  if (g_rt->world_size() % 2 != 0) GTEST_SKIP() << "needs an even world";
+  Groups g = make_groups(*g_rt, 2);
+  EXPECT_EQ(g.fsdp->size(), 2);
+  EXPECT_EQ(g.fsdp->rank(), g_rt->world_rank() % 2);
+  EXPECT_EQ(g.replicas->size(), g_rt->world_size() / 2);
+  EXPECT_EQ(g.replicas->rank(), g_rt->world_rank() / 2);
+  EXPECT_THROW(make_groups(*g_rt, 3), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace hs::mpi
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  hs::mpi::Runtime rt(&argc, &argv);
+  hs::mpi::g_rt = &rt;
+  int rc = 0;
+  {
+    std::unique_ptr<hs::mpi::MpiCollectives> world = hs::mpi::MpiCollectives::split(rt, 0, "world");
+    hs::mpi::g_world = world.get();
+    // Only rank 0 prints the test report; every rank's result counts.
+    if (rt.world_rank() != 0) {
+      auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+      delete listeners.Release(listeners.default_result_printer());
+    }
+    rc = RUN_ALL_TESTS();
+    double failed = rc != 0 ? 1.0 : 0.0;
+    world->all_reduce_sum(&failed, 1);
+    rc = failed > 0 ? 1 : 0;
+  }
+  return rc;
+}
