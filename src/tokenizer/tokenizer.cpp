@@ -1,6 +1,5 @@
 #include "tokenizer/tokenizer.h"
 
-#include <omp.h>
 #include <unicode/uchar.h>
 
 #include <algorithm>
@@ -161,7 +160,6 @@ std::atomic<uint64_t> next_serial{1};
 }  // namespace
 
 struct Tokenizer::Impl {
-  std::string source;
   std::vector<std::string> bytes_of;  // per id: the bytes it decodes to
   std::vector<Kind> kind;
   std::unordered_map<std::string, TokenId> vocab;  // the model's tokens, by their bytes
@@ -543,7 +541,6 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
   parse_file(path, sax);
   const json& j = sax.root;
   auto t = std::make_shared<Impl>();
-  t->source = file;
   try {
     if (!j.is_object()) fail(file, "not a tokenizer.json (the top level is not an object)");
     if (!j.contains("model")) fail(file, "not a tokenizer.json (no \"model\")");
@@ -596,7 +593,6 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
 
 std::shared_ptr<Impl> load_vocab_merges(const fs::path& vocab_path, const fs::path& merges_path) {
   auto t = std::make_shared<Impl>();
-  t->source = vocab_path.string();
   TokenizerSax sax(true);
   parse_file(vocab_path, sax);
   if (!sax.has_vocab || !sax.root.is_null()) fail(vocab_path.string(), "not a vocab.json (an object of token ids)");
