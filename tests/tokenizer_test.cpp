@@ -101,7 +101,8 @@ uint32_t read_u32(std::istream& in) {
     (flags ? ref.beyond14 : ref.lines).push_back(std::move(line));
     (flags ? ref.beyond14_ids : ref.ids).push_back(std::move(ids));
   }
-  if (!in || ref.lines.size() + ref.beyond14.size() != n) return ::testing::AssertionFailure() << out << " is truncated";
+  if (!in || ref.lines.size() + ref.beyond14.size() != n)
+    return ::testing::AssertionFailure() << out << " is truncated";
   return ::testing::AssertionSuccess();
 }
 
@@ -134,8 +135,8 @@ void expect_matches_hf(const std::string& name) {
   EXPECT_TRUE(tok.encode(all) == want) << "the joined corpus";
   for (const auto& [threads, chunk] : {std::pair{2, size_t{256}}, {3, size_t{4096}}, {2, size_t{1} << 16}}) {
     const auto got = tok.encode_parallel(all, threads, chunk);
-    EXPECT_TRUE(got == want) << "encode_parallel(" << threads << " threads, " << chunk << "-byte chunks): "
-                             << got.size() << " ids vs " << want.size();
+    EXPECT_TRUE(got == want) << "encode_parallel(" << threads << " threads, " << chunk
+                             << "-byte chunks): " << got.size() << " ids vs " << want.size();
   }
 }
 
@@ -177,14 +178,29 @@ std::string random_text(std::mt19937& rng, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     char32_t c;
     switch (kind(rng)) {
-      case 0: c = std::uniform_int_distribution<char32_t>(0, 0x10FFFF)(rng); break;
-      case 1: c = std::uniform_int_distribution<char32_t>(0x300, 0x36F)(rng); break;
-      case 2: c = std::uniform_int_distribution<char32_t>(0x4E00, 0x9FFF)(rng); break;
-      case 3: c = std::uniform_int_distribution<char32_t>(0x1F300, 0x1FAFF)(rng); break;
-      case 4: c = std::uniform_int_distribution<char32_t>(0x0, 0x7F)(rng); break;
-      case 5: c = " \n\t\r"[std::uniform_int_distribution<int>(0, 3)(rng)]; break;
-      case 6: c = std::uniform_int_distribution<char32_t>(0x80, 0x7FF)(rng); break;
-      default: c = std::uniform_int_distribution<char32_t>(0x61, 0x7A)(rng);
+      case 0:
+        c = std::uniform_int_distribution<char32_t>(0, 0x10FFFF)(rng);
+        break;
+      case 1:
+        c = std::uniform_int_distribution<char32_t>(0x300, 0x36F)(rng);
+        break;
+      case 2:
+        c = std::uniform_int_distribution<char32_t>(0x4E00, 0x9FFF)(rng);
+        break;
+      case 3:
+        c = std::uniform_int_distribution<char32_t>(0x1F300, 0x1FAFF)(rng);
+        break;
+      case 4:
+        c = std::uniform_int_distribution<char32_t>(0x0, 0x7F)(rng);
+        break;
+      case 5:
+        c = " \n\t\r"[std::uniform_int_distribution<int>(0, 3)(rng)];
+        break;
+      case 6:
+        c = std::uniform_int_distribution<char32_t>(0x80, 0x7FF)(rng);
+        break;
+      default:
+        c = std::uniform_int_distribution<char32_t>(0x61, 0x7A)(rng);
     }
     if (c >= 0xD800 && c <= 0xDFFF) c = 0xFFFD;
     append_utf8(s, c);
@@ -229,7 +245,7 @@ TEST(Tokenizer, InvalidUtf8BecomesReplacementCharacters) {
   const std::pair<std::string, std::string> cases[] = {
       {"\x80", "\uFFFD"},
       {"a\xC3", "a\uFFFD"},
-      {"\xE2\x82", "\uFFFD"},                           // one maximal subpart
+      {"\xE2\x82", "\uFFFD"},  // one maximal subpart
       {"\xE2\x82x", "\uFFFDx"},
       {"\xF0\x9F\x98", "\uFFFD"},
       {"\xC0\xAF", "\uFFFD\uFFFD"},                      // C0 is never a lead
@@ -269,20 +285,30 @@ json small_tokenizer(const std::vector<std::pair<std::string, std::string>>& mer
     vocab[spell(l + r)] = next++;
     mj.push_back(spell(l) + " " + spell(r));
   }
-  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
-                           {"use_regex", true}};
+  const json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", true}};
   return {{"version", "1.0"},
           {"truncation", nullptr},
           {"padding", nullptr},
-          {"added_tokens", json::array({{{"id", next}, {"content", "<|endoftext|>"}, {"special", true},
-                                         {"normalized", false}, {"lstrip", false}, {"rstrip", false},
+          {"added_tokens", json::array({{{"id", next},
+                                         {"content", "<|endoftext|>"},
+                                         {"special", true},
+                                         {"normalized", false},
+                                         {"lstrip", false},
+                                         {"rstrip", false},
                                          {"single_word", false}}})},
           {"normalizer", nullptr},
           {"pre_tokenizer", byte_level},
           {"post_processor", byte_level},
           {"decoder", byte_level},
-          {"model", {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"byte_fallback", false},
-                     {"ignore_merges", false}, {"vocab", vocab}, {"merges", mj}}}};
+          {"model",
+           {{"type", "BPE"},
+            {"dropout", nullptr},
+            {"unk_token", nullptr},
+            {"byte_fallback", false},
+            {"ignore_merges", false},
+            {"vocab", vocab},
+            {"merges", mj}}}};
 }
 
 fs::path write(const test::TempDir& dir, const std::string& name, const std::string& text) {
@@ -301,7 +327,7 @@ TEST(Tokenizer, SmallBpeMergesByRank) {
   EXPECT_EQ(tok.encode("the"), (std::vector<TokenId>{257}));
   EXPECT_EQ(tok.encode(" the"), (std::vector<TokenId>{258}));  // t h, th e, then " " the
   EXPECT_EQ(tok.encode("he"), (std::vector<TokenId>{259}));
-  EXPECT_EQ(tok.encode("aaaaa"), (std::vector<TokenId>{261, 'a'}));   // aa aa a -> aaaa a: leftmost first
+  EXPECT_EQ(tok.encode("aaaaa"), (std::vector<TokenId>{261, 'a'}));  // aa aa a -> aaaa a: leftmost first
   EXPECT_EQ(tok.encode("aaa"), (std::vector<TokenId>{260, 'a'}));
   EXPECT_EQ(tok.encode("\xC3\xA9t"), (std::vector<TokenId>{262, 't'}));
   EXPECT_EQ(tok.encode("x<|endoftext|>the"), (std::vector<TokenId>{'x', 263, 257}));
@@ -409,7 +435,9 @@ TEST(Tokenizer, RegexDialectFollowsOniguruma) {
   const SplitRegex space(R"(\s+)");
   size_t b = 0, e = 0;
   EXPECT_FALSE(space.find("a\u180Eb", 0, b, e));
-  for (const char* s : {"a\u00A0b", "a\u0085b", "a\u2028b", "a\u3000b", "a\u1680b", "a\u202Fb", "a\x0B" "b"}) {
+  for (const char* s : {"a\u00A0b", "a\u0085b", "a\u2028b", "a\u3000b", "a\u1680b", "a\u202Fb",
+                        "a\x0B"
+                        "b"}) {
     ASSERT_TRUE(space.find(s, 0, b, e)) << escaped(s);
     EXPECT_EQ(b, 1u);
   }
@@ -449,30 +477,43 @@ TEST(Tokenizer, RefusesWhatItDoesNotSupport) {
   };
   expect_refused(dir, with([](json& j) { j["model"]["type"] = "WordPiece"; }), "model type \"WordPiece\"");
   expect_refused(dir, with([](json& j) { j["model"]["type"] = "Unigram"; }), "Unigram");
-  expect_refused(dir, with([](json& j) { j["normalizer"] = {{"type", "Lowercase"}}; }), "normalizer type \"Lowercase\"");
+  expect_refused(dir, with([](json& j) {
+                   j["normalizer"] = {{"type", "Lowercase"}};
+                 }),
+                 "normalizer type \"Lowercase\"");
   expect_refused(dir, with([](json& j) {
                    j["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "NFC"}}, {{"type", "Strip"}}}}};
                  }),
                  "\"Strip\"");
-  expect_refused(dir, with([](json& j) { j["pre_tokenizer"] = {{"type", "Whitespace"}}; }), "pre_tokenizer type \"Whitespace\"");
+  expect_refused(dir, with([](json& j) {
+                   j["pre_tokenizer"] = {{"type", "Whitespace"}};
+                 }),
+                 "pre_tokenizer type \"Whitespace\"");
   expect_refused(dir, with([](json& j) { j["pre_tokenizer"] = nullptr; }), "pre_tokenizer is null");
-  expect_refused(dir, with([](json& j) {
-                   j["pre_tokenizer"] = {{"type", "Sequence"},
-                                         {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}},
-                                                             {"behavior", "Removed"}, {"invert", false}},
-                                                            j["decoder"]}}};
-                 }),
-                 "behavior \"Removed\"");
-  expect_refused(dir, with([](json& j) {
-                   j["pre_tokenizer"] = {{"type", "Sequence"},
-                                         {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", "\\h+"}}},
-                                                             {"behavior", "Isolated"}, {"invert", false}},
-                                                            j["decoder"]}}};
-                 }),
-                 "\\h");
+  expect_refused(
+      dir, with([](json& j) {
+        j["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Split"}, {"pattern", {{"Regex", "\\s+"}}}, {"behavior", "Removed"}, {"invert", false}},
+              j["decoder"]}}};
+      }),
+      "behavior \"Removed\"");
+  expect_refused(
+      dir, with([](json& j) {
+        j["pre_tokenizer"] = {
+            {"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Split"}, {"pattern", {{"Regex", "\\h+"}}}, {"behavior", "Isolated"}, {"invert", false}},
+              j["decoder"]}}};
+      }),
+      "\\h");
   expect_refused(dir, with([](json& j) { j["pre_tokenizer"]["add_prefix_space"] = true; }), "add_prefix_space");
   expect_refused(dir, with([](json& j) { j["decoder"] = {{"type", "WordPiece"}}; }), "decoder \"WordPiece\"");
-  expect_refused(dir, with([](json& j) { j["post_processor"] = {{"type", "TemplateProcessing"}}; }), "TemplateProcessing");
+  expect_refused(dir, with([](json& j) {
+                   j["post_processor"] = {{"type", "TemplateProcessing"}};
+                 }),
+                 "TemplateProcessing");
   expect_refused(dir, with([](json& j) { j["model"]["byte_fallback"] = true; }), "byte_fallback");
   expect_refused(dir, with([](json& j) { j["model"]["dropout"] = 0.1; }), "dropout");
   expect_refused(dir, with([](json& j) { j["truncation"] = {{"max_length", 8}}; }), "truncation");

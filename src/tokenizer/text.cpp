@@ -112,10 +112,14 @@ size_t utf8_length(unsigned char lead) {
 char32_t decode_utf8(std::string_view s, size_t i) {
   const auto b = [&](size_t k) { return static_cast<char32_t>(static_cast<unsigned char>(s[i + k])); };
   switch (utf8_length(static_cast<unsigned char>(s[i]))) {
-    case 1: return b(0);
-    case 2: return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
-    case 3: return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
-    default: return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
+    case 1:
+      return b(0);
+    case 2:
+      return ((b(0) & 0x1F) << 6) | (b(1) & 0x3F);
+    case 3:
+      return ((b(0) & 0x0F) << 12) | ((b(1) & 0x3F) << 6) | (b(2) & 0x3F);
+    default:
+      return ((b(0) & 0x07) << 18) | ((b(1) & 0x3F) << 12) | ((b(2) & 0x3F) << 6) | (b(3) & 0x3F);
   }
 }
 
@@ -163,7 +167,8 @@ std::string_view Normalizer::apply(std::string_view text, std::string& storage) 
     next.clear();
     icu::StringByteSink<std::string> sink(&next, static_cast<int32_t>(cur.size()) + 16);
     n->normalizeUTF8(0, piece, sink, nullptr, err);
-    if (U_FAILURE(err)) throw std::runtime_error(std::string("tokenizer: ICU normalization failed: ") + u_errorName(err));
+    if (U_FAILURE(err))
+      throw std::runtime_error(std::string("tokenizer: ICU normalization failed: ") + u_errorName(err));
     storage.swap(next);
     cur = storage;
   }
@@ -213,7 +218,17 @@ std::string onig_to_pcre2(std::string_view p) {
           out += e == 'S' ? kSpace : kWord;
           out += ']';
           break;
-        case 'h': case 'H': case 'b': case 'B': case 'R': case 'X': case 'K': case 'G': case 'A': case 'z': case 'Z':
+        case 'h':
+        case 'H':
+        case 'b':
+        case 'B':
+        case 'R':
+        case 'X':
+        case 'K':
+        case 'G':
+        case 'A':
+        case 'z':
+        case 'Z':
           unsupported(std::string("\\") + e);
           break;
         default:
@@ -292,8 +307,8 @@ bool SplitRegex::find(std::string_view s, size_t from, size_t& begin, size_t& en
   MatchScratch& m = scratch();
   const auto* code = static_cast<const pcre2_code_8*>(code_);
   while (from < s.size()) {
-    const int rc = pcre2_jit_match_8(code, reinterpret_cast<PCRE2_SPTR8>(s.data()), s.size(), from, 0, m.data,
-                                     m.context);
+    const int rc =
+        pcre2_jit_match_8(code, reinterpret_cast<PCRE2_SPTR8>(s.data()), s.size(), from, 0, m.data, m.context);
     if (rc == PCRE2_ERROR_NOMATCH) return false;
     if (rc < 0) {
       PCRE2_UCHAR8 msg[256];

@@ -1,6 +1,5 @@
 #include "tokenizer/tokenizer.h"
 
-#include <omp.h>
 #include <unicode/uchar.h>
 
 #include <algorithm>
@@ -26,7 +25,8 @@ using json = nlohmann::json;
 namespace {
 
 // The split patterns of GPT-2 (ByteLevel use_regex), Qwen2 / Qwen3 and Qwen3.5, in tokenizer.json's dialect.
-constexpr std::string_view kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr std::string_view kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 constexpr std::string_view kQwen2Pattern =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 constexpr std::string_view kQwen35Pattern =
@@ -161,11 +161,10 @@ std::atomic<uint64_t> next_serial{1};
 }  // namespace
 
 struct Tokenizer::Impl {
-  std::string source;
   std::vector<std::string> bytes_of;  // per id: the bytes it decodes to
   std::vector<Kind> kind;
-  std::unordered_map<std::string, TokenId> vocab;  // the model's tokens, by their bytes
-  std::unordered_map<std::string, TokenId> added;  // added tokens, by content
+  std::unordered_map<std::string, TokenId> vocab;   // the model's tokens, by their bytes
+  std::unordered_map<std::string, TokenId> added;   // added tokens, by content
   std::vector<std::pair<TokenId, TokenId>> merges;  // by rank
   std::unique_ptr<BpeMerges> bpe;
   bool ignore_merges = false;
@@ -302,7 +301,8 @@ void read_vocab(Impl& t, const std::vector<std::pair<std::string, int64_t>>& voc
   t.vocab.reserve(vocab.size());
   std::string bytes;
   for (const auto& [token, id] : vocab) {
-    if (id < 0 || id > INT32_MAX) fail(file, "vocab id " + std::to_string(id) + " of \"" + token + "\" is out of range");
+    if (id < 0 || id > INT32_MAX)
+      fail(file, "vocab id " + std::to_string(id) + " of \"" + token + "\" is out of range");
     // A token outside the byte alphabet cannot come out of byte-level text; it decodes to its own UTF-8.
     if (!alphabet().to_bytes(token, bytes)) bytes = token;
     t.vocab[bytes] = static_cast<TokenId>(id);  // a key given twice keeps its last id, as a JSON map does
@@ -329,7 +329,8 @@ void read_merges(Impl& t, const std::vector<std::pair<std::string, std::string>>
       fail(file, "merge " + std::to_string(rank) + " (\"" + left + "\", \"" + right + "\") is not byte-level");
     const auto l = t.vocab.find(a), r = t.vocab.find(b), m = t.vocab.find(a + b);
     if (l == t.vocab.end() || r == t.vocab.end() || m == t.vocab.end())
-      fail(file, "merge " + std::to_string(rank) + " (\"" + left + "\", \"" + right + "\") uses a token not in the vocab");
+      fail(file,
+           "merge " + std::to_string(rank) + " (\"" + left + "\", \"" + right + "\") uses a token not in the vocab");
     t.bpe->add(l->second, r->second, static_cast<uint32_t>(rank), m->second);
     t.merges.emplace_back(l->second, r->second);
   }
@@ -343,10 +344,10 @@ void finish(Impl& t) {
   // \s run, none of which can go on into a non-space character, and no alternative starts with '\n' followed by
   // more (the optional prefixes exclude \r\n). '\n' never composes under any normalization form, and no added
   // token may straddle the cut.
-  t.cut_after_newline = !t.splits.empty() && !t.raw_added.any_contains_inner_newline() &&
-                        !t.normalized_added.any_contains_inner_newline() &&
-                        std::all_of(t.splits.begin(), t.splits.end(),
-                                    [](const auto& s) { return is_known_pattern(s->pattern()); });
+  t.cut_after_newline =
+      !t.splits.empty() && !t.raw_added.any_contains_inner_newline() &&
+      !t.normalized_added.any_contains_inner_newline() &&
+      std::all_of(t.splits.begin(), t.splits.end(), [](const auto& s) { return is_known_pattern(s->pattern()); });
   Fnv1a h;
   h.str("hybridscan tokenizer v1");
   h.str(t.normalizer.describe());
@@ -422,7 +423,8 @@ class TokenizerSax final : public json::json_sax_t {
       has_vocab = true;
       return true;
     }
-    if (mode_ != Mode::Dom) return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge is an object");
+    if (mode_ != Mode::Dom)
+      return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge is an object");
     return open(json::object());
   }
   bool end_object() override {
@@ -445,7 +447,8 @@ class TokenizerSax final : public json::json_sax_t {
       pair_.clear();
       return true;
     }
-    if (mode_ != Mode::Dom) return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge nests arrays");
+    if (mode_ != Mode::Dom)
+      return bad(mode_ == Mode::Vocab ? "a vocab entry is not an integer id" : "a merge nests arrays");
     return open(json::array());
   }
   bool end_array() override {
@@ -543,7 +546,6 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
   parse_file(path, sax);
   const json& j = sax.root;
   auto t = std::make_shared<Impl>();
-  t->source = file;
   try {
     if (!j.is_object()) fail(file, "not a tokenizer.json (the top level is not an object)");
     if (!j.contains("model")) fail(file, "not a tokenizer.json (no \"model\")");
@@ -581,7 +583,8 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
       const bool special = a.value("special", false);
       if (content.empty() || id < 0 || id > INT32_MAX) fail(file, "added token " + a.dump() + " is invalid");
       for (const char* k : {"lstrip", "rstrip", "single_word"})
-        if (a.value(k, false)) fail(file, std::string("added token \"") + content + "\" with " + k + " true is not supported");
+        if (a.value(k, false))
+          fail(file, std::string("added token \"") + content + "\" with " + k + " true is not supported");
       if (!valid_utf8(content)) fail(file, "added token content is not UTF-8");
       (a.value("normalized", !special) ? t->normalized_added : t->raw_added).add(content, static_cast<TokenId>(id));
       t->added[content] = static_cast<TokenId>(id);
@@ -596,7 +599,6 @@ std::shared_ptr<Impl> load_tokenizer_json(const fs::path& path) {
 
 std::shared_ptr<Impl> load_vocab_merges(const fs::path& vocab_path, const fs::path& merges_path) {
   auto t = std::make_shared<Impl>();
-  t->source = vocab_path.string();
   TokenizerSax sax(true);
   parse_file(vocab_path, sax);
   if (!sax.has_vocab || !sax.root.is_null()) fail(vocab_path.string(), "not a vocab.json (an object of token ids)");
