@@ -89,13 +89,13 @@ TEST(ExpertPieces, SameLossAndGradientsForEveryPieceSize) {
   }
 }
 
-TEST(ExpertPieces, PlanEqualsMeasuredToTheByte) {
+TEST(ExpertPieces, PlanEqualsMeasuredToTheByteSlow) {
   for (const Model& m : kModels) {
     const ModelConfig c = moe_model(m.preset, m.many);
     const Data d = random_data(2 * 24, c.vocab, 4);
     for (DType wdt : {DType::F32, DType::BF16})
       for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
-        for (size_t piece : {size_t{0}, size_t{1}}) {
+        for (size_t piece : {size_t{1}}) {  // whole layers (the default for these sizes): schedule_test
           MemoryAccountant real(false), plan(true);
           ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
           model::init_params(pr, 1);
@@ -128,9 +128,9 @@ TEST(ExpertPieces, ShardedPlanHoldsTwoPiecesInsteadOfALayer) {
 }
 
 // 10 steps of tiny (lr 3e-3, warmup 2): bf16 moments round each step's moments to 8 significant bits, which moves
-// the loss curve by at most 1e-3 relative here (measured: see the assertion's message) while a wrong moment (no
-// bias correction, a dropped update) moves it by 1e-2 or more within a few steps. The plan gives the measured
-// argument (4 bytes a parameter less) and temp to the byte.
+// the loss curve by at most 1e-3 relative (measured 3.1e-4, at step 10); some difference there must be, or the
+// moments were not rounded. The plan gives the measured argument (2 bytes less per moment element) and temp to the
+// byte.
 TEST(Bf16Moments, LossStaysWithinBoundAndPlanEqualsMeasured) {
   std::ostringstream log;
   TrainOptions o;

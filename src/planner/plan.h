@@ -41,8 +41,8 @@ struct PlanResult {
 PlanResult plan(const PlanRequest& r);
 // HBM per chip by name (v5p 95 GiB, v6e 32 GiB, tpu7x 192 GiB, h100 80 GB, h200 141 GB); throws for unknown names.
 size_t chip_hbm_bytes(const std::string& chip);
-// --remat auto: the policy with the least recomputation whose plan fits `budget` (none, else sublayer, which never
-// plans above block); if nothing fits, sublayer (the smallest) with fits = false.
+// --remat auto: the policy with the least recomputation whose plan fits `budget` (none, else sublayer, which plans
+// above block only by the layer inputs it keeps); if nothing fits, sublayer with fits = false.
 PlanResult plan_auto(PlanRequest r, size_t budget);
 
 // plan --fit: every configuration of remat policy x AdamW moment dtype for the request (its other settings kept),
