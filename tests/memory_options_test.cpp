@@ -4,8 +4,12 @@
 // measured peak to the byte.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <filesystem>
 #include <random>
+#include <sstream>
 
 #include "planner/plan.h"
 #include "train/schedule.h"
@@ -165,6 +169,39 @@ TEST(Bf16Moments, LossStaysWithinBoundAndPlanEqualsMeasured) {
       m16(r.model, DType::BF16, shapes, MemCategory::OptimizerState, false);
   EXPECT_EQ(fp32.argument_bytes - bf.argument_bytes, 2 * (m32.nbytes() - m16.nbytes()));
   EXPECT_LT(m16.nbytes(), m32.nbytes() * 51 / 100);  // all but the few keep_fp32 tensors halve
+}
+
+// bf16 moments go to the checkpoint as bf16 (the moment dtype with the options) and come back exactly: N steps,
+// save, resume, M steps give the N+M-step run's losses to the bit.
+TEST(Bf16Moments, ResumeIsBitExact) {
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("hs_bf16_moments_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  std::ostringstream log;
+  TrainOptions o;
+  o.model = "tiny";
+  o.synthetic = true;
+  o.steps = 5;
+  o.batch = 2;
+  o.seq = 24;
+  o.opt.warmup = 2;
+  o.progress = false;
+  o.opt.moment_dtype = DType::BF16;
+  o.out = (root / "full").string();
+  const TrainSummary full = run_training(o, log);
+  o.out = (root / "part").string();
+  o.stop_after = 3;
+  run_training(o, log);
+  TrainOptions rest;
+  rest.progress = false;
+  rest.steps = 5;  // the schedule's length is the caller's; the rest (moment dtype included) is the checkpoint's
+  rest.resume = (root / "part/checkpoint-3").string();
+  rest.out = (root / "resumed").string();
+  const TrainSummary r = run_training(rest, log);
+  ASSERT_EQ(r.losses.size(), 2u);
+  EXPECT_EQ(r.losses[0], full.losses[3]);
+  EXPECT_EQ(r.losses[1], full.losses[4]);
+  fs::remove_all(root);
 }
 
 // Issue 11's table: per device, batch 1 x 1024, FSDP over all chips, sub-layer remat, default pieces; temp at or
