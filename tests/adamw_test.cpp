@@ -148,6 +148,40 @@ namespace hs::kernels {
 // The one-pass optimizer kernels give the same bits as one call per tensor: the update as adamw_update's, with every
 // gradient left at zero; the sum of squares through the same blocks added in the same order (1 and 3 threads). Sizes
 // span one piece, several and a ragged end; fp32 and bf16 weights, per-tensor weight decay.
+// bf16 moments: the step is the fp32 step from the moments widened to fp32 (the same weights, bit for bit, since the
+// weight update uses the new moments before rounding), and the stored moments are that step's fp32 moments rounded to
+// nearest even. Truncation instead of rounding, or a weight update from the rounded moments, differs somewhere in
+// 40k elements.
+TEST(AdamW, Bf16MomentsAreTheFp32StepRoundedToNearestEven) {
+  const int64_t n = 40000;
+  std::vector<float> w32 = randn(n, 1), g32 = randn(n, 2), m32 = randn(n, 3, 0.01f), v32(static_cast<size_t>(n));
+  std::vector<float> wb = w32, gb = g32;
+  std::vector<bf16> mb(static_cast<size_t>(n)), vb(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<size_t>(i);
+    v32[k] = 1e-4f * (1.0f + 0.5f * std::sin(float(i)));
+    mb[k] = from_f32<bf16>(m32[k]);
+    vb[k] = from_f32<bf16>(v32[k]);
+    m32[k] = to_f32(mb[k]);  // the fp32 run starts from the same (representable) moments
+    v32[k] = to_f32(vb[k]);
+  }
+  AdamWParams p;
+  AdamWTensor a, b;
+  a.w = w32.data(), a.grad = g32.data(), a.m = m32.data(), a.v = v32.data(), a.n = n, a.weight_decay = 0.1f;
+  b.w = wb.data(), b.grad = gb.data(), b.m_bf16 = mb.data(), b.v_bf16 = vb.data(), b.n = n, b.weight_decay = 0.1f;
+  adamw_update_clear_all({a}, p, 4);
+  adamw_update_clear_all({b}, p, 4);
+  EXPECT_EQ(0, std::memcmp(w32.data(), wb.data(), static_cast<size_t>(n) * sizeof(float)));
+  for (int64_t i = 0; i < n; ++i) {
+    const auto k = static_cast<size_t>(i);
+    ASSERT_EQ(mb[k].bits, bf16::from_float(m32[k])) << i;
+    ASSERT_EQ(vb[k].bits, bf16::from_float(v32[k])) << i;
+  }
+  AdamWTensor mixed = b;
+  mixed.m = m32.data();
+  EXPECT_THROW(adamw_update_clear_all({mixed}, p, 5), std::invalid_argument);
+}
+
 TEST(AdamW, OnePassOverManyTensorsEqualsOneCallPerTensor) {
   const std::vector<int64_t> sizes = {1, 5000, 40000, 100003, 16384};
   std::vector<std::vector<float>> w1, w2, g1, g2, m1, m2, v1, v2;

@@ -6,7 +6,8 @@
 Cases: agree (N = 2 and 4 ranks train the same losses as one process with the same global batch, both families,
 models with a remainder layer count, fp32 and bf16 compute, with and without --prefetch), fsdp (FSDP groups of 2
 inside 4 ranks), memory (each rank's measured step peak equals `plan --devices N [--fsdp G]`), checkpoint (saved by 2 ranks,
-resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), faults (a killed rank, mismatched options, a
+resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), pieces (routed experts one expert a piece: the
+same bits as whole layers, peaks equal to the plan), faults (a killed rank, mismatched options, a
 world size that does not divide the batch).
 
 The ranks run one OpenMP thread each (two ranks already fill this 2-core machine), as the plan is told
@@ -126,6 +127,33 @@ def case_memory(binary):
                   f"planned {p['total_bytes']} B ({rel:.2e})")
             if rel > 0.01:
                 failures.append(f"{model} N={n} rank {rank}: {peak} vs plan {p['total_bytes']}")
+    return failures
+
+
+def case_pieces(binary):
+    """Routed experts gathered and reduce-scattered one expert at a time (--gather-piece-bytes 1) against whole layers:
+    the same losses to the bit on 2 ranks (a piece changes what is live, not the sums), within the fp32 bound of one
+    process, and each rank's measured peak equal to the plan."""
+    failures = []
+    piece = ["--gather-piece-bytes", "1"]
+    for model, extra in [("tiny", ["--remat", "sublayer"]), ("qwen3.5-L5", ["--remat", "block", "--prefetch"])]:
+        common = ["--steps", "6", "--batch", "4", "--compute-dtype", "fp32", *extra]
+        one = train(binary, 1, model, common)["losses"]
+        whole = train(binary, 2, model, common)["losses"]
+        pieces = train(binary, 2, model, [*common, *piece])
+        w = worst_rel(pieces["losses"], one)
+        print(f"{model} {' '.join(extra)} N=2, one expert a piece: bit-identical to whole layers: "
+              f"{pieces['losses'] == whole}; against one process {w:.2e}")
+        if pieces["losses"] != whole:
+            failures.append(f"{model}: pieces change the losses on 2 ranks")
+        if w > TOL["fp32"]:
+            failures.append(f"{model} pieces N=2: {w:.2e} > {TOL['fp32']}")
+        cfg = MODELS[model][1]
+        p = json.loads(run([binary, "plan", "--model", cfg, "--devices", "2", "--batch-per-device", "2", "--seq", "16",
+                            "--compute-dtype", "fp32", "--json", *extra, *piece]).stdout)
+        for rank, peak in enumerate(pieces["rank_peak_bytes"]):
+            if peak != p["total_bytes"]:
+                failures.append(f"{model} pieces rank {rank}: measured {peak} B, planned {p['total_bytes']} B")
     return failures
 
 

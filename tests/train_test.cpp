@@ -116,7 +116,10 @@ TEST(Planner, PlannedPeakEqualsMeasuredTrainingStep) {
       }
 }
 
-TEST(Planner, SublayerNeverPlansAboveBlockAndAutoPicks) {
+// Sub-layer remat plans above block by at most the layer inputs it keeps and block does not (one per layer that
+// does not start a block, tokens x hidden in bf16): with routed experts in pieces the peak can be at the LM head,
+// where those inputs are all live; never by a layer's weights or gradients.
+TEST(Planner, SublayerPlansAboveBlockByAtMostItsKeptInputsAndAutoPicks) {
   for (const char* preset : {"small", "qwen3.5-35b-a3b"})
     for (DType w : {DType::F32, DType::BF16}) {
       planner::PlanRequest r;
@@ -128,7 +131,9 @@ TEST(Planner, SublayerNeverPlansAboveBlockAndAutoPicks) {
       planner::PlanResult block = planner::plan(r);
       r.remat = RematPolicy::Sublayer;
       planner::PlanResult sub = planner::plan(r);
-      EXPECT_LE(sub.temp_bytes, block.temp_bytes) << preset << " " << dtype_name(w);
+      const model::ModelConfig& c = r.model;
+      const size_t kept_inputs = size_t(c.layers - c.blocks() - (c.remainder() > 0)) * size_t(r.seq * c.hidden) * 2;
+      EXPECT_LE(sub.temp_bytes, block.temp_bytes + kept_inputs) << preset << " " << dtype_name(w);
       EXPECT_EQ(sub.argument_bytes, block.argument_bytes);
       planner::PlanResult roomy = planner::plan_auto(r, size_t(1) << 50);
       EXPECT_EQ(roomy.remat, RematPolicy::None);

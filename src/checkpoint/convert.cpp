@@ -386,7 +386,7 @@ void load_optimizer_state(const CheckpointDir& d, model::ParamSet& m, model::Par
   for (auto [prefix, set] : {std::pair<const char*, model::ParamSet*>{"m.", &m}, {"v.", &v}})
     for (auto& t : set->all()) {
       const TensorInfo& info = r.at(prefix + t.name);
-      if (info.shape != t.tensor.shape() || info.dtype != FileDType::F32)
+      if (info.shape != t.tensor.shape() || info.dtype != to_file_dtype(t.tensor.dtype()))
         throw std::runtime_error(p.string() + ": '" + prefix + t.name + "' has the wrong shape or dtype");
       auto bytes = r.bytes(info);
       std::memcpy(t.tensor.data(), bytes.data(), bytes.size());

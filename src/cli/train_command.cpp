@@ -17,7 +17,8 @@ namespace {
 
 struct TrainArgs {
   train::TrainOptions o;
-  std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", budget;
+  std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", budget,
+      piece = std::to_string(train::kDefaultGatherPieceBytes);
   int threads = 0;
   int64_t fsdp = 0;
   bool report_memory = false, json = false, quiet = false;
@@ -77,6 +78,8 @@ void register_train(CLI::App& app) {
   c->add_option("--memory-budget", a->budget, "Memory budget for --remat auto, e.g. 2GiB");
   c->add_option("--weight-dtype", a->weight_dtype, "Weight storage: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--compute-dtype", a->compute_dtype, "Compute / activation dtype: fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->add_option("--moment-dtype", a->moment_dtype, "AdamW moments: fp32 | bf16 (stored rounded to nearest even)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
@@ -94,8 +97,13 @@ void register_train(CLI::App& app) {
   c->add_flag("--prefetch", a->o.step.prefetch,
               "Sharded runs: gather the next sub-layer's weights while this one computes and reduce-scatter its "
               "gradients during the next backward (one more sub-layer's weights and gradients live)");
+  c->add_option("--gather-piece-bytes", a->piece,
+                "Routed experts are gathered and their gradients reduce-scattered in pieces of at most this size "
+                "(compute dtype; 0: a whole layer)")
+      ->capture_default_str();
   c->callback([a] {
     TrainArgs& x = *a;
+    x.o.step.gather_piece_bytes = parse_bytes(x.piece);
     // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
     std::unique_ptr<mpi::Runtime> rt;
     mpi::Groups groups;
@@ -117,6 +125,7 @@ void register_train(CLI::App& app) {
     x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");
     x.o.weight_dtype = train::parse_dtype(x.weight_dtype);
     x.o.step.compute = train::parse_dtype(x.compute_dtype);
+    x.o.opt.moment_dtype = train::parse_dtype(x.moment_dtype);
     if (x.remat == "auto") {
       if (x.budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
       // The planner's choice for exactly this run: the same schedule over shapes.
@@ -127,9 +136,11 @@ void register_train(CLI::App& app) {
       r.fsdp = x.fsdp;
       r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
       r.prefetch = x.o.step.prefetch;
+      r.gather_piece_bytes = x.o.step.gather_piece_bytes;
       r.seq = x.o.seq;
       r.weight_dtype = x.o.weight_dtype;
       r.compute_dtype = x.o.step.compute;
+      r.moment_dtype = x.o.opt.moment_dtype;
       planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.budget));
       x.o.step.remat = p.remat;
       if (lead) std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),

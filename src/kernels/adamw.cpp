@@ -28,19 +28,21 @@ Scalars scalars(const AdamWParams& p, int64_t step) {
           1.0f - p.beta2};
 }
 
-// Elements [i0, i1) of one tensor, on the calling thread.
-template <bool kClear, typename TW, typename TG>
-inline void update_range(TW* w, TG* grad, float* m, float* v, int64_t i0, int64_t i1, const AdamWParams& p,
+// Elements [i0, i1) of one tensor, on the calling thread. Moments in bf16 (TM) are read as fp32, the step runs in
+// fp32 as for fp32 moments, and the new moments are stored rounded to nearest even.
+template <bool kClear, typename TW, typename TG, typename TM = float>
+inline void update_range(TW* w, TG* grad, TM* m, TM* v, int64_t i0, int64_t i1, const AdamWParams& p,
                          const Scalars& k, float decay) {
 #pragma omp simd
   for (int64_t i = i0; i < i1; ++i) {
     const float g = grad[i] * p.grad_scale;
-    const float mi = m[i] + k.one_minus_b1 * (g - m[i]);  // lerp, as torch's exp_avg.lerp_
-    const float vi = p.beta2 * v[i] + k.one_minus_b2 * g * g;
+    const float m0 = to_f32(m[i]), v0 = to_f32(v[i]);
+    const float mi = m0 + k.one_minus_b1 * (g - m0);  // lerp, as torch's exp_avg.lerp_
+    const float vi = p.beta2 * v0 + k.one_minus_b2 * g * g;
     const float denom = std::sqrt(vi) / k.bc2_sqrt + p.eps;
     w[i] = from_f32<TW>(to_f32(w[i]) * decay - k.step_size * (mi / denom));
-    m[i] = mi;
-    v[i] = vi;
+    m[i] = from_f32<TM>(mi);
+    v[i] = from_f32<TM>(vi);
     if constexpr (kClear) grad[i] = 0.0f;
   }
 }
@@ -97,6 +99,9 @@ void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamW
   for (size_t t = 0; t < tensors.size(); ++t) {
     if ((tensors[t].w == nullptr) == (tensors[t].w_bf16 == nullptr))
       throw std::invalid_argument("adamw_update_clear_all: each tensor needs exactly one of w, w_bf16");
+    if ((tensors[t].m == nullptr) == (tensors[t].m_bf16 == nullptr) ||
+        (tensors[t].v == nullptr) == (tensors[t].v_bf16 == nullptr) || (tensors[t].m == nullptr) != (tensors[t].v == nullptr))
+      throw std::invalid_argument("adamw_update_clear_all: each tensor needs m, v or m_bf16, v_bf16");
     for (int64_t i = 0; i < tensors[t].n; i += kPiece) pieces.emplace_back(t, i);
   }
   const auto np = static_cast<int64_t>(pieces.size());
@@ -105,8 +110,13 @@ void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamW
     const AdamWTensor& a = tensors[pieces[static_cast<size_t>(j)].first];
     const int64_t i0 = pieces[static_cast<size_t>(j)].second, i1 = std::min(a.n, i0 + kPiece);
     const float decay = 1.0f - p.lr * a.weight_decay;
-    if (a.w) update_range<true>(a.w, a.grad, a.m, a.v, i0, i1, p, k, decay);
-    else update_range<true>(a.w_bf16, a.grad, a.m, a.v, i0, i1, p, k, decay);
+    if (a.m) {
+      if (a.w) update_range<true>(a.w, a.grad, a.m, a.v, i0, i1, p, k, decay);
+      else update_range<true>(a.w_bf16, a.grad, a.m, a.v, i0, i1, p, k, decay);
+    } else {
+      if (a.w) update_range<true>(a.w, a.grad, a.m_bf16, a.v_bf16, i0, i1, p, k, decay);
+      else update_range<true>(a.w_bf16, a.grad, a.m_bf16, a.v_bf16, i0, i1, p, k, decay);
+    }
   }
 }
 

@@ -28,14 +28,18 @@ void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const
 // their elements between the threads, instead of one region per tensor, where small tensors leave threads idle),
 // leaving every grad zeroed for the next step to accumulate into (its cache lines are written back within this pass
 // instead of being cleared by a separate pass over memory). Each tensor has its own weight decay
-// (AdamWParams::weight_decay is ignored) and weights in fp32 (w) or bf16 (w_bf16, w null). Every element gets
-// exactly the update adamw_update gives it.
+// (AdamWParams::weight_decay is ignored), weights in fp32 (w) or bf16 (w_bf16, w null) and moments in fp32 (m, v)
+// or bf16 (m_bf16, v_bf16, m and v null). Every element gets exactly the update adamw_update gives it; with bf16
+// moments, the one adamw_update gives it from the moments widened to fp32, and the new moments are stored rounded
+// to nearest even (the weight update uses them unrounded).
 struct AdamWTensor {
   float* w = nullptr;
   bf16* w_bf16 = nullptr;
   float* grad = nullptr;
   float* m = nullptr;
   float* v = nullptr;
+  bf16* m_bf16 = nullptr;
+  bf16* v_bf16 = nullptr;
   int64_t n = 0;
   float weight_decay = 0.0f;
 };

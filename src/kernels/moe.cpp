@@ -117,6 +117,24 @@ inline int64_t expert_rank(const int32_t* index, int64_t t, int64_t k, int64_t s
   return rank;
 }
 
+// The routed experts of MoeWeights / MoeGrads when no ExpertStream is given: all of them in memory.
+template <typename T>
+class ExpertsInPlace final : public ExpertStream<T> {
+ public:
+  ExpertsInPlace(const MoeShape& s, const MoeWeights<T>& w, const MoeGrads* g)
+      : gate_up_(s.expert_inter * 2 * s.hidden), down_(s.hidden * s.expert_inter), w_(w), g_(g) {}
+  typename ExpertStream<T>::Expert next(int64_t e) override {
+    return {w_.gate_up + e * gate_up_, w_.down + e * down_, g_ ? g_->gate_up + e * gate_up_ : nullptr,
+            g_ ? g_->down + e * down_ : nullptr};
+  }
+  void finish() override {}
+
+ private:
+  int64_t gate_up_, down_;
+  const MoeWeights<T>& w_;
+  const MoeGrads* g_;
+};
+
 }  // namespace
 
 template <typename T>
@@ -146,6 +164,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
   Buffer ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
 
+  ExpertsInPlace<T> in_place(s, w, nullptr);
+  ExpertStream<T>& experts = w.experts ? *w.experts : in_place;
   RouterStats stats;
   stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
   stats.prob_sums.assign(static_cast<size_t>(E), 0.0);
@@ -188,6 +208,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     float* sum = acc.as<float>();
     const T* sh = shared_out.as<T>();
     for (int64_t e = 0; e < E; ++e) {
+      const typename ExpertStream<T>::Expert ex = experts.next(e);
       const int64_t r0 = off[e], n = off[e + 1] - off[e];
       if (n == 0) continue;
       const int32_t* rows = slots + r0;
@@ -195,9 +216,9 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
       for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
       T* gu_e = gu + r0 * 2 * I;
-      rows_matmul(xg, w.gate_up + e * 2 * I * H, gu_e, n, 2 * I, H, true);
+      rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
       detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
-      rows_matmul(act.as<T>(), w.down + e * H * I, ye.as<float>(), n, H, I, true);
+      rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
       const float* yg = ye.as<float>();
       // Each token appears once per expert, so rows never collide; experts add in index order like
       // transformers' index_add_ loop (into a zero sum), and the token's last expert adds the gated shared
@@ -240,7 +261,10 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         }
       }
     }
+  } else {
+    for (int64_t e = 0; e < E; ++e) experts.next(e);
   }
+  experts.finish();
   if (saved) {
     saved->probs = std::move(probs);
     saved->topk_index = std::move(topk_index);
@@ -301,6 +325,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   // Routed experts, one group at a time. dL/dw for each slot = <dy[t], expert_out> = <dact, act> with
   // dact computed from the unweighted dy (no division by a possibly tiny w).
   const auto nk = static_cast<size_t>(N * k);
+  ExpertsInPlace<T> in_place(s, w, &g);
+  ExpertStream<T>& experts = w.experts ? *w.experts : in_place;
   Buffer dweight = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.dweight");
   {
     Buffer wrow = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_weight");
@@ -324,6 +350,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       T* dyg = dy_rows.as<T>();
       T* xg = x_rows.as<T>();
       for (int64_t e = 0; e < E; ++e) {
+        const typename ExpertStream<T>::Expert ex = experts.next(e);
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
         const int32_t* rows = slots + r0;
@@ -338,13 +365,13 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
           std::copy_n(x + t * H, H, xg + r * H);
         }
-        rows_matmul(dyg, w.down + e * H * I, dact.as<float>(), n, I, H, false);  // dact = dy W_down
+        rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
         // w act (recomputed) and d(gate | up) in one pass.
         detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
         for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
-        rows_reduce_matmul(dyg, actw.as<T>(), g.down + e * H * I, n, H, I);  // dW_down += dy^T (w act)
-        rows_reduce_matmul(dgu.as<T>(), xg, g.gate_up + e * 2 * I * H, n, 2 * I, H);
-        rows_matmul(dgu.as<T>(), w.gate_up + e * 2 * I * H, dxe.as<float>(), n, H, 2 * I, false);
+        rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
+        rows_reduce_matmul(dgu.as<T>(), xg, ex.dgate_up, n, 2 * I, H);
+        rows_matmul(dgu.as<T>(), ex.gate_up, dxe.as<float>(), n, H, 2 * I, false);
         const float* dxg = dxe.as<float>();
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
         for (int64_t r = 0; r < n; ++r) {
@@ -365,7 +392,10 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
           }
         }
       }
+    } else {
+      for (int64_t e = 0; e < E; ++e) experts.next(e);
     }
+    experts.finish();
   }
 
   // Router: slot weights -> selected probabilities (through the renormalisation) plus the aux term on

@@ -24,6 +24,25 @@ struct MoeShape {
   bool norm_topk_prob = true;
 };
 
+// Routed-expert weights (and, in backward, their fp32 gradient accumulators) handed out one expert at a time, so
+// that a caller can gather or cast a few consecutive experts at a time instead of a whole layer's. In each pass
+// (one moe_forward or one moe_backward) the kernel asks for every expert e = 0..E-1 in ascending order, whether or
+// not any row was routed to it (a caller's collectives stay matched across ranks), then calls finish(); in planning
+// mode too, so the caller's buffers are accounted at the same moments.
+template <typename T>
+class ExpertStream {
+ public:
+  struct Expert {
+    const T* gate_up;  // [2I, H]
+    const T* down;     // [H, I]
+    float* dgate_up;   // backward only: accumulated into
+    float* ddown;
+  };
+  virtual ~ExpertStream() = default;
+  virtual Expert next(int64_t e) = 0;
+  virtual void finish() = 0;
+};
+
 // Matrices in T (the compute dtype), Hugging Face [out, in] layouts.
 template <typename T>
 struct MoeWeights {
@@ -34,6 +53,9 @@ struct MoeWeights {
   const T* shared_up;               // [Is, H]
   const T* shared_down;             // [H, Is]
   const float* shared_expert_gate;  // [H]
+  // When given, the routed experts come from here (and their gradients go there) instead of gate_up / down (and
+  // MoeGrads::gate_up / down).
+  ExpertStream<T>* experts = nullptr;
 };
 
 // fp32 gradients with the shapes of MoeWeights; backward accumulates into each.

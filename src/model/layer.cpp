@@ -1,5 +1,6 @@
 #include "model/layer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -14,19 +15,21 @@ namespace hs::model {
 
 using namespace hs::kernels;
 
-bool is_routed_expert(const ParamSpec& s) { return s.name.rfind("mlp.experts.", 0) == 0; }
-
 template <typename T>
 ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                        Collectives* comm, int64_t expert_parallel) {
+                                        Collectives* comm) {
   ComputeWeights<T> cw;
   auto specs = layer_specs(c, w.kind);
   for (size_t i = 0; i < specs.size(); ++i) {
     const TensorView& t = w[i];
+    if (is_routed_expert(specs[i])) {  // taken piece by piece by the MoE kernel (PiecedExperts)
+      cw.ptr.push_back(nullptr);
+      continue;
+    }
     if (w.shards > 1) {
       if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
       const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
-      const int64_t n = is_routed_expert(specs[i]) ? t.numel() / expert_parallel : t.numel();
+      const int64_t n = t.numel();
       Buffer full = mem.allocate(static_cast<size_t>(comm->padded_elems(n)) * dtype_size(to), MemCategory::WeightCasts,
                                  "gathered:" + specs[i].name);
       cw.pending.push_back(comm->start_all_gather(t, full.data(), to, n));
@@ -49,8 +52,8 @@ ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights
 
 template <typename T>
 ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                  Collectives* comm, int64_t expert_parallel) {
-  ComputeWeights<T> cw = start_compute_weights<T>(c, w, mem, comm, expert_parallel);
+                                  Collectives* comm) {
+  ComputeWeights<T> cw = start_compute_weights<T>(c, w, mem, comm);
   cw.wait();
   return cw;
 }
@@ -69,11 +72,143 @@ template <typename E> Buffer scratch(MemoryAccountant& mem, int64_t n, const cha
   return mem.allocate_n<E>(static_cast<size_t>(n), MemCategory::Workspace, tag, zero);
 }
 
-template <typename T> MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f) {
-  return {w.mat(f + p::kRouter),     w.mat(f + p::kGateUp),     w.mat(f + p::kDown),
-          w.mat(f + p::kSharedGate), w.mat(f + p::kSharedUp),   w.mat(f + p::kSharedDown),
-          w.vec(f + p::kSharedExpertGate)};
+template <typename T> MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f, ExpertStream<T>* experts) {
+  return {w.mat(f + p::kRouter),     nullptr,  nullptr, w.mat(f + p::kSharedGate), w.mat(f + p::kSharedUp),
+          w.mat(f + p::kSharedDown), w.vec(f + p::kSharedExpertGate), experts};
 }
+
+// One pass of the MoE kernel over a layer's routed experts, piece by piece (LayerContext::piece_bytes).
+// Sharded: a piece's weights are all-gathered expert by expert (each expert is a shard unit, so its shards are
+// contiguous on every rank) into one buffer, and the next piece's gathers start when a piece is reached; in backward
+// a piece's gradients accumulate in a zeroed full-size buffer that is reduce-scattered into this rank's shards when
+// the kernel moves on, left in flight until the piece after it is done. So two pieces of weights and two of
+// gradients live at once. Unsharded: the weights are used in place, or cast to T one piece at a time, and the
+// gradients accumulate straight into the gradient stacks.
+template <typename T>
+class PiecedExperts final : public ExpertStream<T> {
+ public:
+  using Expert = typename ExpertStream<T>::Expert;
+  PiecedExperts(const LayerContext& ctx, const LayerWeights& w, const LayerWeights* grads)
+      : mem_(ctx.mem), comm_(ctx.comm), P_(ctx.mem.planning()), sharded_(w.shards > 1), ep_(ctx.expert_parallel),
+        f_(ffn_offset(w.kind)), w_(w), g_(grads) {
+    const ModelConfig& c = ctx.cfg;
+    if (sharded_ && (!comm_ || comm_->size() != w.shards))
+      throw std::logic_error("sharded weights need the collectives of their group");
+    local_ = c.experts / ep_;
+    n_[0] = 2 * c.expert_inter * c.hidden;
+    n_[1] = c.hidden * c.expert_inter;
+    for (int k = 0; k < 2; ++k) {
+      full_stride_[k] = sharded_ ? comm_->padded_elems(n_[k]) : n_[k];
+      shard_stride_[k] = sharded_ ? Collectives::shard_elems(n_[k], w.shards) : n_[k];
+    }
+    const size_t expert_bytes = static_cast<size_t>(full_stride_[0] + full_stride_[1]) * sizeof(T);
+    per_piece_ = ctx.piece_bytes == 0 ? local_
+                                      : std::clamp<int64_t>(static_cast<int64_t>(ctx.piece_bytes / expert_bytes), 1, local_);
+  }
+
+  // With expert parallelism (planning only) the kernel still walks all E experts; this rank's E / ep are reached
+  // ep kernel experts at a time.
+  Expert next(int64_t e) override {
+    const int64_t le = e / ep_, piece = le / per_piece_;
+    if (piece != index_) advance(piece);
+    if (P_) return {};
+    const int64_t j = le - cur_.first;
+    Expert x{};
+    x.gate_up = cur_.w[0].empty() ? static_cast<const T*>(w_[f_ + p::kGateUp].data) + le * n_[0]
+                                  : ptr<T>(cur_.w[0]) + j * full_stride_[0];
+    x.down = cur_.w[1].empty() ? static_cast<const T*>(w_[f_ + p::kDown].data) + le * n_[1]
+                               : ptr<T>(cur_.w[1]) + j * full_stride_[1];
+    if (g_) {
+      x.dgate_up = sharded_ ? ptr<float>(cur_.g[0]) + j * full_stride_[0] : grad(0) + le * n_[0];
+      x.ddown = sharded_ ? ptr<float>(cur_.g[1]) + j * full_stride_[1] : grad(1) + le * n_[1];
+    }
+    return x;
+  }
+
+  void finish() override {
+    scatter(cur_);
+    drop(retiring_);
+    drop(cur_);
+    drop(ahead_);
+  }
+
+ private:
+  struct Piece {
+    int64_t first = 0, count = 0;
+    Buffer w[2], g[2];                           // gate_up, down: weights in T (empty: in place), full gradients
+    std::vector<Collectives::Request> requests;  // after the buffers: finished before they are freed
+  };
+  // Completes a piece's transfers, then frees its buffers (a plain assignment would free them first).
+  static void drop(Piece& q) {
+    for (auto& r : q.requests) r.wait();
+    q = {};
+  }
+  float* grad(int k) const { return static_cast<float*>((*g_)[f_ + (k ? p::kDown : p::kGateUp)].data); }
+  const TensorView& weight(int k) const { return w_[f_ + (k ? p::kDown : p::kGateUp)]; }
+
+  Piece start_weights(int64_t piece) {
+    Piece q;
+    q.first = piece * per_piece_;
+    q.count = std::min(per_piece_, local_ - q.first);
+    for (int k = 0; k < 2; ++k) {
+      const TensorView& src = weight(k);
+      if (!sharded_ && src.dtype == dtype_of<T>()) continue;
+      q.w[k] = mem_.allocate_n<T>(static_cast<size_t>(q.count * full_stride_[k]), MemCategory::WeightCasts,
+                                  k ? "expert_piece:down_proj" : "expert_piece:gate_up_proj");
+      if (P_) continue;
+      const size_t src_elem = dtype_size(src.dtype);
+      for (int64_t j = 0; j < q.count; ++j) {
+        const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
+        T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
+        if (sharded_)
+          q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
+                                                       to, dtype_of<T>(), n_[k]));
+        else
+          convert_elements(from, src.dtype, to, dtype_of<T>(), n_[k]);
+      }
+    }
+    return q;
+  }
+
+  // Starts the reduce-scatter of a finished piece's gradients and keeps it in flight as retiring_ (the one before
+  // it is completed and freed first).
+  void scatter(Piece& q) {
+    for (int k = 0; k < 2; ++k) q.w[k].reset();
+    drop(retiring_);
+    if (!g_ || !sharded_) return;
+    if (!P_)
+      for (int k = 0; k < 2; ++k)
+        for (int64_t j = 0; j < q.count; ++j)
+          q.requests.push_back(comm_->start_reduce_scatter(ptr<float>(q.g[k]) + j * full_stride_[k], n_[k],
+                                                           grad(k) + (q.first + j) * shard_stride_[k]));
+    retiring_ = std::move(q);
+  }
+
+  void advance(int64_t piece) {
+    if (piece != index_ + 1) throw std::logic_error("moe: experts visited out of order");
+    if (index_ >= 0) scatter(cur_);
+    cur_ = index_ >= 0 && sharded_ ? std::move(ahead_) : start_weights(piece);
+    for (auto& r : cur_.requests) r.wait();
+    cur_.requests.clear();
+    index_ = piece;
+    if (sharded_ && (piece + 1) * per_piece_ < local_) ahead_ = start_weights(piece + 1);
+    if (g_ && sharded_)
+      for (int k = 0; k < 2; ++k)
+        cur_.g[k] = mem_.allocate_n<float>(static_cast<size_t>(cur_.count * full_stride_[k]), MemCategory::Gradients,
+                                           k ? "expert_piece_grad:down_proj" : "expert_piece_grad:gate_up_proj", true);
+  }
+
+  MemoryAccountant& mem_;
+  Collectives* comm_;
+  bool P_, sharded_;
+  int64_t ep_;
+  int f_;
+  const LayerWeights& w_;
+  const LayerWeights* g_;
+  int64_t local_ = 0, per_piece_ = 1, index_ = -1;
+  int64_t n_[2], full_stride_[2], shard_stride_[2];
+  Piece retiring_, cur_, ahead_;
+};
 MoeShape moe_shape(const ModelConfig& c, int64_t N) {
   return {N, c.hidden, c.experts, c.top_k, c.expert_inter, c.shared_inter, c.norm_topk_prob};
 }
@@ -350,7 +485,7 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
   if (ctx.expert_parallel > 1 && !P) throw std::logic_error("expert parallelism is only planned, not run, in this version");
-  s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm, ctx.expert_parallel);
+  s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm);
   s.weights.wait();
   const ComputeWeights<T>& w = s.weights;
   Alloc A{mem, keep};
@@ -372,7 +507,9 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     // With expert parallelism each rank sends its tokens' routed rows out and receives as many back (balanced).
     Buffer all_to_all;
     if (ctx.expert_parallel > 1) all_to_all = scratch<T>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
-    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), ptr<T>(ffn_out), keep ? &s.moe : nullptr, mem);
+    PiecedExperts<T> experts(ctx, lw, nullptr);
+    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts), ptr<T>(ffn_out),
+                        keep ? &s.moe : nullptr, mem);
   } else {
     swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
                    w.mat(f + p::kMlpDown), ptr<T>(ffn_out), keep ? &s.mlp : nullptr, mem);
@@ -403,8 +540,9 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
       MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
                   G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
                   G(gr, f + p::kSharedExpertGate)};
-      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f), s.moe, dh_out, aux_dprob, ptr<float>(dx2), mg, mem,
-                   /*accumulate_dx=*/false);
+      PiecedExperts<T> experts(ctx, lw, &gr);
+      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts), s.moe, dh_out, aux_dprob,
+                   ptr<float>(dx2), mg, mem, /*accumulate_dx=*/false);
     } else {
       swiglu_backward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
                       w.mat(f + p::kMlpDown), s.mlp, dh_out, ptr<float>(dx2), G(gr, f + p::kMlpGate),
@@ -423,9 +561,9 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
 
 #define HS_INSTANTIATE(T)                                                                                          \
   template ComputeWeights<T> start_compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&,  \
-                                                      Collectives*, int64_t);                                      \
+                                                      Collectives*);                                               \
   template ComputeWeights<T> compute_weights<T>(const ModelConfig&, const LayerWeights&, MemoryAccountant&,        \
-                                                Collectives*, int64_t);                                            \
+                                                Collectives*);                                                     \
   template RouterStats layer_forward<T>(const LayerContext&, const LayerWeights&, const T*, T*, LayerSaved<T>*,    \
                                         ComputeWeights<T>*);                                                       \
   template void layer_backward<T>(const LayerContext&, const LayerWeights&, const LayerWeights&, const T*,          \

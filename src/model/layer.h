@@ -42,12 +42,18 @@ struct LayerContext {
   // in planning mode (they choose the attention kernel). Null: every row is a whole sequence from position 0.
   LayerCache* cache = nullptr;
   const int32_t* slots = nullptr;
+  // Routed-expert weights are gathered (or cast) in pieces of consecutive experts of at most this many bytes in the
+  // compute dtype (gate_up and down together; at least one expert), just before the kernel reaches them, and their
+  // gradients are reduce-scattered piece by piece: two pieces live at once (the next one's gather, or the previous
+  // one's reduce-scatter, in flight). 0: the whole layer's experts are one piece.
+  size_t piece_bytes = 0;
   int64_t tokens() const { return batch * seq; }
 };
 
 // A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts and
 // all-gathered shards are temporaries of this sub-layer (MemCategory::WeightCasts); when the weights are unsharded and
-// the storage dtype already matches, nothing is copied.
+// the storage dtype already matches, nothing is copied. The routed experts are not among them (null pointers): the
+// MoE kernel takes them piece by piece (LayerContext::piece_bytes).
 template <typename T> struct ComputeWeights {
   std::vector<Buffer> owned;
   std::vector<const void*> ptr;
@@ -63,12 +69,10 @@ template <typename T> struct ComputeWeights {
 // sub-layer's while this one computes. compute_weights also waits.
 template <typename T>
 ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                        Collectives* comm, int64_t expert_parallel = 1);
+                                        Collectives* comm);
 template <typename T>
 ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
-                                  Collectives* comm, int64_t expert_parallel = 1);
-// Routed-expert tensors (the ones expert parallelism splits).
-bool is_routed_expert(const ParamSpec& s);
+                                  Collectives* comm);
 
 // Everything a layer keeps between its forward and its backward (all accounted: MemCategory::Activations, and the
 // weight casts). Unused members stay empty.

@@ -95,6 +95,15 @@ int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s) {
   return -1;
 }
 
+bool is_routed_expert(const ParamSpec& s) { return s.name.rfind("mlp.experts.", 0) == 0; }
+
+int64_t shard_units(const ParamSpec& s) { return is_routed_expert(s) ? s.shape.at(0) : 1; }
+
+int64_t layer_shard_elems(const ParamSpec& s, int64_t shards) {
+  const int64_t units = shard_units(s);
+  return units * Collectives::shard_elems(hs::numel(s.shape) / units, shards);
+}
+
 ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero,
                    int64_t shards)
     : cfg_(c), shards_(shards) {
@@ -102,14 +111,14 @@ ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& m
   auto add = [&](const std::string& prefix, const ParamSpec& s, const Shape& lead) {
     Shape full = lead;
     full.insert(full.end(), s.shape.begin(), s.shape.end());
-    DType t = (s.keep_fp32 || cat != MemCategory::Parameters) ? DType::F32 : weight_dtype;
+    DType t = (s.keep_fp32 || cat == MemCategory::Gradients) ? DType::F32 : weight_dtype;
     std::string name = prefix + s.name;
-    // Sharded: each layer's tensor is split over the ranks on its own, so a sub-layer's gather reads one
-    // contiguous shard per rank: lead ++ [ceil(per-layer numel / shards)].
+    // Sharded: each layer's tensor is split over the ranks on its own, so a sub-layer's gather reads contiguous
+    // shards: lead ++ [layer_shard_elems].
     Shape stored = full;
     if (shards > 1) {
       stored = lead;
-      stored.push_back(Collectives::shard_elems(hs::numel(s.shape), shards));
+      stored.push_back(layer_shard_elems(s, shards));
     }
     Tensor tensor = zero ? Tensor::zeros(mem, cat, t, stored, name) : Tensor::empty(mem, cat, t, stored, name);
     params_.push_back({name, s, lead, std::move(tensor), full, t});
@@ -216,16 +225,17 @@ namespace hs::model {
 
 namespace {
 
-// The pairs of tensors copy_shard and gather_full move between, checked to be of the same model and dtypes.
+// The pairs of tensors copy_shard and gather_full move between, checked to be of the same model and dtypes, as
+// `units` runs of `per_unit` elements, each sharded on its own into `shard` elements per rank.
 struct ShardGeometry {
-  int64_t layers, per_layer, shard;
+  int64_t units, per_unit, shard;
   size_t elem;
 };
 ShardGeometry geometry(const StackedParam& full, const StackedParam& shard, int64_t shards) {
   if (full.name != shard.name || full.dtype != shard.dtype || full.full_shape != shard.full_shape)
     throw std::invalid_argument("shards of '" + shard.name + "' do not match the full tensor '" + full.name + "'");
-  const int64_t per_layer = hs::numel(shard.spec.shape);
-  return {hs::numel(shard.lead), per_layer, Collectives::shard_elems(per_layer, shards), dtype_size(shard.dtype)};
+  const int64_t units = shard_units(shard.spec), per_unit = hs::numel(shard.spec.shape) / units;
+  return {hs::numel(shard.lead) * units, per_unit, Collectives::shard_elems(per_unit, shards), dtype_size(shard.dtype)};
 }
 
 void check_sets(const ParamSet& full, const ParamSet& shard) {
@@ -241,9 +251,9 @@ void copy_shard(const ParamSet& full, ParamSet& shard, int64_t rank) {
     const StackedParam& f = full.all()[t];
     StackedParam& s = shard.all()[t];
     const ShardGeometry g = geometry(f, s, shard.shards());
-    const int64_t begin = std::min(g.per_layer, rank * g.shard), count = std::min(g.shard, g.per_layer - begin);
-    for (int64_t l = 0; l < g.layers; ++l) {
-      const char* src = static_cast<const char*>(f.tensor.data()) + (l * g.per_layer + begin) * g.elem;
+    const int64_t begin = std::min(g.per_unit, rank * g.shard), count = std::min(g.shard, g.per_unit - begin);
+    for (int64_t l = 0; l < g.units; ++l) {
+      const char* src = static_cast<const char*>(f.tensor.data()) + (l * g.per_unit + begin) * g.elem;
       char* dst = static_cast<char*>(s.tensor.data()) + l * g.shard * g.elem;
       std::memcpy(dst, src, static_cast<size_t>(count) * g.elem);
       std::memset(dst + count * g.elem, 0, static_cast<size_t>(g.shard - count) * g.elem);
@@ -261,12 +271,12 @@ void gather_full(const ParamSet& shard, ParamSet& full, Collectives& group) {
     const StackedParam& s = shard.all()[t];
     StackedParam& f = full.all()[t];
     const ShardGeometry g = geometry(f, s, shard.shards());
-    gathered.resize(static_cast<size_t>(group.padded_elems(g.per_layer)) * g.elem);
-    for (int64_t l = 0; l < g.layers; ++l) {
+    gathered.resize(static_cast<size_t>(group.padded_elems(g.per_unit)) * g.elem);
+    for (int64_t l = 0; l < g.units; ++l) {
       char* src = static_cast<char*>(s.tensor.data()) + l * g.shard * g.elem;
-      group.all_gather(TensorView(src, s.dtype, {g.shard}), gathered.data(), s.dtype, g.per_layer);
-      std::memcpy(static_cast<char*>(f.tensor.data()) + l * g.per_layer * g.elem, gathered.data(),
-                  static_cast<size_t>(g.per_layer) * g.elem);
+      group.all_gather(TensorView(src, s.dtype, {g.shard}), gathered.data(), s.dtype, g.per_unit);
+      std::memcpy(static_cast<char*>(f.tensor.data()) + l * g.per_unit * g.elem, gathered.data(),
+                  static_cast<size_t>(g.per_unit) * g.elem);
     }
   }
 }

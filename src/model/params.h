@@ -45,6 +45,15 @@ namespace g {
 enum Global { kEmbed = 0, kFinalNorm, kLmHead };
 }
 
+// Routed-expert tensors (the ones expert parallelism splits and pieces are cut from), [experts, ...] per layer.
+bool is_routed_expert(const ParamSpec& s);
+// Sharded tensors are split over the ranks in units, each unit on its own: one expert of a routed-expert tensor,
+// the layer's whole tensor otherwise. A run of consecutive experts can then be gathered (and its gradient
+// reduce-scattered) without the rest of the layer, its shards being contiguous on every rank. Units per layer:
+int64_t shard_units(const ParamSpec& s);
+// Elements per layer that one rank holds: shard_units x ceil(unit elements / shards).
+int64_t layer_shard_elems(const ParamSpec& s, int64_t shards);
+
 struct LayerWeights {
   LayerKind kind;
   std::vector<TensorView> t;  // in layer_specs order
@@ -73,13 +82,13 @@ struct LayerSlot {
 LayerSlot slot_of_layer(const ModelConfig& c, int64_t layer);
 int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s);
 
-// A full set of model tensors in the stacked layout: parameters (weight dtype), or gradients / optimizer moments
-// (fp32) shaped like them.
+// A full set of model tensors in the stacked layout: parameters or optimizer moments (in the given dtype), or
+// gradients (fp32) shaped like them. Tensors the spec keeps in fp32 (keep_fp32) are fp32 in every set.
 class ParamSet {
  public:
   ParamSet() = default;
   // shards > 1: fully-sharded data parallelism; each layer's slice of a stacked tensor is split over the ranks on its
-  // own, so a tensor holds lead ++ [ceil(per-layer numel / shards)] elements on this rank.
+  // own (unit by unit, shard_units), so a tensor holds lead ++ [layer_shard_elems] elements on this rank.
   ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& mem, MemCategory cat, bool zero,
            int64_t shards = 1);
   int64_t shards() const { return shards_; }

@@ -1,6 +1,8 @@
 #include "planner/plan.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <numeric>
 #include <stdexcept>
 
@@ -32,8 +34,8 @@ PlanResult plan(const PlanRequest& r) {
   VirtualCollectives group(fsdp);
   // Arguments: this device's shard of the parameters and of both AdamW moments, and its batch.
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false, fsdp);
-  model::ParamSet m(r.model, DType::F32, mem, MemCategory::OptimizerState, false, fsdp);
-  model::ParamSet v(r.model, DType::F32, mem, MemCategory::OptimizerState, false, fsdp);
+  model::ParamSet m(r.model, r.moment_dtype, mem, MemCategory::OptimizerState, false, fsdp);
+  model::ParamSet v(r.model, r.moment_dtype, mem, MemCategory::OptimizerState, false, fsdp);
   const int64_t tokens = r.batch_per_device * r.seq;
   Buffer batch = mem.allocate(2 * static_cast<size_t>(tokens) * sizeof(int32_t), MemCategory::Batch, "batch");
   mem.reset_peak();
@@ -44,10 +46,12 @@ PlanResult plan(const PlanRequest& r) {
                                 std::to_string(fsdp) + ")");
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   opt.prefetch = r.prefetch;
+  opt.gather_piece_bytes = r.gather_piece_bytes;
   train::forward_backward(params, b, opt, mem, &grads);
 
   PlanResult out;
   out.remat = r.remat;
+  out.moment_dtype = r.moment_dtype;
   out.fsdp = fsdp;
   out.peak = mem.at_peak();
   out.argument_bytes = out.peak.argument();
@@ -94,6 +98,46 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   p.total = mem.peak_total();
   p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state;
   return p;
+}
+
+namespace {
+int recompute_rank(train::RematPolicy p) { return p == train::RematPolicy::None ? 0 : 1; }
+std::string gb(size_t b) {
+  char s[32];
+  std::snprintf(s, sizeof s, "%.2f GB", double(b) / 1e9);
+  return s;
+}
+}  // namespace
+
+FitResult plan_fit(PlanRequest r, size_t budget) {
+  r.hbm_bytes = budget;
+  FitResult out;
+  for (auto remat : {train::RematPolicy::None, train::RematPolicy::Sublayer, train::RematPolicy::Block})
+    for (DType moments : {DType::F32, DType::BF16}) {
+      r.remat = remat;
+      r.moment_dtype = moments;
+      out.candidates.push_back({plan(r), ""});
+    }
+  std::stable_sort(out.candidates.begin(), out.candidates.end(), [](const FitCandidate& a, const FitCandidate& b) {
+    const int ra = recompute_rank(a.plan.remat), rb = recompute_rank(b.plan.remat);
+    if (ra != rb) return ra < rb;
+    if (a.plan.moment_dtype != b.plan.moment_dtype) return a.plan.moment_dtype == DType::F32;
+    return a.plan.total_bytes < b.plan.total_bytes;
+  });
+  for (size_t i = 0; i < out.candidates.size(); ++i) {
+    FitCandidate& c = out.candidates[i];
+    if (!c.plan.fits) {
+      c.why = "does not fit: " + gb(c.plan.total_bytes) + " > " + gb(budget);
+    } else if (out.choice >= 0) {
+      const PlanResult& k = out.candidates[static_cast<size_t>(out.choice)].plan;
+      if (recompute_rank(c.plan.remat) > recompute_rank(k.remat)) c.why = "fits, but recomputes more than " + train::remat_name(k.remat);
+      else if (c.plan.moment_dtype != k.moment_dtype) c.why = "fits, but rounds the moments to bf16";
+      else c.why = "fits, but needs more memory";
+    } else {
+      out.choice = static_cast<int>(i);
+    }
+  }
+  return out;
 }
 
 }  // namespace hs::planner

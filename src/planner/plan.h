@@ -22,12 +22,15 @@ struct PlanRequest {
   train::RematPolicy remat = train::RematPolicy::Sublayer;
   DType weight_dtype = DType::F32;
   DType compute_dtype = DType::BF16;
+  DType moment_dtype = DType::F32;  // AdamW moments (train --moment-dtype)
   size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
   bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
+  size_t gather_piece_bytes = train::kDefaultGatherPieceBytes;  // train --gather-piece-bytes (train::StepOptions)
 };
 
 struct PlanResult {
   train::RematPolicy remat;
+  DType moment_dtype = DType::F32;
   int64_t fsdp = 1;
   size_t argument_bytes = 0, output_bytes = 0, alias_bytes = 0, temp_bytes = 0, total_bytes = 0, hbm_bytes = 0;
   bool fits = true;
@@ -38,8 +41,8 @@ struct PlanResult {
 PlanResult plan(const PlanRequest& r);
 // HBM per chip by name (v5p 95 GiB, v6e 32 GiB, tpu7x 192 GiB, h100 80 GB, h200 141 GB); throws for unknown names.
 size_t chip_hbm_bytes(const std::string& chip);
-// --remat auto: the policy with the least recomputation whose plan fits `budget` (none, else sublayer, which never
-// plans above block); if nothing fits, sublayer (the smallest) with fits = false.
+// --remat auto: the policy with the least recomputation whose plan fits `budget` (none, else sublayer, which plans
+// above block only by the layer inputs it keeps); if nothing fits, sublayer with fits = false.
 PlanResult plan_auto(PlanRequest r, size_t budget);
 
 // Generation (hybridscan generate) on one device: `batch` sequences of up to `context` positions, weights stored and
@@ -57,5 +60,18 @@ struct GeneratePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
 };
 GeneratePlan plan_generate(const GeneratePlanRequest& r);
+// plan --fit: every configuration of remat policy x AdamW moment dtype for the request (its other settings kept),
+// cheapest first: least recomputation (none; then sublayer and block, one extra forward each), then exact arithmetic
+// (fp32 moments) before rounded (bf16), then least memory. `fits` is judged against
+// `budget`; `why` says why each configuration is not the choice. The choice is the first that fits, if any.
+struct FitCandidate {
+  PlanResult plan;
+  std::string why;  // empty for the choice
+};
+struct FitResult {
+  std::vector<FitCandidate> candidates;  // cheapest first
+  int choice = -1;                       // index into candidates; -1 when nothing fits
+};
+FitResult plan_fit(PlanRequest r, size_t budget);
 
 }  // namespace hs::planner

@@ -18,8 +18,8 @@ double lr_at(const OptimizerConfig& c, int64_t step) {
 
 AdamWOptimizer::AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem)
     : cfg_(cfg),
-      m_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true, params.shards()),
-      v_(params.config(), DType::F32, mem, MemCategory::OptimizerState, true, params.shards()) {}
+      m_(params.config(), cfg.moment_dtype, mem, MemCategory::OptimizerState, true, params.shards()),
+      v_(params.config(), cfg.moment_dtype, mem, MemCategory::OptimizerState, true, params.shards()) {}
 
 double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads, Collectives* shards) {
   std::vector<std::pair<const float*, int64_t>> arrays;
@@ -43,8 +43,15 @@ double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads, Col
     if (w.dtype() == DType::F32) t.w = w.as<float>();
     else t.w_bf16 = w.as<bf16>();
     t.grad = grads.all()[i].tensor.as<float>();
-    t.m = m_.all()[i].tensor.as<float>();
-    t.v = v_.all()[i].tensor.as<float>();
+    Tensor& m = m_.all()[i].tensor;
+    Tensor& v = v_.all()[i].tensor;
+    if (m.dtype() == DType::F32) {
+      t.m = m.as<float>();
+      t.v = v.as<float>();
+    } else {
+      t.m_bf16 = m.as<bf16>();
+      t.v_bf16 = v.as<bf16>();
+    }
     t.n = w.numel();
     t.weight_decay = ps[i].spec.weight_decay ? static_cast<float>(cfg_.weight_decay) : 0.0f;
   }

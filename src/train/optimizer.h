@@ -1,5 +1,5 @@
-// AdamW over a ParamSet (or this rank's shards of one: the moments are sharded alike) with fp32 moments, global-norm gradient clipping, and a warmup + cosine learning-rate
-// schedule.
+// AdamW over a ParamSet (or this rank's shards of one: the moments are sharded alike) with fp32 or bf16 moments,
+// global-norm gradient clipping, and a warmup + cosine learning-rate schedule.
 #pragma once
 #include <cstdint>
 
@@ -15,6 +15,9 @@ struct OptimizerConfig {
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;  // on matrices and embeddings only
   double clip = 1.0;          // max global gradient norm (0 = off)
+  // AdamW moments stored in fp32 or bf16 (computed in fp32 each step, stored rounded to nearest even): bf16 saves
+  // 4 bytes a parameter of the optimizer state.
+  DType moment_dtype = DType::F32;
 };
 
 // Learning rate at 0-based `step`: linear warmup over `warmup` steps, then cosine to lr * min_lr_ratio.

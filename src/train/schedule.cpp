@@ -94,6 +94,7 @@ struct Runner {
   int64_t ep = 1;
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
   bool prefetch = false;
+  size_t piece_bytes = 0;
 
   // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
   // call k takes its weights, call k+1's gathers are started and run while k computes.
@@ -121,13 +122,14 @@ struct Runner {
       for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
   }
   model::LayerContext ctx() const {
-    return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables};
+    return {c,  mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
+            /*slots=*/nullptr, piece_bytes};
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }
 
   model::ComputeWeights<T> start_weights(size_t i) {
-    return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm, ep);
+    return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm);
   }
   // The weights of layer_forward call number next_call (of layer i), with the next call's gathers started.
   model::ComputeWeights<T> weights_for(size_t i) {
@@ -167,10 +169,12 @@ struct Runner {
   }
 
   // Where a layer's backward accumulates its gradients: the gradient stacks themselves, or, when sharded, full-size
-  // temporaries that are reduce-scattered into this rank's shards once the layer's backward is done.
+  // temporaries that are reduce-scattered into this rank's shards once the layer's backward is done. The routed
+  // experts' views stay on this rank's shards: the MoE kernel reduce-scatters them piece by piece.
   struct GradTarget {
     std::vector<Buffer> full;
-    std::vector<float*> shards;  // this rank's gradient shard of each tensor
+    std::vector<size_t> index;   // the tensor of each full buffer
+    std::vector<float*> shards;  // this rank's gradient shard of each
     model::LayerWeights view;
   };
   GradTarget layer_grads(ParamSet& grads, const LayerSlot& s) {
@@ -179,21 +183,21 @@ struct Runner {
     if (!sharded()) return g;
     const auto specs = model::layer_specs(c, s.kind());
     for (size_t i = 0; i < g.view.t.size(); ++i) {
+      if (model::is_routed_expert(specs[i])) continue;
       TensorView& v = g.view.t[i];
-      if (model::is_routed_expert(specs[i]) && ep > 1) v.shape[0] /= ep;  // this rank's experts only
       g.full.push_back(mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(v.numel())), MemCategory::Gradients,
                                              "layer_grad:" + specs[i].name, true));
+      g.index.push_back(i);
       g.shards.push_back(static_cast<float*>(v.data));
       v.data = g.full.back().data();
-      v.dtype = DType::F32;
     }
-    g.view.shards = 1;
     return g;
   }
   void reduce_scatter(GradTarget& g) {
     InFlight f;
     for (size_t i = 0; i < g.full.size(); ++i)
-      f.requests.push_back(comm->start_reduce_scatter(ptr<float>(g.full[i]), g.view.t[i].numel(), g.shards[i]));
+      f.requests.push_back(
+          comm->start_reduce_scatter(ptr<float>(g.full[i]), g.view.t[g.index[i]].numel(), g.shards[i]));
     f.full = std::move(g.full);
     submit(std::move(f));
   }
@@ -412,6 +416,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
   auto run = [&](auto& r) {
     r.ep = opt.expert_parallel;
     r.prefetch = opt.prefetch;
+    r.piece_bytes = opt.gather_piece_bytes;
     return r.forward_backward(opt.remat, grads);
   };
   if (opt.compute == DType::F32) {

@@ -22,6 +22,10 @@ std::string remat_name(RematPolicy p);
 RematPolicy parse_remat(const std::string& s);  // throws std::invalid_argument
 DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
 
+// 256 MiB: the 397B model's routed experts (24 MiB each in bf16) go 10 to a piece, so each collective still moves
+// well over a megabyte per rank at 256 ranks.
+constexpr size_t kDefaultGatherPieceBytes = size_t{256} << 20;
+
 struct StepOptions {
   RematPolicy remat = RematPolicy::Sublayer;
   DType compute = DType::BF16;
@@ -38,6 +42,9 @@ struct StepOptions {
   // leave each sub-layer's gradient reduce-scatter in flight while the next backward computes: one more sub-layer's
   // gathered weights and full gradients live at once. No effect unsharded.
   bool prefetch = false;
+  // Routed-expert weights are gathered (or cast), and their gradients reduce-scattered, in pieces of consecutive
+  // experts of at most this many bytes in the compute dtype (model::LayerContext::piece_bytes; 0: a whole layer).
+  size_t gather_piece_bytes = kDefaultGatherPieceBytes;
 };
 
 struct StepResult {

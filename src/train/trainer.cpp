@@ -44,7 +44,8 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
 void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
   const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
                            "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
-                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.dist->fsdp->size());
+                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" +
+                           std::to_string(o.dist->fsdp->size());
   uint64_t h = 1469598103934665603ull, root;
   for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
   root = h;
@@ -135,6 +136,7 @@ nlohmann::json options_to_json(const TrainOptions& o) {
           {"warmup", o.opt.warmup}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
           {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
+          {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
           {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
 }
 
@@ -155,6 +157,7 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.opt.weight_decay = j.value("weight_decay", o.opt.weight_decay);
   o.opt.clip = j.value("clip", o.opt.clip);
   o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
+  o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
 }
 
@@ -217,8 +220,8 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   std::unique_ptr<model::ParamSet> full_params, full_m, full_v;
   auto make_full = [&] {
     full_params = std::make_unique<model::ParamSet>(cfg, o.weight_dtype, full_mem, MemCategory::Parameters, false);
-    full_m = std::make_unique<model::ParamSet>(cfg, DType::F32, full_mem, MemCategory::OptimizerState, true);
-    full_v = std::make_unique<model::ParamSet>(cfg, DType::F32, full_mem, MemCategory::OptimizerState, true);
+    full_m = std::make_unique<model::ParamSet>(cfg, o.opt.moment_dtype, full_mem, MemCategory::OptimizerState, true);
+    full_v = std::make_unique<model::ParamSet>(cfg, o.opt.moment_dtype, full_mem, MemCategory::OptimizerState, true);
   };
   auto drop_full = [&] { full_params.reset(), full_m.reset(), full_v.reset(); };
   if (shards > 1) make_full();
