@@ -122,7 +122,7 @@ struct Runner {
       for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
   }
   model::LayerContext ctx() const {
-    return {c,  mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
+    return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
             /*slots=*/nullptr, piece_bytes};
   }
   bool sharded() const { return params.shards() > 1; }
