@@ -19,18 +19,7 @@ import struct
 import torch
 import transformers
 
-
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table (the alphabet of byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(map(chr, cs), bs))
+from byte_level import bytes_to_unicode
 
 
 def read_token_file(path):
@@ -55,7 +44,7 @@ def encode_text(path, tokenizer_path):
 
     tok = tokenizers.Tokenizer.from_file(tokenizer_path)
     ids = tok.encode(data.decode("utf-8", errors="replace"), add_special_tokens=False).ids
-    byte_of = bytes_to_unicode()
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
     eot = tok.token_to_id("<|endoftext|>")
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
 

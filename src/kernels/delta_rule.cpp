@@ -809,6 +809,27 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
   }
 }
 
+// The forwards' per-thread scratch from the accountant (planned as well), then head(view, index, scratch) for every
+// (sequence, value head) on the workers.
+template <typename PerHead>
+void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, MemoryAccountant& mem, PerHead&& head) {
+  const int64_t heads = s.batch * s.v_heads;
+  const int64_t workers = worker_count(s);
+  Carver sizing(nullptr);
+  ForwardScratch{sizing, dkp, dvp};
+  const int64_t per_thread = sizing.used();
+  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
+  if (mem.planning() || heads == 0 || s.seq == 0) return;
+
+#pragma omp parallel num_threads(static_cast<int>(workers))
+  {
+    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
+    ForwardScratch w(cv, dkp, dvp);
+#pragma omp for schedule(static)
+    for (int64_t hh = 0; hh < heads; ++hh) head(HeadView{s, hh / s.v_heads, hh % s.v_heads}, hh, w);
+  }
+}
+
 }  // namespace
 
 template <typename T>
@@ -827,55 +848,26 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
     saved->vn = mem.allocate_n<float>(heads * nchunks * C * dvp, MemCategory::Activations, "delta_rule.vn");
     saved->S = mem.allocate_n<float>(heads * nchunks * dkp * dvp, MemCategory::Activations, "delta_rule.states");
   }
-  const int64_t workers = worker_count(s);
-  Carver sizing(nullptr);
-  ForwardScratch{sizing, dkp, dvp};
-  const int64_t per_thread = sizing.used();
-  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
-  if (mem.planning() || heads == 0) return;
-
-#pragma omp parallel num_threads(static_cast<int>(workers))
-  {
-    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
-    ForwardScratch w(cv, dkp, dvp);
-#pragma omp for schedule(static)
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
-      float* tinv = saved ? saved->tinv.as<float>() + hh * nchunks * C * C : nullptr;
-      float* gcum = saved ? saved->gcum.as<float>() + hh * nchunks * C : nullptr;
-      ChunkStates states;
-      if (keep)
-        states = {saved->W.as<float>() + hh * nchunks * C * dkp, saved->vn.as<float>() + hh * nchunks * C * dvp,
-                  saved->S.as<float>() + hh * nchunks * dkp * dvp};
-      forward_head(hv, q, k, v, beta, g, o, tinv, gcum, states, w);
-    }
-  }
+  for_each_head(s, dkp, dvp, mem, [&](const HeadView& hv, int64_t hh, ForwardScratch& w) {
+    float* tinv = saved ? saved->tinv.as<float>() + hh * nchunks * C * C : nullptr;
+    float* gcum = saved ? saved->gcum.as<float>() + hh * nchunks * C : nullptr;
+    ChunkStates states;
+    if (keep)
+      states = {saved->W.as<float>() + hh * nchunks * C * dkp, saved->vn.as<float>() + hh * nchunks * C * dvp,
+                saved->S.as<float>() + hh * nchunks * dkp * dvp};
+    forward_head(hv, q, k, v, beta, g, o, tinv, gcum, states, w);
+  });
 }
 
 template <typename T>
 void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                                const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem) {
   check_shape(s);
-  const int64_t heads = s.batch * s.v_heads;
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
-  const int64_t workers = worker_count(s);
-  Carver sizing(nullptr);
-  ForwardScratch{sizing, dkp, dvp};
-  const int64_t per_thread = sizing.used();
-  Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
-  if (mem.planning() || heads == 0 || s.seq == 0) return;
-
-#pragma omp parallel num_threads(static_cast<int>(workers))
-  {
-    Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
-    ForwardScratch w(cv, dkp, dvp);
-#pragma omp for schedule(static)
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      const HeadView hv{s, hh / s.v_heads, hh % s.v_heads};
-      float* carry = state + (int64_t{slots[hv.b]} * s.v_heads + hv.h) * s.dk * s.dv;
-      forward_head(hv, q, k, v, beta, g, o, nullptr, nullptr, ChunkStates{}, w, carry);
-    }
-  }
+  for_each_head(s, dkp, dvp, mem, [&](const HeadView& hv, int64_t, ForwardScratch& w) {
+    float* carry = state + (int64_t{slots[hv.b]} * s.v_heads + hv.h) * s.dk * s.dv;
+    forward_head(hv, q, k, v, beta, g, o, nullptr, nullptr, ChunkStates{}, w, carry);
+  });
 }
 
 template <typename T>

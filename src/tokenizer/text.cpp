@@ -59,23 +59,8 @@ size_t well_formed_at(std::string_view s, size_t i, size_t& subpart) {
   return need + 1;
 }
 
-}  // namespace
-
-bool valid_utf8(std::string_view text) {
-  size_t i = 0, sub = 0;
-  while (i < text.size()) {
-    if (static_cast<unsigned char>(text[i]) < 0x80) {
-      ++i;
-      continue;
-    }
-    const size_t n = well_formed_at(text, i, sub);
-    if (n == 0) return false;
-    i += n;
-  }
-  return true;
-}
-
-std::string_view repair_utf8(std::string_view text, std::string& storage) {
+// The length of the longest prefix of `text` that is well-formed UTF-8.
+size_t valid_prefix(std::string_view text) {
   size_t i = 0, sub = 0;
   while (i < text.size()) {
     if (static_cast<unsigned char>(text[i]) < 0x80) {
@@ -86,6 +71,15 @@ std::string_view repair_utf8(std::string_view text, std::string& storage) {
     if (n == 0) break;
     i += n;
   }
+  return i;
+}
+
+}  // namespace
+
+bool valid_utf8(std::string_view text) { return valid_prefix(text) == text.size(); }
+
+std::string_view repair_utf8(std::string_view text, std::string& storage) {
+  size_t i = valid_prefix(text), sub = 0;
   if (i == text.size()) return text;
   storage.assign(text.data(), i);
   storage.reserve(text.size() + 16);
