@@ -14,6 +14,7 @@
 #include "planner/plan.h"
 #include "train/schedule.h"
 #include "train/trainer.h"
+#include "train_util.h"
 
 namespace hs::train {
 namespace {
@@ -137,14 +138,7 @@ TEST(ExpertPieces, ShardedPlanHoldsTwoPiecesInsteadOfALayer) {
 // byte.
 TEST(Bf16Moments, LossStaysWithinBoundAndPlanEqualsMeasured) {
   std::ostringstream log;
-  TrainOptions o;
-  o.model = "tiny";
-  o.synthetic = true;
-  o.steps = 10;
-  o.batch = 2;
-  o.seq = 40;
-  o.opt.warmup = 2;
-  o.progress = false;
+  TrainOptions o = tiny_synthetic_run(10, 40);
   o.step.compute = DType::BF16;
   const TrainSummary fp32 = run_training(o, log);
   o.opt.moment_dtype = DType::BF16;
@@ -178,14 +172,7 @@ TEST(Bf16Moments, ResumeIsBitExact) {
   const fs::path root = fs::temp_directory_path() / ("hs_bf16_moments_" + std::to_string(::getpid()));
   fs::remove_all(root);
   std::ostringstream log;
-  TrainOptions o;
-  o.model = "tiny";
-  o.synthetic = true;
-  o.steps = 5;
-  o.batch = 2;
-  o.seq = 24;
-  o.opt.warmup = 2;
-  o.progress = false;
+  TrainOptions o = tiny_synthetic_run(5, 24);
   o.opt.moment_dtype = DType::BF16;
   o.out = (root / "full").string();
   const TrainSummary full = run_training(o, log);

@@ -7,6 +7,7 @@
 
 #include "planner/plan.h"
 #include "train/trainer.h"
+#include "train_util.h"
 
 namespace hs::train {
 namespace {
@@ -14,15 +15,8 @@ namespace {
 namespace fs = std::filesystem;
 
 TrainOptions tiny_options(const fs::path& out) {
-  TrainOptions o;
-  o.model = "tiny";
-  o.synthetic = true;
-  o.steps = 8;
-  o.batch = 2;
-  o.seq = 40;
-  o.opt.warmup = 2;
+  TrainOptions o = tiny_synthetic_run(8, 40);
   o.out = out.string();
-  o.progress = false;
   o.step.compute = DType::F32;
   return o;
 }
