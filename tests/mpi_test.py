@@ -209,10 +209,13 @@ def case_faults(binary):
         except subprocess.TimeoutExpired:
             p.kill()
             return ["the job did not stop after rank 1 was killed"]
-        left = sorted(x.name for x in (pathlib.Path(d) / "k").iterdir())
-        partial = [x for x in left if not x.startswith("checkpoint-") or not x.split("-")[1].isdigit()
-                   or not (pathlib.Path(d) / "k" / x / "model.safetensors").exists() and x != "metrics.jsonl"]
-        partial = [x for x in partial if x != "metrics.jsonl"]
+        out_dir = pathlib.Path(d) / "k"
+        left = sorted(x.name for x in out_dir.iterdir())
+
+        def complete(name):  # the metrics, or a checkpoint whose rename into place happened
+            return name == "metrics.jsonl" or (name.startswith("checkpoint-") and name.split("-")[1].isdigit()
+                                               and (out_dir / name / "model.safetensors").exists())
+        partial = [x for x in left if not complete(x)]
         print(f"rank 1 killed: exit {p.returncode}; mpirun says: "
               f"{[l.strip() for l in err.splitlines() if 'rank 1' in l][:1]}; left: {left}")
         if p.returncode == 0 or "rank 1" not in err:
