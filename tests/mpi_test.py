@@ -7,7 +7,8 @@ Cases: agree (N = 2 and 4 ranks train the same losses as one process with the sa
 models with a remainder layer count, fp32 and bf16 compute, with and without --prefetch), fsdp (FSDP groups of 2
 inside 4 ranks), memory (each rank's measured step peak equals `plan --devices N [--fsdp G]`), checkpoint (saved by 2 ranks,
 resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), pieces (routed experts one expert a piece: the
-same bits as whole layers, peaks equal to the plan), faults (a killed rank, mismatched options, a
+same bits as whole layers, peaks equal to the plan), update (--update-in-backward: the usual step's losses and saved
+parameters and moments to the bit on 2 ranks and on 2 FSDP groups of 2, peaks equal to the plan), faults (a killed rank, mismatched options, a
 world size that does not divide the batch).
 
 The ranks run one OpenMP thread each (two ranks already fill this 2-core machine), as the plan is told
@@ -154,6 +155,40 @@ def case_pieces(binary):
         for rank, peak in enumerate(pieces["rank_peak_bytes"]):
             if peak != p["total_bytes"]:
                 failures.append(f"{model} pieces rank {rank}: measured {peak} B, planned {p['total_bytes']} B")
+    return failures
+
+
+def case_update(binary):
+    """AdamW applied per gradient shard in the backward (--update-in-backward, --clip 0) against the usual step on the
+    same ranks: the same losses to the bit, the same saved parameters and moments byte for byte (each rank updates
+    its own shards; a save gathers them), also with the replica sum of 2 FSDP groups of 2 inside 4 ranks, and each
+    rank's measured peak equal to the plan."""
+    failures = []
+    runs = [("tiny", 2, ["--remat", "sublayer", "--compute-dtype", "fp32"]),
+            ("qwen3.5-L5", 2, ["--remat", "block", "--prefetch", "--gather-piece-bytes", "1"]),
+            ("tiny", 4, ["--remat", "none", "--fsdp", "2", "--weight-dtype", "bf16"])]
+    with tempfile.TemporaryDirectory() as d:
+        for i, (model, n, extra) in enumerate(runs):
+            common = ["--steps", "4", "--batch", str(2 * n), "--clip", "0", *extra]
+            usual = train(binary, n, model, [*common, "--out", f"{d}/u{i}"])
+            upd = train(binary, n, model, [*common, "--update-in-backward", "--out", f"{d}/b{i}"])
+            same_files = all((pathlib.Path(f"{d}/u{i}/checkpoint-4") / f.name).read_bytes() == f.read_bytes()
+                             for f in pathlib.Path(f"{d}/b{i}/checkpoint-4").glob("*.safetensors"))
+            n_files = len(list(pathlib.Path(f"{d}/b{i}/checkpoint-4").glob("*.safetensors")))
+            print(f"{model} N={n} {' '.join(extra)}: losses bit-identical {upd['losses'] == usual['losses']}, "
+                  f"{n_files} saved tensor files identical {same_files}")
+            if upd["losses"] != usual["losses"]:
+                failures.append(f"{model} N={n}: --update-in-backward changes the losses")
+            if not same_files or n_files == 0:
+                failures.append(f"{model} N={n}: --update-in-backward changes the saved parameters or moments")
+            fsdp = extra[extra.index("--fsdp") + 1] if "--fsdp" in extra else str(n)
+            plan_extra = [a for a in extra if a not in ("--fsdp", fsdp)] + ["--fsdp", fsdp]
+            p = json.loads(run([binary, "plan", "--model", MODELS[model][1], "--devices", str(n), "--batch-per-device",
+                                "2", "--seq", "16", "--json", "--update-in-backward", *plan_extra]).stdout)
+            for rank, peak in enumerate(upd["rank_peak_bytes"]):
+                if peak != p["total_bytes"]:
+                    failures.append(f"{model} N={n} update rank {rank}: measured {peak} B, planned {p['total_bytes']} B")
+            print(f"  peaks {upd['rank_peak_bytes']} planned {p['total_bytes']} (usual step {usual['rank_peak_bytes'][0]})")
     return failures
 
 

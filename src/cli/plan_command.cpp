@@ -13,7 +13,7 @@ struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", chip, hbm,
       piece = std::to_string(train::kDefaultGatherPieceBytes);
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
-  bool compare = false, json = false, generate = false, prefetch = false, fit = false;
+  bool compare = false, json = false, generate = false, prefetch = false, fit = false, update_in_backward = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -22,7 +22,8 @@ nlohmann::json to_json(const planner::PlanResult& p) {
     if (!is_argument(static_cast<MemCategory>(i))) cat[std::string(category_name(static_cast<MemCategory>(i)))] = p.peak.bytes[i];
   for (const auto& b : p.peak.largest)
     largest.push_back({{"name", b.tag}, {"category", std::string(category_name(b.category))}, {"bytes", b.bytes}});
-  return {{"remat", train::remat_name(p.remat)}, {"moment_dtype", std::string(dtype_name(p.moment_dtype))}, {"fsdp", p.fsdp},
+  return {{"remat", train::remat_name(p.remat)}, {"moment_dtype", std::string(dtype_name(p.moment_dtype))},
+          {"update_in_backward", p.update_in_backward}, {"fsdp", p.fsdp},
           {"argument_bytes", p.argument_bytes}, {"output_bytes", p.output_bytes}, {"alias_bytes", p.alias_bytes},
           {"temp_bytes", p.temp_bytes}, {"total_bytes", p.total_bytes}, {"hbm_bytes", p.hbm_bytes},
           {"fits", p.fits}, {"temp_by_category", cat}, {"largest_at_peak", largest}, {"plan_seconds", p.seconds}};
@@ -83,8 +84,11 @@ void register_plan(CLI::App& app) {
   c->add_option("--batch", a->gen_batch, "--generate: sequences decoded together")->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->add_flag("--fit", a->fit,
-              "With --chip or --hbm: the cheapest remat x moment dtype that fits (least recomputation, then exact "
-              "moments, then least memory), and why each other does not win");
+              "With --chip or --hbm: the cheapest remat x moment dtype x update in backward that fits (least "
+              "recomputation, then exact moments, then the usual step before --update-in-backward, then least memory), "
+              "and why each other does not win");
+  c->add_flag("--update-in-backward", a->update_in_backward,
+              "As train --update-in-backward: AdamW per gradient shard in the backward, no gradient set across the step");
   c->add_flag("--prefetch", a->prefetch, "As train --prefetch: the next sub-layer's gathers overlap this one's compute");
   c->add_option("--gather-piece-bytes", a->piece, "As train --gather-piece-bytes (0: a whole layer's experts at once)")
       ->capture_default_str();
@@ -105,6 +109,7 @@ void register_plan(CLI::App& app) {
     r.weight_dtype = train::parse_dtype(a->weight_dtype);
     r.compute_dtype = train::parse_dtype(a->compute_dtype);
     r.moment_dtype = train::parse_dtype(a->moment_dtype);
+    r.update_in_backward = a->update_in_backward;
     r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);
     std::vector<planner::PlanResult> plans;
     if (a->fit) {
@@ -123,10 +128,11 @@ void register_plan(CLI::App& app) {
       std::printf("%s\n%lld devices, batch %lld x seq %lld per device, weights %s, compute %s, budget %s\n",
                   model::describe(r.model).c_str(), (long long)r.devices, (long long)r.batch_per_device, (long long)r.seq,
                   a->weight_dtype.c_str(), a->compute_dtype.c_str(), gb(r.hbm_bytes).c_str());
-      std::printf("%-10s %-8s %12s %12s %12s  %s\n", "remat", "moments", "argument", "temp", "total", "");
+      std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", "remat", "moments", "update", "argument", "temp", "total", "");
       for (const auto& cand : f.candidates)
-        std::printf("%-10s %-8s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
-                    std::string(dtype_name(cand.plan.moment_dtype)).c_str(), gb(cand.plan.argument_bytes).c_str(),
+        std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
+                    std::string(dtype_name(cand.plan.moment_dtype)).c_str(),
+                    cand.plan.update_in_backward ? "backward" : "step", gb(cand.plan.argument_bytes).c_str(),
                     gb(cand.plan.temp_bytes).c_str(), gb(cand.plan.total_bytes).c_str(),
                     cand.why.empty() ? "<- the choice" : cand.why.c_str());
       if (f.choice < 0) std::printf("nothing fits\n");

@@ -101,6 +101,10 @@ void register_train(CLI::App& app) {
                 "Routed experts are gathered and their gradients reduce-scattered in pieces of at most this size "
                 "(compute dtype; 0: a whole layer)")
       ->capture_default_str();
+  c->add_flag("--update-in-backward", a->o.update_in_backward,
+              "Apply AdamW to each gradient shard as soon as the backward completes it (no gradient set lives across "
+              "the step; the same parameters to the bit). Needs --clip 0: clipping needs the global norm before any "
+              "update");
   c->callback([a] {
     TrainArgs& x = *a;
     x.o.step.gather_piece_bytes = parse_bytes(x.piece);
@@ -141,6 +145,7 @@ void register_train(CLI::App& app) {
       r.weight_dtype = x.o.weight_dtype;
       r.compute_dtype = x.o.step.compute;
       r.moment_dtype = x.o.opt.moment_dtype;
+      r.update_in_backward = x.o.update_in_backward;
       planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.budget));
       x.o.step.remat = p.remat;
       if (lead) std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),

@@ -9,6 +9,7 @@
 #include "core/collectives.h"
 #include "infer/decoder.h"
 #include "model/params.h"
+#include "train/optimizer.h"
 
 namespace hs::planner {
 
@@ -32,10 +33,12 @@ PlanResult plan(const PlanRequest& r) {
     throw std::invalid_argument("--fsdp " + std::to_string(fsdp) + " must divide --devices " + std::to_string(r.devices));
   MemoryAccountant mem(/*planning=*/true);
   VirtualCollectives group(fsdp);
-  // Arguments: this device's shard of the parameters and of both AdamW moments, and its batch.
+  // Arguments: this device's shard of the parameters and of both AdamW moments (the optimizer's), and its batch.
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false, fsdp);
-  model::ParamSet m(r.model, r.moment_dtype, mem, MemCategory::OptimizerState, false, fsdp);
-  model::ParamSet v(r.model, r.moment_dtype, mem, MemCategory::OptimizerState, false, fsdp);
+  train::OptimizerConfig oc;
+  oc.moment_dtype = r.moment_dtype;
+  oc.clip = 0;  // what the plan counts does not depend on it; --update-in-backward needs it off
+  train::AdamWOptimizer adamw(params, oc, mem);
   const int64_t tokens = r.batch_per_device * r.seq;
   Buffer batch = mem.allocate(2 * static_cast<size_t>(tokens) * sizeof(int32_t), MemCategory::Batch, "batch");
   mem.reset_peak();
@@ -47,11 +50,15 @@ PlanResult plan(const PlanRequest& r) {
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   opt.prefetch = r.prefetch;
   opt.gather_piece_bytes = r.gather_piece_bytes;
-  train::forward_backward(params, b, opt, mem, &grads);
+  // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates nothing.
+  train::InBackwardAdamW update(adamw, params, &group);
+  if (r.update_in_backward) opt.update = &update;
+  train::forward_backward(params, b, opt, mem, r.update_in_backward ? nullptr : &grads);
 
   PlanResult out;
   out.remat = r.remat;
   out.moment_dtype = r.moment_dtype;
+  out.update_in_backward = r.update_in_backward;
   out.fsdp = fsdp;
   out.peak = mem.at_peak();
   out.argument_bytes = out.peak.argument();
@@ -113,15 +120,18 @@ FitResult plan_fit(PlanRequest r, size_t budget) {
   r.hbm_bytes = budget;
   FitResult out;
   for (auto remat : {train::RematPolicy::None, train::RematPolicy::Sublayer, train::RematPolicy::Block})
-    for (DType moments : {DType::F32, DType::BF16}) {
-      r.remat = remat;
-      r.moment_dtype = moments;
-      out.candidates.push_back({plan(r), ""});
-    }
+    for (DType moments : {DType::F32, DType::BF16})
+      for (bool update : {false, true}) {
+        r.remat = remat;
+        r.moment_dtype = moments;
+        r.update_in_backward = update;
+        out.candidates.push_back({plan(r), ""});
+      }
   std::stable_sort(out.candidates.begin(), out.candidates.end(), [](const FitCandidate& a, const FitCandidate& b) {
     const int ra = recompute_rank(a.plan.remat), rb = recompute_rank(b.plan.remat);
     if (ra != rb) return ra < rb;
     if (a.plan.moment_dtype != b.plan.moment_dtype) return a.plan.moment_dtype == DType::F32;
+    if (a.plan.update_in_backward != b.plan.update_in_backward) return !a.plan.update_in_backward;
     return a.plan.total_bytes < b.plan.total_bytes;
   });
   for (size_t i = 0; i < out.candidates.size(); ++i) {
@@ -132,6 +142,7 @@ FitResult plan_fit(PlanRequest r, size_t budget) {
       const PlanResult& k = out.candidates[static_cast<size_t>(out.choice)].plan;
       if (recompute_rank(c.plan.remat) > recompute_rank(k.remat)) c.why = "fits, but recomputes more than " + train::remat_name(k.remat);
       else if (c.plan.moment_dtype != k.moment_dtype) c.why = "fits, but rounds the moments to bf16";
+      else if (c.plan.update_in_backward != k.update_in_backward) c.why = "fits, but updates in the backward (no clipping)";
       else c.why = "fits, but needs more memory";
     } else {
       out.choice = static_cast<int>(i);

@@ -26,11 +26,13 @@ struct PlanRequest {
   size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
   bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
   size_t gather_piece_bytes = train::kDefaultGatherPieceBytes;  // train --gather-piece-bytes (train::StepOptions)
+  bool update_in_backward = false;  // train --update-in-backward: AdamW per gradient shard in the backward
 };
 
 struct PlanResult {
   train::RematPolicy remat;
   DType moment_dtype = DType::F32;
+  bool update_in_backward = false;
   int64_t fsdp = 1;
   size_t argument_bytes = 0, output_bytes = 0, alias_bytes = 0, temp_bytes = 0, total_bytes = 0, hbm_bytes = 0;
   bool fits = true;
@@ -60,9 +62,10 @@ struct GeneratePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
 };
 GeneratePlan plan_generate(const GeneratePlanRequest& r);
-// plan --fit: every configuration of remat policy x AdamW moment dtype for the request (its other settings kept),
-// cheapest first: least recomputation (none; then sublayer and block, one extra forward each), then exact arithmetic
-// (fp32 moments) before rounded (bf16), then least memory. `fits` is judged against
+// plan --fit: every configuration of remat policy x AdamW moment dtype x update in backward for the request (its
+// other settings kept), cheapest first: least recomputation (none; then sublayer and block, one extra forward each),
+// then exact arithmetic (fp32 moments) before rounded (bf16), then the usual step (which can clip) before AdamW in
+// the backward (which cannot), then least memory. `fits` is judged against
 // `budget`; `why` says why each configuration is not the choice. The choice is the first that fits, if any.
 struct FitCandidate {
   PlanResult plan;

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "model/params.h"
+#include "train/schedule.h"
 
 namespace hs::train {
 
@@ -37,9 +38,47 @@ class AdamWOptimizer {
   const OptimizerConfig& config() const { return cfg_; }
 
  private:
+  friend class InBackwardAdamW;
   OptimizerConfig cfg_;
   model::ParamSet m_, v_;
   int64_t step_ = 0;
+};
+
+// Refuses (std::invalid_argument) what AdamW applied inside the backward cannot give exactly: global-norm clipping
+// (clip > 0). AdamW is not invariant to the gradient's scale, so the clip factor must be known before the first
+// update, and the global norm is known only once the backward has produced every gradient.
+void check_update_in_backward(const OptimizerConfig& c);
+
+// One optimizer step taken inside the backward (train --update-in-backward, StepOptions::update): each gradient the
+// schedule hands over (a layer's, a global tensor's: this rank's shards) is summed over the data-parallel replicas
+// (when given: the same rank-order sums as the whole set's) and consumed at once by the update AdamWOptimizer::step
+// gives each element (the same kernel, clipping off), so parameters and moments come out the same to the bit, and
+// the schedule frees it: no gradient set lives across the step. The constructor refuses clip > 0
+// (check_update_in_backward). In planning mode (null gradients) it does nothing: it allocates nothing either way.
+class InBackwardAdamW : public GradientSink {
+ public:
+  InBackwardAdamW(AdamWOptimizer& opt, model::ParamSet& params, Collectives* shards = nullptr,
+                  Collectives* replicas = nullptr);
+  void layer(const model::LayerSlot& s, const model::LayerWeights& grads) override;
+  void global(model::g::Global which, float* grad) override;
+  // Ends the step (the optimizer counts it) and returns the global gradient norm, summed over `shards`: the same
+  // value as step()'s to double rounding (another order of additions), not to the bit.
+  double finish();
+
+ private:
+  struct Slice {
+    TensorView w, m, v;
+    float* grad;
+    int64_t n;
+    bool decay;
+  };
+  void apply(const std::vector<Slice>& slices);
+
+  AdamWOptimizer& opt_;
+  model::ParamSet& params_;
+  Collectives *shards_, *replicas_;
+  double squares_ = 0;
+  bool finished_ = false;
 };
 
 }  // namespace hs::train

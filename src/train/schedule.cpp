@@ -1,6 +1,7 @@
 #include "train/schedule.h"
 
 #include <cstring>
+#include <functional>
 #include <stdexcept>
 
 #include "kernels/embedding.h"
@@ -95,6 +96,7 @@ struct Runner {
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
   bool prefetch = false;
   size_t piece_bytes = 0;
+  GradientSink* sink = nullptr;  // StepOptions::update
 
   // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
   // call k takes its weights, call k+1's gathers are started and run while k computes.
@@ -103,9 +105,12 @@ struct Runner {
   model::ComputeWeights<T> ahead;
   bool have_ahead = false;
   // A reduce-scatter left in flight while the next backward computes: its full gradients and requests (the requests
-  // last, so they are finished before the buffers are freed).
+  // last, so they are finished before the buffers are freed). With a sink: the gradient shards it completes and the
+  // call that hands them over, made once the requests are finished and before the shards are freed.
   struct InFlight {
     std::vector<Buffer> full;
+    std::vector<Buffer> shards;
+    std::function<void()> done;
     std::vector<Collectives::Request> requests;
   };
   InFlight in_flight;
@@ -145,13 +150,18 @@ struct Runner {
     return model::layer_forward<T>(ctx(), params.layer(slots[i]), in, out, saved, &w);
   }
 
+  // Finishes a reduce-scatter, hands its shards to the sink, then frees its buffers.
+  static void retire(InFlight& f) {
+    for (auto& q : f.requests) q.wait();
+    f.requests.clear();
+    if (f.done) f.done();
+    f = {};
+  }
   // Hands a started reduce-scatter over: waited for now, or (prefetching) when the next one is handed over.
   void submit(InFlight next) {
-    for (auto& q : in_flight.requests) q.wait();
-    in_flight = {};
+    retire(in_flight);
     if (prefetching()) in_flight = std::move(next);
-    else
-      for (auto& q : next.requests) q.wait();
+    else retire(next);
   }
   void finish_in_flight() { submit({}); }
 
@@ -168,20 +178,36 @@ struct Runner {
     return r;
   }
 
-  // Where a layer's backward accumulates its gradients: the gradient stacks themselves, or, when sharded, full-size
-  // temporaries that are reduce-scattered into this rank's shards once the layer's backward is done. The routed
-  // experts' views stay on this rank's shards: the MoE kernel reduce-scatters them piece by piece.
+  // Where a layer's backward accumulates its gradients: the gradient stacks themselves (or, with a sink, zeroed
+  // buffers of this layer's shards, `own`), or, when sharded, full-size temporaries that are reduce-scattered into
+  // this rank's shards once the layer's backward is done. The routed experts' views stay on this rank's shards: the
+  // MoE kernel reduce-scatters them piece by piece.
   struct GradTarget {
     std::vector<Buffer> full;
     std::vector<size_t> index;   // the tensor of each full buffer
     std::vector<float*> shards;  // this rank's gradient shard of each
     model::LayerWeights view;
+    std::vector<Buffer> own;     // with a sink: the layer's gradient shards
+    model::LayerWeights out;     // with a sink: views of `own`, what the sink receives
+    LayerSlot slot{};
   };
-  GradTarget layer_grads(ParamSet& grads, const LayerSlot& s) {
+  GradTarget layer_grads(ParamSet* grads, const LayerSlot& s) {
     GradTarget g;
-    g.view = grads.layer(s);
-    if (!sharded()) return g;
     const auto specs = model::layer_specs(c, s.kind());
+    if (grads) {
+      g.view = grads->layer(s);
+    } else {
+      g.slot = s;
+      g.view = {s.kind(), {}, params.shards()};
+      for (const model::ParamSpec& sp : specs) {
+        const int64_t n = sharded() ? model::layer_shard_elems(sp, params.shards()) : hs::numel(sp.shape);
+        g.own.push_back(mem.allocate_n<float>(static_cast<size_t>(n), MemCategory::Gradients,
+                                              "layer_grad_shard:" + sp.name, true));
+        g.view.t.emplace_back(g.own.back().data(), DType::F32, sp.shape);
+      }
+      g.out = g.view;
+    }
+    if (!sharded()) return g;
     for (size_t i = 0; i < g.view.t.size(); ++i) {
       if (model::is_routed_expert(specs[i])) continue;
       TensorView& v = g.view.t[i];
@@ -199,27 +225,48 @@ struct Runner {
       f.requests.push_back(
           comm->start_reduce_scatter(ptr<float>(g.full[i]), g.view.t[g.index[i]].numel(), g.shards[i]));
     f.full = std::move(g.full);
+    if (sink) {
+      f.shards = std::move(g.own);
+      f.done = [this, slot = g.slot, out = std::move(g.out)] { sink->layer(slot, out); };
+    }
     submit(std::move(f));
   }
+  // A global tensor's gradient: accumulated at `ptr` (this rank's shard, or a full temporary when sharded); with a
+  // sink the shard is the step's own buffer (`own`).
   struct GlobalGrad {
-    Buffer full;
+    Buffer full, own;
     float* ptr;
+    float* shard;
   };
-  GlobalGrad global_grad(ParamSet& grads, model::g::Global which) {
-    const model::StackedParam& sp = grads.global_param(which);
-    if (!sharded()) return {Buffer(), static_cast<float*>(sp.tensor.data())};
-    Buffer full = mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(hs::numel(sp.full_shape))),
-                                        MemCategory::Gradients, "global_grad", true);
-    float* p = ptr<float>(full);
-    return {std::move(full), p};
+  GlobalGrad global_grad(ParamSet* grads, model::g::Global which) {
+    const model::StackedParam& sp = params.global_param(which);
+    GlobalGrad g;
+    if (grads) {
+      g.shard = static_cast<float*>(grads->global_param(which).tensor.data());
+    } else {
+      g.own = mem.allocate_n<float>(static_cast<size_t>(sp.tensor.numel()), MemCategory::Gradients, "global_grad_shard",
+                                    true);
+      g.shard = ptr<float>(g.own);
+    }
+    g.ptr = g.shard;
+    if (!sharded()) return g;
+    g.full = mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(hs::numel(sp.full_shape))),
+                                   MemCategory::Gradients, "global_grad", true);
+    g.ptr = ptr<float>(g.full);
+    return g;
   }
-  void reduce_scatter(GlobalGrad& g, ParamSet& grads, model::g::Global which) {
-    if (!sharded()) return;
-    const model::StackedParam& sp = grads.global_param(which);
+  void reduce_scatter(GlobalGrad& g, model::g::Global which) {
+    if (!sharded() && !sink) return;
     InFlight f;
-    f.requests.push_back(
-        comm->start_reduce_scatter(ptr<float>(g.full), hs::numel(sp.full_shape), static_cast<float*>(sp.tensor.data())));
-    f.full.push_back(std::move(g.full));
+    if (sharded()) {
+      const model::StackedParam& sp = params.global_param(which);
+      f.requests.push_back(comm->start_reduce_scatter(ptr<float>(g.full), hs::numel(sp.full_shape), g.shard));
+      f.full.push_back(std::move(g.full));
+    }
+    if (sink) {
+      f.shards.push_back(std::move(g.own));
+      f.done = [this, which, p = g.shard] { sink->global(which, p); };
+    }
     submit(std::move(f));
   }
 
@@ -240,25 +287,27 @@ struct Runner {
   }
 
   // Final norm + LM head + cross-entropy. With grads: dh_last receives d loss / d h_last (fp32).
-  kernels::XentResult head(const T* h_last, float grad_scale, ParamSet* grads, float* dh_last, float* logits) {
+  // backward false: the loss only. grads: the gradient set, or null with a sink.
+  kernels::XentResult head(const T* h_last, float grad_scale, bool backward, ParamSet* grads, float* dh_last,
+                           float* logits) {
     Buffer xf = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.out");
     Buffer rstd = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
     model::Converted<float> wn = global_weight<float>(model::g::kFinalNorm);
     if (!P) kernels::rmsnorm_forward(h_last, wn.ptr, ptr<T>(xf), ptr<float>(rstd), N, H, float(c.rms_eps));
     model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
     if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
-    if (!grads) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
+    if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
     Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
-    GlobalGrad dW = global_grad(*grads, model::g::kLmHead);
+    GlobalGrad dW = global_grad(grads, model::g::kLmHead);
     kernels::XentResult r =
         kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem);
-    reduce_scatter(dW, *grads, model::g::kLmHead);
-    GlobalGrad dn = global_grad(*grads, model::g::kFinalNorm);
+    reduce_scatter(dW, model::g::kLmHead);
+    GlobalGrad dn = global_grad(grads, model::g::kFinalNorm);
     if (!P) {
       kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H,
                                 /*accumulate=*/false);
     }
-    reduce_scatter(dn, *grads, model::g::kFinalNorm);
+    reduce_scatter(dn, model::g::kFinalNorm);
     return r;
   }
 
@@ -301,7 +350,7 @@ struct Runner {
       r.router.push_back(model::layer_forward<T>(ctx(), params.layer(s), ptr<T>(h), ptr<T>(out), nullptr));
       h = std::move(out);
     }
-    finish(r, head(ptr<T>(h), 0.f, nullptr, nullptr, logits), nullptr);
+    finish(r, head(ptr<T>(h), 0.f, false, nullptr, nullptr, logits), nullptr);
     return r;
   }
 
@@ -338,13 +387,16 @@ struct Runner {
     }
     kept[L] = std::move(h);
 
-    if (!*grads_out || !same_layout(**grads_out, params))
-      grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
-    ParamSet& grads = **grads_out;
+    ParamSet* grads = nullptr;
+    if (!sink) {
+      if (!*grads_out || !same_layout(**grads_out, params))
+        grads_out->reset(new ParamSet(c, DType::F32, mem, MemCategory::Gradients, /*zero=*/true, params.shards()));
+      grads = grads_out->get();
+    }
     const int64_t count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(count_targets(b, P))));
     Buffer dh = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");
     std::vector<float> dprob;
-    finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, &grads, ptr<float>(dh), nullptr),
+    finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, true, grads, ptr<float>(dh), nullptr),
            c.moe() ? &dprob : nullptr);
     kept[L].reset();
     const float* aux_dprob = c.moe() ? dprob.data() : nullptr;
@@ -400,7 +452,7 @@ struct Runner {
     }
     GlobalGrad de = global_grad(grads, model::g::kEmbed);
     if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
-    reduce_scatter(de, grads, model::g::kEmbed);
+    reduce_scatter(de, model::g::kEmbed);
     finish_in_flight();
     return r;
   }
@@ -412,11 +464,16 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
                             std::unique_ptr<ParamSet>* grads) {
   if (opt.expert_parallel < 1 || (params.config().moe() && params.config().experts % opt.expert_parallel != 0))
     throw std::invalid_argument("--expert-parallel must divide the number of experts");
+  if (opt.update && grads && *grads)
+    throw std::invalid_argument("the gradients go to the optimizer as the backward completes them (update in backward): "
+                                "there is no gradient set to accumulate into");
+  if (!opt.update && !grads) throw std::invalid_argument("forward_backward: no gradient set to fill");
   Collectives* batch_group = opt.batch_group ? opt.batch_group : opt.comm;
   auto run = [&](auto& r) {
     r.ep = opt.expert_parallel;
     r.prefetch = opt.prefetch;
     r.piece_bytes = opt.gather_piece_bytes;
+    r.sink = opt.update;
     return r.forward_backward(opt.remat, grads);
   };
   if (opt.compute == DType::F32) {

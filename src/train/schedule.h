@@ -26,6 +26,20 @@ DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
 // well over a megabyte per rank at 256 ranks.
 constexpr size_t kDefaultGatherPieceBytes = size_t{256} << 20;
 
+// Takes each gradient of a step as soon as it is complete on this rank (summed over the FSDP group and
+// reduce-scattered into this rank's shard, when sharded): StepOptions::update. The schedule frees the gradient right
+// after the call, so no full gradient set lives across the step. Called in the order the backward finishes them:
+// the LM head, the final norm, the layers in reverse scan order, the embedding; in planning mode too (null data).
+class GradientSink {
+ public:
+  virtual ~GradientSink() = default;
+  // The layer's gradients, fp32, in layer_specs order, shaped like params.layer(s) (sharded: each view's data is
+  // this rank's layer_shard_elems elements).
+  virtual void layer(const model::LayerSlot& s, const model::LayerWeights& grads) = 0;
+  // A global tensor's gradient: as many elements as params.global_param(which).tensor.
+  virtual void global(model::g::Global which, float* grad) = 0;
+};
+
 struct StepOptions {
   RematPolicy remat = RematPolicy::Sublayer;
   DType compute = DType::BF16;
@@ -45,6 +59,10 @@ struct StepOptions {
   // Routed-expert weights are gathered (or cast), and their gradients reduce-scattered, in pieces of consecutive
   // experts of at most this many bytes in the compute dtype (model::LayerContext::piece_bytes; 0: a whole layer).
   size_t gather_piece_bytes = kDefaultGatherPieceBytes;
+  // Non-null: every gradient goes to this sink as soon as it is complete and is freed after it (train
+  // --update-in-backward: AdamW per shard in the backward, train::InBackwardAdamW). forward_backward then neither
+  // makes nor fills a gradient set (*grads must be empty: there is nothing to accumulate into).
+  GradientSink* update = nullptr;
 };
 
 struct StepResult {
@@ -65,7 +83,10 @@ struct Batch {
 
 // Forward and backward. The gradients (fp32, MemCategory::Gradients) are added to *grads when it already holds a
 // set of this model's layout (gradient accumulation; AdamWOptimizer::step leaves it zeroed, so a training loop
-// keeps one set and never clears it); otherwise a zeroed set is allocated into *grads first.
+// keeps one set and never clears it); otherwise a zeroed set is allocated into *grads first. With opt.update the
+// gradients go to the sink instead (grads may be null; a set in *grads is refused: accumulating across calls and
+// consuming each gradient within the call cannot both hold); the sink may then change `params` as the backward goes
+// (each layer's after its last use in the step).
 StepResult forward_backward(const model::ParamSet& params, const Batch& b, const StepOptions& opt,
                             MemoryAccountant& mem, std::unique_ptr<model::ParamSet>* grads);
 // Forward only: the loss, and when `logits` is given the fp32 logits [batch, seq, vocab].

@@ -44,7 +44,7 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
 void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
   const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
                            "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
-                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" +
+                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" + std::to_string(o.update_in_backward) + "|" +
                            std::to_string(o.dist->fsdp->size());
   uint64_t h = 1469598103934665603ull, root;
   for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
@@ -186,6 +186,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   const model::ModelConfig cfg = resume ? resume->config : (!o.init.empty() ? checkpoint::open_checkpoint_dir(o.init).config
                                                                              : model::load_config(o.model));
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
+  if (o.update_in_backward) check_update_in_backward(o.opt);
   if (dist) {
     check_same_run(o, cfg, *dist->world);
     if (o.batch % world != 0)
@@ -298,6 +299,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   if (dist)
     log << world << " ranks: FSDP groups of " << shards << " (" << world / shards << " data-parallel replicas), "
         << o.batch / world << " sequences per rank" << (o.step.prefetch ? ", prefetching" : "") << "\n";
+  if (o.update_in_backward) log << "AdamW applied to each gradient shard in the backward (no clipping)\n";
 
   std::ofstream metrics;
   if (!o.out.empty() && lead) metrics.open(o.out + "/metrics.jsonl", resume ? std::ios::app : std::ios::trunc);
@@ -327,11 +329,21 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
     const auto t0 = Clock::now();
     const double c0 = comm_seconds();
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
-    StepResult r = forward_backward(params, b, step_opt, mem, &grads);
-    if (dist && dist->replicas->size() > 1)
-      for (auto& g : grads->all()) dist->replicas->all_reduce_sum(g.tensor.as<float>(), g.tensor.numel());
     const double lr = lr_at(oc, step);
-    const double gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
+    StepResult r;
+    double gnorm;
+    if (o.update_in_backward) {
+      InBackwardAdamW update(opt, params, dist ? dist->fsdp : nullptr, dist ? dist->replicas : nullptr);
+      StepOptions so = step_opt;
+      so.update = &update;
+      r = forward_backward(params, b, so, mem, nullptr);
+      gnorm = update.finish();
+    } else {
+      r = forward_backward(params, b, step_opt, mem, &grads);
+      if (dist && dist->replicas->size() > 1)
+        for (auto& g : grads->all()) dist->replicas->all_reduce_sum(g.tensor.as<float>(), g.tensor.numel());
+      gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
+    }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
     const double comm_dt = comm_seconds() - c0;
     sum.comm_exposed_s += comm_dt;

@@ -35,6 +35,9 @@ struct TrainOptions {
   uint64_t seed = 1;
   OptimizerConfig opt;
   StepOptions step;
+  // AdamW applied to each gradient shard as soon as the backward completes it (InBackwardAdamW): no gradient set
+  // lives across the step. Needs opt.clip == 0 (refused otherwise); the same parameters to the bit as the usual step.
+  bool update_in_backward = false;
   DType weight_dtype = DType::F32;
   std::string out;              // output directory: metrics.jsonl, loss.svg, checkpoints
   int64_t eval_every = 50, eval_batches = 8;
