@@ -87,7 +87,8 @@ class MemoryAccountant {
   MemoryAccountant(const MemoryAccountant&) = delete;
   MemoryAccountant& operator=(const MemoryAccountant&) = delete;
 
-  // Allocates `bytes` (64-byte aligned). zero=true clears the memory (real mode only).
+  // Allocates `bytes` (64-byte aligned; from 64 KiB on, a mapping of its own that is unmapped when freed, so that the
+  // resident set follows the live bytes: memory.cpp). zero=true clears the memory (real mode only).
   // Throws std::bad_alloc with a message naming the tag when the system refuses.
   Buffer allocate(size_t bytes, MemCategory cat, std::string_view tag, bool zero = false);
   template <typename T>
