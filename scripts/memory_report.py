@@ -34,18 +34,21 @@ def run(binary, *args):
                                       "--json", *args], check=True, capture_output=True, text=True).stdout)
 
 
-def plan(binary, model, chips, weights="fp32", moments="fp32"):
-    return run(binary, "--model", model, "--devices", str(chips), "--weight-dtype", weights, "--moment-dtype", moments)
+def plan(binary, model, chips, weights="fp32", moments="fp32", update=False):
+    return run(binary, "--model", model, "--devices", str(chips), "--weight-dtype", weights, "--moment-dtype", moments,
+               *(["--update-in-backward"] if update else []))
 
 
 def fmt(x):
     return "-" if x is None else f"{x:.2f}"
 
 
-def svg(series, path):
-    """Temp per device (GB, log scale) against chips (log scale), one line per model."""
+def svg(series, path, dashed=None):
+    """Temp per device (GB, log scale) against chips (log scale), one line per model (dashed: with
+    --update-in-backward)."""
+    dashed = dashed or {}
     w, h, left, right, top, bottom = 640, 400, 70, 200, 30, 50
-    ys = [v for s in series.values() for _, v in s]
+    ys = [v for s in [*series.values(), *dashed.values()] for _, v in s]
     y0, y1 = math.floor(math.log10(min(ys))), math.ceil(math.log10(max(ys)))
     x0, x1 = math.log2(CHIPS[0]), math.log2(CHIPS[-1])
     px = lambda c: left + (math.log2(c) - x0) / (x1 - x0) * (w - left - right)
@@ -68,6 +71,11 @@ def svg(series, path):
         for c, v in pts:
             out.append(f'<circle cx="{px(c):.1f}" cy="{py(v):.1f}" r="3" fill="{colours[i]}"/>')
         out.append(f'<text x="{w - right + 10}" y="{top + 20 + 18 * i}" fill="{colours[i]}">{model}</text>')
+        if model in dashed:
+            d = " ".join(f"{'M' if j == 0 else 'L'}{px(c):.1f},{py(v):.1f}" for j, (c, v) in enumerate(dashed[model]))
+            out.append(f'<path d="{d}" fill="none" stroke="{colours[i]}" stroke-width="2" stroke-dasharray="6 4"/>')
+    if dashed:
+        out.append(f'<text x="{w - right + 10}" y="{top + 20 + 18 * len(series) + 10}">dashed: --update-in-backward</text>')
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
@@ -81,33 +89,38 @@ def main():
     gb = lambda b: b / 1e9
     t0 = time.time()
     print("| model | chips | weights | MaxText published | MaxText AOT here | hybridscan before | hybridscan now "
-          "| argument | total | fits 95 GiB | total, bf16 moments | fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| argument | total | fits 95 GiB | total, bf16 moments | fits | temp, update in backward | total | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     slowest = 0.0
     for (model, chips), by_weights in TABLE.items():
         for weights, (published, aot, before) in by_weights.items():
             p = plan(args.binary, model, chips, weights)
             q = plan(args.binary, model, chips, weights, "bf16")
-            slowest = max(slowest, p["plan_seconds"], q["plan_seconds"])
+            u = plan(args.binary, model, chips, weights, update=True)
+            slowest = max(slowest, p["plan_seconds"], q["plan_seconds"], u["plan_seconds"])
             print(f"| {model} | {chips} | {weights} | {fmt(published)} | {fmt(aot)} | {fmt(before)} | "
                   f"**{gb(p['temp_bytes']):.2f}** | {gb(p['argument_bytes']):.2f} | {gb(p['total_bytes']):.2f} | "
-                  f"{'yes' if p['fits'] else 'no'} | {gb(q['total_bytes']):.2f} | {'yes' if q['fits'] else 'no'} |")
+                  f"{'yes' if p['fits'] else 'no'} | {gb(q['total_bytes']):.2f} | {'yes' if q['fits'] else 'no'} | "
+                  f"{gb(u['temp_bytes']):.2f} | {gb(u['total_bytes']):.2f} | {'yes' if u['fits'] else 'no'} |")
     print(f"\n(GB of temp per device unless marked; slowest single plan {slowest:.2f} s)\n")
     for model, chips, weights in (("qwen3.5-397b-a17b", 64, "fp32"), ("qwen3.5-35b-a3b", 4, "bf16")):
         f = run(args.binary, "--model", model, "--devices", str(chips), "--weight-dtype", weights, "--fit")
         print(f"`plan --model {model} --devices {chips} --weight-dtype {weights} --chip v5p --fit`:\n")
-        print("| remat | moments | argument | temp | total | |")
-        print("|---|---|---|---|---|---|")
+        print("| remat | moments | update | argument | temp | total | |")
+        print("|---|---|---|---|---|---|---|")
         for i, c in enumerate(f["candidates"]):
-            print(f"| {c['remat']} | {c['moment_dtype']} | {gb(c['argument_bytes']):.2f} | {gb(c['temp_bytes']):.2f} | "
+            upd = "in backward" if c["update_in_backward"] else "step"
+            print(f"| {c['remat']} | {c['moment_dtype']} | {upd} | {gb(c['argument_bytes']):.2f} | {gb(c['temp_bytes']):.2f} | "
                   f"{gb(c['total_bytes']):.2f} | {'**the choice**' if i == f['choice'] else c['why_not']} |")
         print()
     series = {m: [(c, gb(plan(args.binary, m, c)["temp_bytes"])) for c in CHIPS] for m in MODELS}
-    svg(series, args.svg)
-    print("| chips | " + " | ".join(MODELS) + " |")
-    print("|---|" + "---|" * len(MODELS))
+    dashed = {m: [(c, gb(plan(args.binary, m, c, update=True)["temp_bytes"])) for c in CHIPS] for m in MODELS}
+    svg(series, args.svg, dashed)
+    print("| chips | " + " | ".join(MODELS) + " | " + " | ".join(f"{m}, update in backward" for m in MODELS) + " |")
+    print("|---|" + "---|" * (2 * len(MODELS)))
     for i, c in enumerate(CHIPS):
-        print(f"| {c} | " + " | ".join(f"{series[m][i][1]:.2f}" for m in MODELS) + " |")
+        print(f"| {c} | " + " | ".join(f"{series[m][i][1]:.2f}" for m in MODELS) + " | " +
+              " | ".join(f"{dashed[m][i][1]:.2f}" for m in MODELS) + " |")
     print(f"\n(all plans in {time.time() - t0:.1f} s; plot written to {args.svg})")
 
 
