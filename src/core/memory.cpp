@@ -76,7 +76,12 @@ namespace {
 // resident: an embedding gradient touches only its batch's rows, so the process would hold less than the accountant
 // counts, and a device allocator would not). Under AddressSanitizer everything stays in the heap (its redzones guard
 // heap blocks only).
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define HS_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) || defined(HS_ASAN)
 constexpr size_t kMappedBytes = ~size_t{0};
 #else
 constexpr size_t kMappedBytes = size_t{1} << 16;
