@@ -68,9 +68,9 @@ namespace {
 
 // Buffers of at least kMappedBytes (64 KiB) get their own anonymous mapping, unmapped when freed, so that the process
 // holds what the accountant counts. From glibc's heap (which main() keeps from shrinking, and which fragments as a
-// step's buffers of many sizes come and go) the `small` training step's peak resident set was 55-66 MiB above its
-// accountant peak at batch 8 x 512 (+18-34%); from mappings of 1 MiB and more 5-14 MiB; of 64 KiB and more 2.5-8 MiB
-// (tests/memory_rss_test.cpp). Each mapping starts on a 2 MiB boundary and asks for transparent huge pages, so a
+// step's buffers of many sizes come and go) the `small` training step's peak resident set, less a `tiny` run's, was
+// 71-206 MiB above its accountant peak at batch 8 x 512 (+17-32%); from mappings of 64 KiB and more it is 5-8 MiB
+// (+1.2-1.9%; tests/memory_rss_test.cpp). Each mapping starts on a 2 MiB boundary and asks for transparent huge pages, so a
 // large buffer faults in 512 pages at a time (the heap had huge pages too: main.cpp); it ends at the next 4 KiB page.
 // Zeroed allocations are still cleared (a fresh mapping reads as zeros already, but pages never touched would not be
 // resident: an embedding gradient touches only its batch's rows, so the process would hold less than the accountant
