@@ -51,4 +51,19 @@ Collectives::Request LocalCollectives::start_reduce_scatter(float* full, int64_t
   return {};
 }
 
+Collectives::Request LocalCollectives::start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) {
+  return start_reduce_scatter(full, n, dest.at(0));
+}
+
+Collectives::Request LocalCollectives::start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,
+                                                          std::vector<int64_t> send_displs, void* recv,
+                                                          std::vector<int64_t> recv_counts,
+                                                          std::vector<int64_t> recv_displs, size_t elem_bytes) {
+  if (send_counts.at(0) != recv_counts.at(0)) throw std::invalid_argument("all_to_all_v: send and receive counts differ");
+  std::memcpy(static_cast<char*>(recv) + recv_displs.at(0) * elem_bytes,
+              static_cast<const char*>(send) + send_displs.at(0) * elem_bytes,
+              static_cast<size_t>(send_counts[0]) * elem_bytes);
+  return {};
+}
+
 }  // namespace hs

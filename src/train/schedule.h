@@ -33,7 +33,10 @@ struct StepOptions {
   // When params.shards() > 1, each sub-layer's weights are all-gathered into a temporary just before it runs (and
   // again for its recompute) and its gradients are reduce-scattered right after its backward.
   Collectives* comm = nullptr;
-  int64_t expert_parallel = 1;  // planning only: routed experts split over this many ranks of the group
+  // Expert parallelism: routed experts split over this many ranks of the FSDP group (model::LayerContext), the
+  // tokens' rows exchanged within ep_group (its ranks: FSDP ranks r with the same r / expert_parallel; null when
+  // planning: a virtual group of that size).
+  int64_t expert_parallel = 1;
   // The ranks that share the global batch (every rank of a run; the FSDP group is one of its parts): target counts,
   // loss sums and router statistics are summed over it, so each rank's gradients are its share of the global
   // mean's. Null: comm.
@@ -45,6 +48,7 @@ struct StepOptions {
   // Routed-expert weights are gathered (or cast), and their gradients reduce-scattered, in pieces of consecutive
   // experts of at most this many bytes in the compute dtype (model::LayerContext::piece_bytes; 0: a whole layer).
   size_t gather_piece_bytes = kDefaultGatherPieceBytes;
+  Collectives* ep_group = nullptr;
 };
 
 struct StepResult {
