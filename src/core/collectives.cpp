@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 namespace hs {
 
@@ -26,6 +27,11 @@ void Collectives::Request::wait_quietly() noexcept {
     wait();
   } catch (...) {
   }
+}
+
+void Collectives::all_reduce_sum(float* x, int64_t n) {
+  std::vector<float> scratch(static_cast<size_t>(all_reduce_scratch_elems(n)));
+  all_reduce_sum(x, n, scratch.data());
 }
 
 void convert_elements(const void* src, DType from, void* dst, DType to, int64_t n) {

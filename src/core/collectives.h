@@ -86,8 +86,11 @@ class Collectives {
     all_reduce_sum(&x, 1);
     return x;
   }
-  // In place, fp32 (the gradient shards of data-parallel replicas).
-  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  // In place, fp32 (the gradient shards of data-parallel replicas), through `scratch`: all_reduce_scratch_elems(n)
+  // floats of the caller's (so that its memory can be accounted). Without scratch the backend allocates it.
+  virtual void all_reduce_sum(float* x, int64_t n, float* scratch) = 0;
+  void all_reduce_sum(float* x, int64_t n);
+  int64_t all_reduce_scratch_elems(int64_t n) const { return size_ > 1 ? padded_elems(n) + shard_elems(n, size_) : 0; }
   // Rank `root`'s bytes to every rank.
   virtual void broadcast(void* data, size_t bytes, int64_t root) = 0;
 
@@ -111,7 +114,7 @@ class LocalCollectives final : public Collectives {
                              void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
                              size_t elem_bytes) override;
   void all_reduce_sum(double*, int64_t) override {}
-  void all_reduce_sum(float*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t, float*) override {}
   void broadcast(void*, size_t, int64_t) override {}
 };
 
@@ -128,7 +131,7 @@ class VirtualCollectives final : public Collectives {
     return {};
   }
   void all_reduce_sum(double*, int64_t) override {}
-  void all_reduce_sum(float*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t, float*) override {}
   void broadcast(void*, size_t, int64_t) override {}
 };
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -267,14 +268,17 @@ void MpiCollectives::all_reduce_sum(double* x, int64_t n) {
   }
 }
 
-void MpiCollectives::all_reduce_sum(float* x, int64_t n) {
+void MpiCollectives::all_reduce_sum(float* x, int64_t n, float* scratch) {
   // A reduce-scatter into this rank's slice, then an in-place gather of the slices: the same rank-order sums.
-  const int64_t s = shard_elems(n, size());
-  std::vector<float> buf(static_cast<size_t>(padded_elems(n)), 0.0f), mine(static_cast<size_t>(s), 0.0f);
-  std::memcpy(buf.data(), x, static_cast<size_t>(n) * sizeof(float));
-  reduce_scatter(buf.data(), n, mine.data());
-  all_gather(TensorView(mine.data(), DType::F32, {s}), buf.data(), DType::F32, n);
-  std::memcpy(x, buf.data(), static_cast<size_t>(n) * sizeof(float));
+  const int64_t s = shard_elems(n, size()), padded = padded_elems(n);
+  float* buf = scratch;
+  float* mine = scratch + padded;
+  std::memcpy(buf, x, static_cast<size_t>(n) * sizeof(float));
+  std::fill(buf + n, buf + padded, 0.0f);
+  std::fill(mine, mine + s, 0.0f);
+  reduce_scatter(buf, n, mine);
+  all_gather(TensorView(mine, DType::F32, {s}), buf, DType::F32, n);
+  std::memcpy(x, buf, static_cast<size_t>(n) * sizeof(float));
 }
 
 void MpiCollectives::broadcast(void* data, size_t bytes, int64_t root) {

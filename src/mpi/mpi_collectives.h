@@ -79,7 +79,7 @@ class MpiCollectives final : public Collectives {
                              void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
                              size_t elem_bytes) override;
   void all_reduce_sum(double* x, int64_t n) override;
-  void all_reduce_sum(float* x, int64_t n) override;
+  void all_reduce_sum(float* x, int64_t n, float* scratch) override;
   void broadcast(void* data, size_t bytes, int64_t root) override;
   double exposed_seconds() const override { return exposed_s_; }
 

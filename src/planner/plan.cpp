@@ -48,6 +48,8 @@ PlanResult plan(const PlanRequest& r) {
   opt.prefetch = r.prefetch;
   opt.gather_piece_bytes = r.gather_piece_bytes;
   train::forward_backward(params, b, opt, mem, &grads);
+  VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
+  train::sum_over_replicas(*grads, replicas, mem);
 
   PlanResult out;
   out.remat = r.remat;

@@ -443,6 +443,16 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
   return run(r);
 }
 
+void sum_over_replicas(ParamSet& grads, Collectives& replicas, MemoryAccountant& mem) {
+  if (replicas.size() <= 1) return;
+  for (auto& g : grads.all()) {
+    const int64_t n = g.tensor.numel();
+    Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(replicas.all_reduce_scratch_elems(n)),
+                                           MemCategory::Workspace, "replica_all_reduce");
+    if (!mem.planning()) replicas.all_reduce_sum(g.tensor.as<float>(), n, ptr<float>(scratch));
+  }
+}
+
 StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits,
                         Collectives* comm) {
   // Every rank evaluates the same batch here: nothing is summed over ranks.

@@ -76,6 +76,11 @@ StepResult forward_backward(const model::ParamSet& params, const Batch& b, const
 StepResult forward_only(const model::ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem,
                         float* logits = nullptr, Collectives* comm = nullptr);
 
+// FSDP groups smaller than the world: every gradient shard summed over the replicas of this rank's shards (rank
+// order), one tensor at a time through an accounted scratch (MemCategory::Workspace, "replica_all_reduce") of
+// Collectives::all_reduce_scratch_elems floats, so that the plan sees it as the run does.
+void sum_over_replicas(model::ParamSet& grads, Collectives& replicas, MemoryAccountant& mem);
+
 // The layers in scan order (block by block: local layers then the global layer; then the remainder).
 std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);
 

@@ -362,8 +362,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
     const double c0 = comm_seconds();
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
     StepResult r = forward_backward(params, b, step_opt, mem, &grads);
-    if (dist && dist->replicas->size() > 1)
-      for (auto& g : grads->all()) dist->replicas->all_reduce_sum(g.tensor.as<float>(), g.tensor.numel());
+    if (dist) sum_over_replicas(*grads, *dist->replicas, mem);
     const double lr = lr_at(oc, step);
     const double gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -10,6 +10,7 @@
 #include "core/memory.h"
 #include "model/params.h"
 #include "mpi/mpi_collectives.h"
+#include "train/schedule.h"
 
 namespace hs::mpi {
 namespace {
@@ -174,6 +175,34 @@ TEST(MpiCollectives, ShardsOfAParamSetGatherBackToTheFullSet) {
   for (size_t t = 0; t < full.all().size(); ++t)
     ASSERT_EQ(std::memcmp(full.all()[t].tensor.data(), back.all()[t].tensor.data(), full.all()[t].tensor.nbytes()), 0)
         << full.all()[t].name;
+}
+
+// The replicas' gradient all-reduce (--fsdp G < world) goes through an accounted scratch: its measured peak over the
+// gradients is the planned one (a planning accountant and a virtual group of the same size), and every gradient
+// becomes the rank-order sum.
+TEST(MpiCollectives, ReplicaSumIsAccountedAsPlanned) {
+  Collectives& c = *g_world;
+  const model::ModelConfig cfg = model::preset("tiny");
+  MemoryAccountant mem;
+  model::ParamSet grads(cfg, DType::F32, mem, MemCategory::Gradients, false);
+  for (auto& g : grads.all())
+    for (int64_t i = 0; i < g.tensor.numel(); ++i) g.tensor.as<float>()[i] = contribution(c.rank(), i);
+  mem.reset_peak();
+  train::sum_over_replicas(grads, c, mem);
+  const size_t measured = mem.peak_total() - mem.live_total();
+  MemoryAccountant plan_mem(/*planning=*/true);
+  model::ParamSet planned_grads(cfg, DType::F32, plan_mem, MemCategory::Gradients, false);
+  plan_mem.reset_peak();
+  VirtualCollectives replicas(c.size());
+  train::sum_over_replicas(planned_grads, replicas, plan_mem);
+  EXPECT_EQ(measured, plan_mem.peak_total() - plan_mem.live_total());
+  EXPECT_GT(measured, 0u);
+  for (auto& g : grads.all())
+    for (int64_t i = 0; i < g.tensor.numel(); ++i) {
+      float want = 0;
+      for (int64_t r = 0; r < c.size(); ++r) want += contribution(r, i);
+      ASSERT_EQ(g.tensor.as<float>()[i], want) << g.name << " " << i;
+    }
 }
 
 TEST(MpiCollectives, GroupsSplitTheWorld) {
