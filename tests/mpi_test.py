@@ -29,9 +29,13 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALL
            OMPI_MCA_rmaps_base_oversubscribe="1", HS_MPI_TIMEOUT_S="60")
 # The fp32 bound of the issue; bf16 compute rounds each rank's partial sums, so its bound is that of bf16 itself.
 TOL = {"fp32": 1e-6, "bf16": 2e-3}
-# qwen3-next-L7 (fp32): the ranks' partial gradient sums differ from one process's by ~3e-9 relative a step, and
-# from step 7 on the difference grows ~100x (5.7e-6 at step 20 with 2 ranks), in the one-process run itself as much
-# as in the split one; the loss curves stay the same curve, so that model is held to 1e-5.
+# qwen3-next-L7 (fp32): the ranks' partial sums differ from one process's by rounding (1.3e-9 relative in the first
+# loss); this model's training amplifies any such difference ~1000x in 20 steps (5.7e-6 at step 20 with 2 ranks). It
+# is the model, not the split: one process whose weights after step 1 are moved by one ulp each (random sign) departs
+# from its own curve as far (1.3e-6 at step 7, 1.0e-5 at step 19; `l7_sensitivity` below shows it every run), and
+# from identical weights (a checkpoint resumed on 1 and on 2 ranks) one step agrees to 3e-9. So 1e-6 over 20 steps
+# would need 2 ranks to be bit-identical to one process, i.e. the same summation order for every gradient, which a
+# split of the rows over ranks cannot give; that model is held to 1e-5.
 TOL_L7 = 1e-5
 MODELS = {
     "tiny": ["--preset", "tiny"],                                    # qwen3-next, 4 layers: one block
@@ -90,11 +94,46 @@ def case_agree(binary):
                 "bf16" if "--weight-dtype" in extra else dtype]
             if w > tol:
                 failures.append(f"{model} {dtype} N={n}: {w:.2e} > {tol}")
+    failures += l7_sensitivity(binary)
     # Deterministic reductions: the same rank count gives the same bits twice.
     common = ["--steps", "5", "--batch", "4", "--compute-dtype", "fp32", "--prefetch"]
     if train(binary, 2, "tiny", common)["losses"] != train(binary, 2, "tiny", common)["losses"]:
         failures.append("two 2-rank runs differ")
     return failures
+
+
+def l7_sensitivity(binary):
+    """qwen3-next-L7 in one process, its weights after step 1 moved by one ulp each: how far its own loss curve moves
+    (the model's sensitivity to rounding, which bounds how well any other summation order can agree with it)."""
+    import array
+    import random
+    with tempfile.TemporaryDirectory() as d:
+        common = ["--steps", "20", "--batch", "4", "--compute-dtype", "fp32", "--remat", "sublayer"]
+        train(binary, 1, "qwen3-next-L7", [*common, "--out", f"{d}/a", "--stop-after", "1"])
+        ck = pathlib.Path(d) / "a" / "checkpoint-1"
+        pert = pathlib.Path(d) / "pert"
+        subprocess.run(["cp", "-r", str(ck), str(pert)], check=True)
+        f = pert / "model.safetensors"
+        b = bytearray(f.read_bytes())
+        n = int.from_bytes(b[:8], "little")
+        h = json.loads(b[8:8 + n])
+        rng = random.Random(0)
+        for k, v in h.items():
+            if k == "__metadata__" or v["dtype"] != "F32":
+                continue
+            s, e = v["data_offsets"]
+            a = array.array("I", bytes(b[8 + n + s:8 + n + e]))
+            for i in range(len(a)):
+                a[i] = (a[i] + rng.choice((-1, 1))) & 0xFFFFFFFF
+            b[8 + n + s:8 + n + e] = a.tobytes()
+        f.write_bytes(bytes(b))
+        base = train(binary, 1, "qwen3-next-L7", ["--resume", str(ck), "--steps", "20"])["losses"]
+        moved = train(binary, 1, "qwen3-next-L7", ["--resume", str(pert), "--steps", "20"])["losses"]
+    w = worst_rel(moved, base)
+    print(f"qwen3-next-L7, one process, weights moved by one ulp after step 1: worst relative loss difference over "
+          f"steps 2-20 {w:.2e} (the model's own rounding sensitivity)")
+    # The claim of TOL_L7: the model itself moves more than the issue's 1e-6 under a rounding-level perturbation.
+    return [] if w > 1e-6 else [f"qwen3-next-L7 moved only {w:.2e} under a one-ulp perturbation: revisit TOL_L7"]
 
 
 def case_fsdp(binary):
@@ -170,7 +209,9 @@ def case_expert(binary):
                                 ("qwen3.5-L5", 4, 2, ["--remat", "block", "--prefetch"]),
                                 ("tiny", 4, 2, ["--fsdp", "2", "--gather-piece-bytes", "1"])]:
         common = ["--steps", "20", "--batch", "4", "--compute-dtype", "fp32"]
-        one = train(binary, 1, model, [*common, *[x for x in extra if x in ("none", "block", "sublayer", "--remat")]])
+        # One process with the same remat policy (the options about sharding do not apply to it).
+        remat = extra[extra.index("--remat"):extra.index("--remat") + 2] if "--remat" in extra else []
+        one = train(binary, 1, model, [*common, *remat])
         many = train(binary, n, model, [*common, *extra, "--expert-parallel", str(ep)])
         w = worst_rel(many["losses"], one["losses"])
         same = sum(x == y for x, y in zip(many["losses"], one["losses"]))
@@ -178,6 +219,16 @@ def case_expert(binary):
               f"{w:.2e}, {same}/20 steps bit-identical")
         if w > TOL["fp32"]:
             failures.append(f"{model} N={n} E={ep}: {w:.2e} > {TOL['fp32']}")
+    # The weights' dtype conversions on arrival (fp32 storage to bf16 compute, bf16 storage to fp32 compute): within
+    # bf16's bound of one process, as without expert parallelism.
+    for dtypes in (["--compute-dtype", "bf16"], ["--compute-dtype", "fp32", "--weight-dtype", "bf16"]):
+        common = ["--steps", "10", "--batch", "4", *dtypes]
+        one = train(binary, 1, "tiny", common)["losses"]
+        many = train(binary, 2, "tiny", [*common, "--expert-parallel", "2"])["losses"]
+        w = worst_rel(many, one)
+        print(f"tiny N=2 --expert-parallel 2 {' '.join(dtypes)}: worst relative loss difference over 10 steps {w:.2e}")
+        if w > TOL["bf16"]:
+            failures.append(f"tiny E=2 {' '.join(dtypes)}: {w:.2e} > {TOL['bf16']}")
     # Memory: the measured per-rank step peak against the plan (balanced routing planned; a rank whose experts
     # receive more rows than it sends holds that many rows more).
     for model, n, ep, remat, dtype, extra in [("tiny", 2, 2, "sublayer", "fp32", []),
@@ -192,7 +243,8 @@ def case_expert(binary):
             rel = abs(peak - p["total_bytes"]) / p["total_bytes"]
             print(f"{model} N={n} E={ep} {remat} {dtype} {' '.join(extra) or '-'} rank {rank}: measured {peak} B, "
                   f"planned {p['total_bytes']} B ({rel:.2e})")
-            if rel > 0.01:
+            # Never below the plan: the owner's buffers hold at least the planned (balanced) rows.
+            if rel > 0.01 or peak < p["total_bytes"]:
                 failures.append(f"{model} N={n} E={ep} rank {rank}: {peak} vs plan {p['total_bytes']}")
     with tempfile.TemporaryDirectory() as d:
         common = ["--steps", "12", "--batch", "4", "--compute-dtype", "fp32"]
