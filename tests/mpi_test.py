@@ -32,7 +32,7 @@ TOL = {"fp32": 1e-6, "bf16": 2e-3}
 # qwen3-next-L7 (fp32): the ranks' partial sums differ from one process's by rounding (1.3e-9 relative in the first
 # loss); this model's training amplifies any such difference ~1000x in 20 steps (5.7e-6 at step 20 with 2 ranks). It
 # is the model, not the split: one process whose weights after step 1 are moved by one ulp each (random sign) departs
-# from its own curve as far (1.3e-6 at step 7, 1.0e-5 at step 19; `l7_sensitivity` below shows it every run), and
+# from its own curve as far (up to 7.0e-6 over steps 2-20; `l7_sensitivity` below shows it every run), and
 # from identical weights (a checkpoint resumed on 1 and on 2 ranks) one step agrees to 3e-9. So 1e-6 over 20 steps
 # would need 2 ranks to be bit-identical to one process, i.e. the same summation order for every gradient, which a
 # split of the rows over ranks cannot give; that model is held to 1e-5.

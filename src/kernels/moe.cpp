@@ -276,8 +276,9 @@ void ep_permute(const EpLayout& L, const void* src, void* dst, size_t row_bytes,
   }
 }
 
-// Sends rows (elem elements of `row` each) to their owners (forward: out) or back to their senders (back).
-void ep_exchange(Collectives& ex, const EpLayout& L, const void* send, void* recv, int64_t row, size_t elem, bool out) {
+// Starts sending rows (elem elements of `row` each) to their owners (forward: out) or back to their senders (back).
+Collectives::Request ep_exchange(Collectives& ex, const EpLayout& L, const void* send, void* recv, int64_t row,
+                                 size_t elem, bool out) {
   std::vector<int64_t> sc, sd, rc, rd;
   for (size_t q = 0; q < L.send_rows.size(); ++q) {
     sc.push_back((out ? L.send_rows[q] : L.recv_rows[q]) * row);
@@ -285,7 +286,7 @@ void ep_exchange(Collectives& ex, const EpLayout& L, const void* send, void* rec
     rc.push_back((out ? L.recv_rows[q] : L.send_rows[q]) * row);
     rd.push_back((out ? L.recv_first[q] : L.send_first[q]) * row);
   }
-  ex.all_to_all_v(send, sc, sd, recv, rc, rd, elem);
+  return ex.start_all_to_all_v(send, sc, sd, recv, rc, rd, elem);
 }
 
 }  // namespace
@@ -311,8 +312,11 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 
   const auto nh = static_cast<size_t>(N * H);
   Buffer shared_out = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_out");
-  swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
-                 saved ? &saved->shared : nullptr, mem);
+  auto shared_expert = [&] {
+    swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
+                   saved ? &saved->shared : nullptr, mem);
+  };
+  if (!ep) shared_expert();  // expert parallel: while the rows travel to their owners, below
   // Running sum of a token's weighted expert outputs between its first and its last expert (never read
   // before a token's first expert writes it, so not cleared).
   Buffer acc = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.routed_sum");
@@ -415,10 +419,11 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) std::copy_n(x + (slots[r] / k) * H, H, xs + r * H);
       }
       Buffer x_recv = mem.allocate_n<T>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_recv");
-      if (real) {
-        ep_exchange(xc, L, x_send.data(), x_recv.data(), H, sizeof(T), true);
-        ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true);
-      }
+      Collectives::Request rows;
+      if (real) rows = ep_exchange(xc, L, x_send.data(), x_recv.data(), H, sizeof(T), true);
+      shared_expert();
+      rows.wait();
+      if (real) ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true);
     }
     gate_up = mem.allocate_n<T>(cap * static_cast<size_t>(2 * I), keep, "moe.gate_up");
     Buffer y_own = mem.allocate_n<float>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y");
@@ -442,7 +447,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       if (real) {
         ep_permute(L, y_own.data(), y_send.data(), static_cast<size_t>(H) * sizeof(float), false);
         y_own.reset();
-        ep_exchange(xc, L, y_send.data(), y_back.data(), H, sizeof(float), false);
+        ep_exchange(xc, L, y_send.data(), y_back.data(), H, sizeof(float), false).wait();
       }
     }
     y_own.reset();
@@ -485,7 +490,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
   // dz * w_sg joins dx below, together with the token's first routed expert.
   Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
-  {
+  const bool ep = w.exchange && w.exchange->size() > 1;
+  auto shared_expert = [&] {
     // dy * sig, rounded to T in the same pass (the MLP's products run in T).
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
     const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
@@ -516,12 +522,12 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         for (int64_t j = 0; j < hn; ++j) g.shared_expert_gate[h0 + j] += col[j];
       }
     }
-  }
+  };
+  if (!ep) shared_expert();  // expert parallel: while the dy rows travel to the owners, below
 
   // Routed experts, one group at a time. dL/dw for each slot = <dy[t], expert_out> = <dact, act> with
   // dact computed from the unweighted dy (no division by a possibly tiny w).
   const auto nk = static_cast<size_t>(N * k);
-  const bool ep = w.exchange && w.exchange->size() > 1;
   ExpertsInPlace<T> in_place(s, w, &g);
   ExpertStream<T>& experts = w.experts ? *w.experts : in_place;
   Buffer dweight = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.dweight");
@@ -603,8 +609,16 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 #pragma omp simd
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
         }
-        ep_exchange(xc, L, dy_send.data(), dy_recv.data(), H, sizeof(T), true);
-        ep_exchange(xc, L, w_send.data(), w_recv.data(), 1, sizeof(float), true);
+      }
+      Collectives::Request dy_rows, w_rows;
+      if (real) {
+        dy_rows = ep_exchange(xc, L, dy_send.data(), dy_recv.data(), H, sizeof(T), true);
+        w_rows = ep_exchange(xc, L, w_send.data(), w_recv.data(), 1, sizeof(float), true);
+      }
+      shared_expert();  // the first writer of dx, as without expert parallelism
+      dy_rows.wait();
+      w_rows.wait();
+      if (real) {
         ep_permute(L, dy_recv.data(), dy_own.data(), uH * sizeof(T), true);
         ep_permute(L, w_recv.data(), w_own.data(), sizeof(float), true);
       }
@@ -640,8 +654,9 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       if (real) {
         ep_permute(L, dx_own.data(), dx_send.data(), uH * sizeof(float), false);
         ep_permute(L, rd_own.data(), rd_send.data(), sizeof(float), false);
-        ep_exchange(xc, L, dx_send.data(), dx_back.data(), H, sizeof(float), false);
-        ep_exchange(xc, L, rd_send.data(), rd_back.data(), 1, sizeof(float), false);
+        Collectives::Request dx_rows = ep_exchange(xc, L, dx_send.data(), dx_back.data(), H, sizeof(float), false);
+        ep_exchange(xc, L, rd_send.data(), rd_back.data(), 1, sizeof(float), false).wait();
+        dx_rows.wait();
       }
     }
     dx_own.reset();

@@ -63,7 +63,8 @@ struct MoeWeights {
   // expert go (all-to-all) to its owner, which runs the expert over the rows of every rank, expert by expert (rows of
   // rank 0 first, each rank's in its grouped order), and sends the outputs back; each rank then combines its tokens'
   // rows in expert order as without expert parallelism. Backward: dy rows and routing weights out, dx rows and the
-  // routing weights' gradients back; the owner accumulates its experts' weight gradients.
+  // routing weights' gradients back; the owner accumulates its experts' weight gradients. The shared expert (forward
+  // and backward) computes while the rows travel to the owners.
   Collectives* exchange = nullptr;
 };
 
