@@ -268,7 +268,14 @@ def case_expert(binary):
         p = train(binary, n, "tiny", ["--steps", "1", "--batch", "4", *extra], check=False)
         if p.returncode == 0 or msg not in p.stderr:
             failures.append(f"{' '.join(extra)} on {n}: no clear error ({p.returncode}): {p.stderr[-300:]}")
-    # Experts not divisible: 4 experts over 8 ranks is not possible here; a config with 6 experts on 4 ranks, E = 4.
+    # --expert-parallel on one rank only: the mismatch is reported, not a hang in a communicator split.
+    base = [binary, "train", "--preset", "tiny", "--synthetic", "--seq", "16", "--threads", "1", "--quiet",
+            "--steps", "2", "--batch", "4"]
+    p = run([MPIRUN, "--oversubscribe", "--allow-run-as-root", "-np", "1", *base, "--expert-parallel", "2", ":",
+             "-np", "1", *base], check=False)
+    if p.returncode == 0 or "other options or another model than rank 0" not in p.stderr:
+        failures.append(f"--expert-parallel on rank 0 only: no clear error: {p.stderr[-400:]}")
+    # Experts not divisible: a config with 6 experts on 4 ranks, E = 4.
     with tempfile.TemporaryDirectory() as d:
         cfg = json.loads((FIXTURES / "qwen3_5_L5" / "config.json").read_text())
         text = cfg.get("text_config", cfg)

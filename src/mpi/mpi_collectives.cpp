@@ -302,8 +302,9 @@ Groups make_groups(Runtime& rt, int64_t fsdp, int64_t expert_parallel) {
   gr.world = MpiCollectives::split(rt, 0, "world");
   gr.fsdp = MpiCollectives::split(rt, rank / g, "fsdp group");
   gr.replicas = MpiCollectives::split(rt, rank % g, "replicas");
-  if (expert_parallel > 1)
-    gr.experts = MpiCollectives::split(rt, rank / static_cast<int>(expert_parallel), "expert-parallel group");
+  // Made whatever E (a group of one for E = 1), so that every rank makes the same splits even when the ranks were
+  // given different options, which the run then reports instead of hanging in a split only some ranks make.
+  gr.experts = MpiCollectives::split(rt, rank / static_cast<int>(expert_parallel), "expert-parallel group");
   return gr;
 }
 

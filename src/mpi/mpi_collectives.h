@@ -99,7 +99,7 @@ class MpiCollectives final : public Collectives {
 // of this rank (`fsdp` consecutive world ranks share the shards of one model copy), the replicas of this rank's
 // shards across groups (data parallel) and, with expert parallelism, the `expert_parallel` consecutive ranks that
 // exchange their tokens' rows (rank r of it owns the r-th 1/expert_parallel of the routed experts; the ranks of an
-// FSDP group with the same rank in their expert-parallel groups own the same experts).
+// FSDP group with the same rank in their expert-parallel groups own the same experts; a group of one without).
 struct Groups {
   std::unique_ptr<MpiCollectives> world, fsdp, replicas, experts;
 };

@@ -23,7 +23,7 @@ struct Distributed {
   Collectives* world = nullptr;
   Collectives* fsdp = nullptr;
   Collectives* replicas = nullptr;
-  // --expert-parallel E > 1: the E consecutive ranks (of an FSDP group) that exchange their tokens' rows.
+  // --expert-parallel E: the E consecutive ranks (of an FSDP group) that exchange their tokens' rows.
   Collectives* experts = nullptr;
 };
 
