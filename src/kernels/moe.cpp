@@ -269,6 +269,7 @@ void ep_permute(const EpLayout& L, const void* src, void* dst, size_t row_bytes,
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     const size_t i = static_cast<size_t>(b);
+    if (L.count[i] == 0) continue;
     const int64_t from = to_owner ? L.at_recv[i] : L.at_own[i], to = to_owner ? L.at_own[i] : L.at_recv[i];
     std::memcpy(static_cast<char*>(dst) + static_cast<size_t>(to) * row_bytes,
                 static_cast<const char*>(src) + static_cast<size_t>(from) * row_bytes,
