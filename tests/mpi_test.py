@@ -201,7 +201,7 @@ def case_expert(binary):
     """--expert-parallel E: routed experts split over E ranks, the tokens' rows exchanged by all-to-all. The losses of
     20 fp32 steps agree with one process on the same global batch within 1e-6 relative (E = 2 on 2 ranks, E = 4 on 4,
     E = 2 on 4 ranks: two owners of each expert in one FSDP group, and in two FSDP groups of 2 with replicas), both
-    families, top-2 of 4 experts; each rank's measured step peak equals `plan --devices N --expert-parallel E`; a
+    families, top-2 of 4 experts and top-3 of 8; each rank's measured step peak equals `plan --devices N --expert-parallel E`; a
     checkpoint saved with E = 2 resumes on 1 process and on 4 ranks without expert parallelism on the same curve; E
     dividing neither the experts nor the group: a clear error before the first step."""
     failures = []
@@ -219,6 +219,23 @@ def case_expert(binary):
               f"{w:.2e}, {same}/20 steps bit-identical")
         if w > TOL["fp32"]:
             failures.append(f"{model} N={n} E={ep}: {w:.2e} > {TOL['fp32']}")
+    # More experts and a larger top-k: Qwen3.5 L = 5 with 8 experts, top-3, on 4 ranks with E = 4 (two experts a rank,
+    # one a piece, so the next piece's all-to-all is in flight while one computes).
+    with tempfile.TemporaryDirectory() as d:
+        cfg = json.loads((FIXTURES / "qwen3_5_L5" / "config.json").read_text())
+        text = cfg.get("text_config", cfg)
+        text["num_experts"], text["num_experts_per_tok"] = 8, 3
+        (pathlib.Path(d) / "config.json").write_text(json.dumps(cfg))
+        MODELS["qwen3.5-L5-8x3"] = ["--config", d]
+        common = ["--steps", "20", "--batch", "4", "--compute-dtype", "fp32"]
+        one = train(binary, 1, "qwen3.5-L5-8x3", common)["losses"]
+        many = train(binary, 4, "qwen3.5-L5-8x3", [*common, "--expert-parallel", "4", "--gather-piece-bytes", "1"])
+        w = worst_rel(many["losses"], one)
+        print(f"qwen3.5-L5 with 8 experts top-3, N=4 --expert-parallel 4, one expert a piece: worst relative loss "
+              f"difference over 20 steps {w:.2e}")
+        if w > TOL["fp32"]:
+            failures.append(f"8 experts top-3 E=4: {w:.2e} > {TOL['fp32']}")
+        del MODELS["qwen3.5-L5-8x3"]
     # The weights' dtype conversions on arrival (fp32 storage to bf16 compute, bf16 storage to fp32 compute): within
     # bf16's bound of one process, as without expert parallelism.
     for dtypes in (["--compute-dtype", "bf16"], ["--compute-dtype", "fp32", "--weight-dtype", "bf16"]):
