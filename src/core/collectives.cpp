@@ -65,7 +65,8 @@ Collectives::Request LocalCollectives::start_all_to_all_v(const void* send, std:
                                                           std::vector<int64_t> send_displs, void* recv,
                                                           std::vector<int64_t> recv_counts,
                                                           std::vector<int64_t> recv_displs, size_t elem_bytes) {
-  if (send_counts.at(0) != recv_counts.at(0)) throw std::invalid_argument("all_to_all_v: send and receive counts differ");
+  if (send_counts.at(0) != recv_counts.at(0))
+    throw std::invalid_argument("all_to_all_v: send and receive counts differ");
   if (send_counts[0] == 0) return {};
   std::memcpy(static_cast<char*>(recv) + recv_displs.at(0) * elem_bytes,
               static_cast<const char*>(send) + send_displs.at(0) * elem_bytes,

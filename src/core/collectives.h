@@ -68,9 +68,9 @@ class Collectives {
   // send[send_displs[q] ..+ send_counts[q]) goes to rank q, and rank p's block for this rank lands at
   // recv[recv_displs[p] ..+ recv_counts[p]). The token rows of expert parallelism and the owners' expert weights.
   // Every vector has size() entries; send and recv do not overlap.
-  virtual Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs,
-                                     void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
-                                     size_t elem_bytes) = 0;
+  virtual Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,
+                                     std::vector<int64_t> send_displs, void* recv, std::vector<int64_t> recv_counts,
+                                     std::vector<int64_t> recv_displs, size_t elem_bytes) = 0;
   void all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs, void* recv,
                     std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs, size_t elem_bytes) {
     start_all_to_all_v(send, std::move(send_counts), std::move(send_displs), recv, std::move(recv_counts),

@@ -251,7 +251,8 @@ class PiecedExperts final : public ExpertStream<T> {
     cur_.requests.clear();
     if (!P_)
       for (int k = 0; k < 2; ++k)
-        if (cur_.convert[k]) convert_in_place(cur_.w[k].data(), weight(k).dtype, dtype_of<T>(), cur_.count * full_stride_[k]);
+        if (cur_.convert[k])
+          convert_in_place(cur_.w[k].data(), weight(k).dtype, dtype_of<T>(), cur_.count * full_stride_[k]);
     index_ = piece;
     if (sharded_ && (piece + 1) * per_piece_ < local_) ahead_ = start_weights(piece + 1);
     if (g_ && sharded_)

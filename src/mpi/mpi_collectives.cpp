@@ -212,7 +212,8 @@ Collectives::Request MpiCollectives::start_reduce_scatter(float* full, int64_t n
 
 Collectives::Request MpiCollectives::start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) {
   const int64_t s = shard_elems(n, size()), ranks = size();
-  if (static_cast<int64_t>(dest.size()) != ranks) throw std::invalid_argument("reduce_scatter_to: one destination a rank");
+  if (static_cast<int64_t>(dest.size()) != ranks)
+    throw std::invalid_argument("reduce_scatter_to: one destination a rank");
   const int cnt = count(s, "reduce_scatter");
   std::function<void()> transfer = start(
       [full, cnt](MPI_Comm c, MPI_Request* r) {
@@ -236,8 +237,10 @@ Collectives::Request MpiCollectives::start_all_to_all_v(const void* send, std::v
   if (send_counts.size() != ranks || send_displs.size() != ranks || recv_counts.size() != ranks ||
       recv_displs.size() != ranks)
     throw std::invalid_argument("all_to_all_v: one count and one displacement a rank");
-  MPI_Datatype t = elem_bytes == 2 ? MPI_UINT16_T : elem_bytes == 4 ? MPI_UINT32_T : elem_bytes == 8 ? MPI_UINT64_T
-                                                                                                     : MPI_DATATYPE_NULL;
+  MPI_Datatype t = MPI_DATATYPE_NULL;
+  if (elem_bytes == 2) t = MPI_UINT16_T;
+  if (elem_bytes == 4) t = MPI_UINT32_T;
+  if (elem_bytes == 8) t = MPI_UINT64_T;
   if (t == MPI_DATATYPE_NULL) throw std::invalid_argument("all_to_all_v: elements of 2, 4 or 8 bytes");
   // MPI reads the count arrays until the operation completes: they live in the job.
   auto v = std::make_shared<std::vector<int>>(4 * ranks);

@@ -421,7 +421,8 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
   VirtualCollectives planned_ep(ep);
   Collectives* ep_group = opt.ep_group;
   if (ep > 1 && !ep_group) {
-    if (!mem.planning()) throw std::invalid_argument("expert parallelism needs the group of ranks that exchange tokens");
+    if (!mem.planning())
+      throw std::invalid_argument("expert parallelism needs the group of ranks that exchange tokens");
     ep_group = &planned_ep;
   }
   if (ep > 1 && ep_group->size() != ep)

@@ -326,8 +326,8 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
     log << world << " ranks: FSDP groups of " << shards << " (" << world / shards << " data-parallel replicas), "
         << o.batch / world << " sequences per rank" << (o.step.prefetch ? ", prefetching" : "");
   if (dist && o.step.expert_parallel > 1)
-    log << ", routed experts split over " << o.step.expert_parallel << " ranks (" << cfg.experts / o.step.expert_parallel
-        << " each)";
+    log << ", routed experts split over " << o.step.expert_parallel << " ranks ("
+        << cfg.experts / o.step.expert_parallel << " each)";
   if (dist) log << "\n";
 
   std::ofstream metrics;
