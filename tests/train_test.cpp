@@ -52,6 +52,52 @@ TEST(Train, ResumeIsBitExact) {
   }
 }
 
+// A resume takes the compute dtype and the remat policy back from the checkpoint: saved with fp32 compute and remat
+// none, resumed with the defaults (bf16, sublayer) left in the options, the rest of the curve is the same bits; a
+// command line that names other ones is refused with a clear error before any step.
+TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
+  const fs::path root = fs::temp_directory_path() / ("hs_resume_dtype_" + std::to_string(::getpid()));
+  fs::remove_all(root);
+  std::ostringstream log;
+  TrainOptions full = tiny_options(root / "full");
+  full.steps = 6;
+  full.step.remat = RematPolicy::None;
+  TrainSummary a = run_training(full, log);
+  TrainOptions first = full;
+  first.out = (root / "part").string();
+  first.stop_after = 3;
+  run_training(first, log);
+  TrainOptions rest = tiny_options(root / "resumed");
+  rest.steps = 6;
+  rest.resume = (root / "part/checkpoint-3").string();
+  rest.step.compute = DType::BF16;  // what the command line has when --compute-dtype is not given
+  rest.step.remat = RematPolicy::Sublayer;
+  TrainSummary c = run_training(rest, log);
+  ASSERT_EQ(c.losses.size(), 3u);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(a.losses[size_t(3 + i)], c.losses[size_t(i)]) << (3 + i);
+  TrainOptions named = rest;
+  named.out = (root / "named").string();
+  named.compute_given = true;
+  try {
+    run_training(named, log);
+    ADD_FAILURE() << "a resume with another --compute-dtype was not refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--compute-dtype bf16 differs from the checkpoint's f32"), std::string::npos)
+        << e.what();
+  }
+  named.compute_given = false;
+  named.step.compute = DType::F32;
+  named.remat_given = true;
+  try {
+    run_training(named, log);
+    ADD_FAILURE() << "a resume with another --remat was not refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("--remat sublayer differs from the checkpoint's none"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(root);
+}
+
 // A few hundred steps on a repetitive text: the loss must fall far below the byte unigram entropy of the text.
 TEST(Train, LearnsRealText) {
   const fs::path root = fs::temp_directory_path() / ("hs_learn_" + std::to_string(::getpid()));

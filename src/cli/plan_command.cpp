@@ -65,7 +65,9 @@ void register_plan(CLI::App& app) {
   c->add_option("--model", a->model, "Preset name or Hugging Face config.json")->capture_default_str();
   c->add_option("--devices", a->devices, "Devices in the job")->capture_default_str();
   c->add_option("--fsdp", a->fsdp, "FSDP group size (default: all devices)");
-  c->add_option("--expert-parallel", a->ep, "Split routed experts over E devices (gathers 1/E of them per sub-layer)")
+  c->add_option("--expert-parallel", a->ep,
+                "Split routed experts over E devices of each FSDP group (train --expert-parallel): each gathers only "
+                "its 1/E of them and exchanges its tokens' rows; balanced routing is assumed")
       ->capture_default_str();
   c->add_option("--batch-per-device", a->batch, "Sequences per device per step")->capture_default_str();
   c->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();

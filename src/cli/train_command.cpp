@@ -94,6 +94,10 @@ void register_train(CLI::App& app) {
   init->excludes(resume);
   c->add_option("--stop-after", a->o.stop_after, "Stop (and save) after N steps of the --steps schedule");
   c->add_option("--fsdp", a->fsdp, "Under mpirun: ranks per FSDP group (default: all; data parallel across groups)");
+  c->add_option("--expert-parallel", a->o.step.expert_parallel,
+                "Under mpirun: split the routed experts over E consecutive ranks of each FSDP group and exchange the "
+                "tokens' rows with them (all-to-all); E divides the group and the experts")
+      ->capture_default_str();
   c->add_flag("--prefetch", a->o.step.prefetch,
               "Sharded runs: gather the next sub-layer's weights while this one computes and reduce-scatter its "
               "gradients during the next backward (one more sub-layer's weights and gradients live)");
@@ -105,7 +109,7 @@ void register_train(CLI::App& app) {
               "Apply AdamW to each gradient shard as soon as the backward completes it (no gradient set lives across "
               "the step; the same parameters to the bit). Needs --clip 0: clipping needs the global norm before any "
               "update");
-  c->callback([a] {
+  c->callback([a, c] {
     TrainArgs& x = *a;
     x.o.step.gather_piece_bytes = parse_bytes(x.piece);
     // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
@@ -115,11 +119,11 @@ void register_train(CLI::App& app) {
     if (mpi::launched_by_mpirun()) {
       rt = std::make_unique<mpi::Runtime>(nullptr, nullptr);
       try {
-        groups = mpi::make_groups(*rt, x.fsdp);
+        groups = mpi::make_groups(*rt, x.fsdp, x.o.step.expert_parallel);
       } catch (const std::exception& e) {
         rt->abort(std::string("error: ") + e.what());
       }
-      dist = {groups.world.get(), groups.fsdp.get(), groups.replicas.get()};
+      dist = {groups.world.get(), groups.fsdp.get(), groups.replicas.get(), groups.experts.get()};
       x.o.dist = &dist;
     } else if (x.fsdp > 1) {
       throw std::invalid_argument("--fsdp " + std::to_string(x.fsdp) + " needs that many processes: start with mpirun -np N");
@@ -138,6 +142,7 @@ void register_train(CLI::App& app) {
                                                                           : x.o.model);
       r.devices = world;
       r.fsdp = x.fsdp;
+      r.expert_parallel = x.o.step.expert_parallel;
       r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
       r.prefetch = x.o.step.prefetch;
       r.gather_piece_bytes = x.o.step.gather_piece_bytes;
@@ -154,6 +159,8 @@ void register_train(CLI::App& app) {
     } else {
       x.o.step.remat = train::parse_remat(x.remat);
     }
+    x.o.compute_given = c->get_option("--compute-dtype")->count() > 0;
+    x.o.remat_given = x.remat != "auto" && c->get_option("--remat")->count() > 0;
     x.o.progress = !x.quiet;
     if (x.threads > 0) omp_set_num_threads(x.threads);
     train::TrainSummary s;

@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 namespace hs {
 
@@ -28,6 +29,11 @@ void Collectives::Request::wait_quietly() noexcept {
   }
 }
 
+void Collectives::all_reduce_sum(float* x, int64_t n) {
+  std::vector<float> scratch(static_cast<size_t>(all_reduce_scratch_elems(n)));
+  all_reduce_sum(x, n, scratch.data());
+}
+
 void convert_elements(const void* src, DType from, void* dst, DType to, int64_t n) {
   if (from == to) {
     std::memcpy(dst, src, static_cast<size_t>(n) * dtype_size(to));
@@ -48,6 +54,23 @@ Collectives::Request LocalCollectives::start_all_gather(const TensorView& shard,
 Collectives::Request LocalCollectives::start_reduce_scatter(float* full, int64_t n, float* shard) {
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) shard[i] += full[i];
+  return {};
+}
+
+Collectives::Request LocalCollectives::start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) {
+  return start_reduce_scatter(full, n, dest.at(0));
+}
+
+Collectives::Request LocalCollectives::start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,
+                                                          std::vector<int64_t> send_displs, void* recv,
+                                                          std::vector<int64_t> recv_counts,
+                                                          std::vector<int64_t> recv_displs, size_t elem_bytes) {
+  if (send_counts.at(0) != recv_counts.at(0))
+    throw std::invalid_argument("all_to_all_v: send and receive counts differ");
+  if (send_counts[0] == 0) return {};
+  std::memcpy(static_cast<char*>(recv) + recv_displs.at(0) * elem_bytes,
+              static_cast<const char*>(send) + send_displs.at(0) * elem_bytes,
+              static_cast<size_t>(send_counts[0]) * elem_bytes);
   return {};
 }
 

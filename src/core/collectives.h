@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -58,6 +59,24 @@ class Collectives {
   // shard[0..shard_elems(n, size)) += this rank's slice of the sum over ranks of full[0..n). full holds
   // padded_elems(n) floats (the tail past n zero) and is overwritten.
   virtual Request start_reduce_scatter(float* full, int64_t n, float* shard) = 0;
+  // A reduce-scatter whose slices land in places of the caller's choosing (expert parallelism: rank p's full[0..n) is
+  // the gradient of an expert that may differ from rank to rank): dest[p][0..shard_elems(n, size)) += this rank's
+  // slice of rank p's full[0..n), for p in rank order, so ranks that send to the same destination are summed in rank
+  // order. full holds padded_elems(n) floats (the tail past n zero) and is overwritten; dest has size() entries.
+  virtual Request start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) = 0;
+  // All-to-all with counts per rank, in elements of elem_bytes (2, 4 or 8; moved, never reduced): this rank's
+  // send[send_displs[q] ..+ send_counts[q]) goes to rank q, and rank p's block for this rank lands at
+  // recv[recv_displs[p] ..+ recv_counts[p]). The token rows of expert parallelism and the owners' expert weights.
+  // Every vector has size() entries; send and recv do not overlap.
+  virtual Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,
+                                     std::vector<int64_t> send_displs, void* recv, std::vector<int64_t> recv_counts,
+                                     std::vector<int64_t> recv_displs, size_t elem_bytes) = 0;
+  void all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs, void* recv,
+                    std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs, size_t elem_bytes) {
+    start_all_to_all_v(send, std::move(send_counts), std::move(send_displs), recv, std::move(recv_counts),
+                       std::move(recv_displs), elem_bytes)
+        .wait();
+  }
   void all_gather(const TensorView& shard, void* full, DType to, int64_t n) { start_all_gather(shard, full, to, n).wait(); }
   void reduce_scatter(float* full, int64_t n, float* shard) { start_reduce_scatter(full, n, shard).wait(); }
 
@@ -67,8 +86,11 @@ class Collectives {
     all_reduce_sum(&x, 1);
     return x;
   }
-  // In place, fp32 (the gradient shards of data-parallel replicas).
-  virtual void all_reduce_sum(float* x, int64_t n) = 0;
+  // In place, fp32 (the gradient shards of data-parallel replicas), through `scratch`: all_reduce_scratch_elems(n)
+  // floats of the caller's (so that its memory can be accounted). Without scratch the backend allocates it.
+  virtual void all_reduce_sum(float* x, int64_t n, float* scratch) = 0;
+  void all_reduce_sum(float* x, int64_t n);
+  int64_t all_reduce_scratch_elems(int64_t n) const { return size_ > 1 ? padded_elems(n) + shard_elems(n, size_) : 0; }
   // Rank `root`'s bytes to every rank.
   virtual void broadcast(void* data, size_t bytes, int64_t root) = 0;
 
@@ -87,8 +109,12 @@ class LocalCollectives final : public Collectives {
   using Collectives::all_reduce_sum;
   Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
   Request start_reduce_scatter(float* full, int64_t n, float* shard) override;
+  Request start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) override;
+  Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs,
+                             void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
+                             size_t elem_bytes) override;
   void all_reduce_sum(double*, int64_t) override {}
-  void all_reduce_sum(float*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t, float*) override {}
   void broadcast(void*, size_t, int64_t) override {}
 };
 
@@ -99,8 +125,13 @@ class VirtualCollectives final : public Collectives {
   using Collectives::all_reduce_sum;
   Request start_all_gather(const TensorView&, void*, DType, int64_t) override { return {}; }
   Request start_reduce_scatter(float*, int64_t, float*) override { return {}; }
+  Request start_reduce_scatter_to(float*, int64_t, std::vector<float*>) override { return {}; }
+  Request start_all_to_all_v(const void*, std::vector<int64_t>, std::vector<int64_t>, void*, std::vector<int64_t>,
+                             std::vector<int64_t>, size_t) override {
+    return {};
+  }
   void all_reduce_sum(double*, int64_t) override {}
-  void all_reduce_sum(float*, int64_t) override {}
+  void all_reduce_sum(float*, int64_t, float*) override {}
   void broadcast(void*, size_t, int64_t) override {}
 };
 

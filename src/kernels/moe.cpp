@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -135,6 +136,160 @@ class ExpertsInPlace final : public ExpertStream<T> {
   const MoeGrads* g_;
 };
 
+
+// Adds an expert's output rows yg [n, H] (fp32, grouped rows `rows` of the expert) into its tokens' outputs: each token
+// appears once per expert, so rows never collide; experts add in index order like transformers' index_add_ loop (into
+// a zero sum), and the token's last expert adds the gated shared expert and writes y.
+template <typename T>
+void add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
+                     const float* scale, const T* sh, const float* yg, float* sum, T* y) {
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
+    const float wt = wts[rows[r]];
+    float* st = sum + t * H;
+    const float* src = yg + r * H;
+    if (rank == k - 1) {
+      const float sg = scale[t];
+      const T* sht = sh + t * H;
+      T* yt = y + t * H;
+      if (rank == 0) {
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) {
+          float v = 0.0f;
+          v += wt * src[h];
+          yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+        }
+      } else {
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) {
+          float v = st[h];
+          v += wt * src[h];
+          yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+        }
+      }
+    } else if (rank == 0) {
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) {
+        float v = 0.0f;
+        v += wt * src[h];
+        st[h] = v;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) st[h] += wt * src[h];
+    }
+  }
+}
+
+// Adds an expert's input-gradient rows dxg [n, H] into dx; a token's first expert (in index order) also adds the
+// shared-expert gate's term dz * w_sg.
+inline void add_expert_dx(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* dzt,
+                          const float* w_sg, const float* dxg, float* dx) {
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t t = rows[r] / k;
+    float* dst = dx + t * H;
+    const float* src = dxg + r * H;
+    if (expert_rank(idx, t, k, rows[r]) == 0) {
+      const float dzv = dzt[t];
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) {
+        float v = dst[h];
+        v += dzv * w_sg[h];
+        dst[h] = v + src[h];
+      }
+    } else {
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+    }
+  }
+}
+
+// Where the rows of an expert-parallel exchange are. A block is the rows one rank sent for one local expert of
+// another: block p * Xl + j holds rank p's rows for this rank's local expert j. Received blocks are in rank order
+// (and, within a rank, expert order); the owner computes in expert order (and, within an expert, rank order).
+struct EpLayout {
+  int64_t ranks = 1, local = 0, received = 0, capacity = 0;
+  std::vector<int64_t> send_rows, send_first, recv_rows, recv_first;  // rows per rank and where they start
+  std::vector<int64_t> count, at_recv, at_own;                        // per block: rows, start in each order
+  std::vector<int64_t> own_first;                                     // [Xl + 1]: owner-order start of each expert
+};
+
+// off: this rank's grouped offsets [E + 1]; recv: rows received per block [ranks * Xl] (both null in planning,
+// where every rank is taken to receive as many rows as it sends: balanced routing). Buffers on the owner's side hold
+// capacity = max(received, tokens * k) rows, so a rank's memory is the plan's unless its experts receive more.
+EpLayout ep_layout(const int64_t* off, const int64_t* recv, int64_t ranks, int64_t E, int64_t nk) {
+  EpLayout L;
+  L.ranks = ranks;
+  L.local = E / ranks;
+  const int64_t Xl = L.local;
+  const auto P = static_cast<size_t>(ranks);
+  L.send_rows.assign(P, 0), L.send_first.assign(P, 0), L.recv_rows.assign(P, 0), L.recv_first.assign(P, 0);
+  L.count.assign(P * static_cast<size_t>(Xl), 0), L.at_recv = L.count, L.at_own = L.count;
+  L.own_first.assign(static_cast<size_t>(Xl + 1), 0);
+  if (!off) {
+    L.received = nk;
+    L.capacity = nk;
+    return L;
+  }
+  for (int64_t q = 0; q < ranks; ++q) {
+    L.send_first[size_t(q)] = off[q * Xl];
+    L.send_rows[size_t(q)] = off[(q + 1) * Xl] - off[q * Xl];
+  }
+  int64_t at = 0;
+  for (int64_t p = 0; p < ranks; ++p) {
+    L.recv_first[size_t(p)] = at;
+    for (int64_t j = 0; j < Xl; ++j) {
+      const size_t b = size_t(p * Xl + j);
+      L.count[b] = recv[b];
+      L.at_recv[b] = at;
+      at += recv[b];
+    }
+    L.recv_rows[size_t(p)] = at - L.recv_first[size_t(p)];
+  }
+  L.received = at;
+  at = 0;
+  for (int64_t j = 0; j < Xl; ++j) {
+    L.own_first[size_t(j)] = at;
+    for (int64_t p = 0; p < ranks; ++p) {
+      const size_t b = size_t(p * Xl + j);
+      L.at_own[b] = at;
+      at += L.count[b];
+    }
+  }
+  L.own_first[size_t(Xl)] = at;
+  L.capacity = std::max(L.received, nk);
+  return L;
+}
+
+// Moves rows of `row_bytes` between the two orders of an EpLayout.
+void ep_permute(const EpLayout& L, const void* src, void* dst, size_t row_bytes, bool to_owner) {
+  const auto blocks = static_cast<int64_t>(L.count.size());
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const size_t i = static_cast<size_t>(b);
+    if (L.count[i] == 0) continue;
+    const int64_t from = to_owner ? L.at_recv[i] : L.at_own[i], to = to_owner ? L.at_own[i] : L.at_recv[i];
+    std::memcpy(static_cast<char*>(dst) + static_cast<size_t>(to) * row_bytes,
+                static_cast<const char*>(src) + static_cast<size_t>(from) * row_bytes,
+                static_cast<size_t>(L.count[i]) * row_bytes);
+  }
+}
+
+// Starts sending rows (elem elements of `row` each) to their owners (forward: out) or back to their senders (back).
+Collectives::Request ep_exchange(Collectives& ex, const EpLayout& L, const void* send, void* recv, int64_t row,
+                                 size_t elem, bool out) {
+  std::vector<int64_t> sc, sd, rc, rd;
+  for (size_t q = 0; q < L.send_rows.size(); ++q) {
+    sc.push_back((out ? L.send_rows[q] : L.recv_rows[q]) * row);
+    sd.push_back((out ? L.send_first[q] : L.recv_first[q]) * row);
+    rc.push_back((out ? L.recv_rows[q] : L.send_rows[q]) * row);
+    rd.push_back((out ? L.recv_first[q] : L.send_first[q]) * row);
+  }
+  return ex.start_all_to_all_v(send, sc, sd, recv, rc, rd, elem);
+}
+
 }  // namespace
 
 template <typename T>
@@ -143,26 +298,36 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nk = static_cast<size_t>(N * k);
+  const bool ep = w.exchange && w.exchange->size() > 1;
+  if (ep && (!w.experts || E % w.exchange->size() != 0))
+    throw std::invalid_argument("moe: expert parallelism needs an expert stream and ranks dividing the experts");
   const MemCategory keep = saved ? MemCategory::Activations : MemCategory::Workspace;
   Buffer probs = mem.allocate_n<float>(static_cast<size_t>(N * E), keep, "moe.probs");
   Buffer topk_index = mem.allocate_n<int32_t>(nk, keep, "moe.topk_index");
   Buffer topk_weight = mem.allocate_n<float>(nk, keep, "moe.topk_weight");
   Buffer offset = mem.allocate_n<int64_t>(static_cast<size_t>(E + 1), keep, "moe.expert_offset");
   Buffer row_slot = mem.allocate_n<int32_t>(nk, keep, "moe.row_slot");
-  Buffer gate_up = mem.allocate_n<T>(nk * static_cast<size_t>(2 * I), keep, "moe.gate_up");
+  Buffer gate_up;
+  if (!ep) gate_up = mem.allocate_n<T>(nk * static_cast<size_t>(2 * I), keep, "moe.gate_up");
   Buffer shared_scale = mem.allocate_n<float>(static_cast<size_t>(N), keep, "moe.shared_scale");
 
   const auto nh = static_cast<size_t>(N * H);
   Buffer shared_out = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_out");
-  swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
-                 saved ? &saved->shared : nullptr, mem);
+  auto shared_expert = [&] {
+    swiglu_forward(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, shared_out.as<T>(),
+                   saved ? &saved->shared : nullptr, mem);
+  };
+  if (!ep) shared_expert();  // expert parallel: while the rows travel to their owners, below
   // Running sum of a token's weighted expert outputs between its first and its last expert (never read
   // before a token's first expert writes it, so not cleared).
   Buffer acc = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.routed_sum");
   // Per-expert scratch: an expert gets at most one slot per token, so N rows bound every group.
-  Buffer xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
-  Buffer act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
-  Buffer ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
+  Buffer xe, act, ye;
+  if (!ep) {
+    xe = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_x");
+    act = mem.allocate_n<T>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_act");
+    ye = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_y");
+  }
 
   ExpertsInPlace<T> in_place(s, w, nullptr);
   ExpertStream<T>& experts = w.experts ? *w.experts : in_place;
@@ -170,7 +335,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
   stats.prob_sums.assign(static_cast<size_t>(E), 0.0);
   stats.rows = N;
-  if (!mem.planning()) {
+  const bool real = !mem.planning();
+  if (real) {
     float* p = probs.as<float>();
     int32_t* idx = topk_index.as<int32_t>();
     float* wts = topk_weight.as<float>();
@@ -203,68 +369,104 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * w.shared_expert_gate[h];
       scale[t] = sigmoidf(z);
     }
-
-    T* gu = gate_up.as<T>();
-    float* sum = acc.as<float>();
-    const T* sh = shared_out.as<T>();
-    for (int64_t e = 0; e < E; ++e) {
-      const typename ExpertStream<T>::Expert ex = experts.next(e);
-      const int64_t r0 = off[e], n = off[e + 1] - off[e];
-      if (n == 0) continue;
-      const int32_t* rows = slots + r0;
-      T* xg = xe.as<T>();
+  }
+  if (!ep) {
+    if (real) {
+      const int32_t* idx = topk_index.as<int32_t>();
+      const float* wts = topk_weight.as<float>();
+      const int64_t* off = offset.as<int64_t>();
+      const int32_t* slots = row_slot.as<int32_t>();
+      T* gu = gate_up.as<T>();
+      for (int64_t e = 0; e < E; ++e) {
+        const typename ExpertStream<T>::Expert ex = experts.next(e);
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        const int32_t* rows = slots + r0;
+        T* xg = xe.as<T>();
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-      for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
-      T* gu_e = gu + r0 * 2 * I;
-      rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
-      detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
-      rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
-      const float* yg = ye.as<float>();
-      // Each token appears once per expert, so rows never collide; experts add in index order like
-      // transformers' index_add_ loop (into a zero sum), and the token's last expert adds the gated shared
-      // expert and writes y.
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-      for (int64_t r = 0; r < n; ++r) {
-        const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
-        const float wt = wts[rows[r]];
-        float* st = sum + t * H;
-        const float* src = yg + r * H;
-        if (rank == k - 1) {
-          const float sg = scale[t];
-          const T* sht = sh + t * H;
-          T* yt = y + t * H;
-          if (rank == 0) {
-#pragma omp simd
-            for (int64_t h = 0; h < H; ++h) {
-              float v = 0.0f;
-              v += wt * src[h];
-              yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
-            }
-          } else {
-#pragma omp simd
-            for (int64_t h = 0; h < H; ++h) {
-              float v = st[h];
-              v += wt * src[h];
-              yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
-            }
-          }
-        } else if (rank == 0) {
-#pragma omp simd
-          for (int64_t h = 0; h < H; ++h) {
-            float v = 0.0f;
-            v += wt * src[h];
-            st[h] = v;
-          }
-        } else {
-#pragma omp simd
-          for (int64_t h = 0; h < H; ++h) st[h] += wt * src[h];
-        }
+        for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
+        T* gu_e = gu + r0 * 2 * I;
+        rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
+        detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+        rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
+        add_expert_rows(n, H, k, rows, idx, wts, shared_scale.as<float>(), shared_out.as<T>(), ye.as<float>(),
+                        acc.as<float>(), y);
+      }
+    } else {
+      for (int64_t e = 0; e < E; ++e) experts.next(e);
+    }
+    experts.finish();
+  } else {
+    // Expert parallelism: counts, then the rows out to their owners, the owner's experts, the outputs back.
+    Collectives& xc = *w.exchange;
+    const int64_t ranks = xc.size(), Xl = E / ranks;
+    Buffer recv_counts = mem.allocate_n<int64_t>(static_cast<size_t>(E), keep, "moe.ep_counts");
+    if (real) {
+      std::vector<int64_t> sendc(static_cast<size_t>(E)), each(static_cast<size_t>(ranks), Xl), at;
+      for (int64_t e = 0; e < E; ++e) sendc[size_t(e)] = offset.as<int64_t>()[e + 1] - offset.as<int64_t>()[e];
+      for (int64_t q = 0; q < ranks; ++q) at.push_back(q * Xl);
+      xc.all_to_all_v(sendc.data(), each, at, recv_counts.data(), each, at, sizeof(int64_t));
+    }
+    const EpLayout L = ep_layout(real ? offset.as<int64_t>() : nullptr, real ? recv_counts.as<int64_t>() : nullptr,
+                                 ranks, E, static_cast<int64_t>(nk));
+    const auto cap = static_cast<size_t>(L.capacity);
+    Buffer own_x = mem.allocate_n<T>(cap * static_cast<size_t>(H), keep, "moe.ep_x");
+    {
+      Buffer x_send = mem.allocate_n<T>(nk * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_send");
+      if (real) {
+        const int32_t* slots = row_slot.as<int32_t>();
+        T* xs = x_send.as<T>();
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(nk) * H > kMinParallelWork)
+        for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) std::copy_n(x + (slots[r] / k) * H, H, xs + r * H);
+      }
+      Buffer x_recv = mem.allocate_n<T>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_recv");
+      Collectives::Request rows;
+      if (real) rows = ep_exchange(xc, L, x_send.data(), x_recv.data(), H, sizeof(T), true);
+      shared_expert();
+      rows.wait();
+      if (real) ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true);
+    }
+    gate_up = mem.allocate_n<T>(cap * static_cast<size_t>(2 * I), keep, "moe.gate_up");
+    Buffer y_own = mem.allocate_n<float>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y");
+    {
+      Buffer act_own = mem.allocate_n<T>(cap * static_cast<size_t>(I), MemCategory::Workspace, "moe.expert_act");
+      for (int64_t j = 0; j < Xl; ++j) {
+        const typename ExpertStream<T>::Expert ex = experts.next(j);
+        if (!real) continue;
+        const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
+        if (n == 0) continue;
+        T* gu_e = gate_up.as<T>() + o * 2 * I;
+        rows_matmul(own_x.as<T>() + o * H, ex.gate_up, gu_e, n, 2 * I, H, true);
+        detail::swiglu_act_rows(n, I, gu_e, nullptr, act_own.as<T>());
+        rows_matmul(act_own.as<T>(), ex.down, y_own.as<float>() + o * H, n, H, I, true);
+      }
+      experts.finish();
+    }
+    Buffer y_back = mem.allocate_n<float>(nk * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y_back");
+    {
+      Buffer y_send = mem.allocate_n<float>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y_send");
+      if (real) {
+        ep_permute(L, y_own.data(), y_send.data(), static_cast<size_t>(H) * sizeof(float), false);
+        y_own.reset();
+        ep_exchange(xc, L, y_send.data(), y_back.data(), H, sizeof(float), false).wait();
       }
     }
-  } else {
-    for (int64_t e = 0; e < E; ++e) experts.next(e);
+    y_own.reset();
+    if (real) {
+      const int64_t* off = offset.as<int64_t>();
+      const int32_t* slots = row_slot.as<int32_t>();
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
+                        shared_scale.as<float>(), shared_out.as<T>(), y_back.as<float>() + r0 * H, acc.as<float>(), y);
+      }
+    }
+    if (saved) {
+      saved->recv_counts = std::move(recv_counts);
+      saved->own_x = std::move(own_x);
+    }
   }
-  experts.finish();
   if (saved) {
     saved->probs = std::move(probs);
     saved->topk_index = std::move(topk_index);
@@ -289,7 +491,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
   // dz * w_sg joins dx below, together with the token's first routed expert.
   Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
-  {
+  const bool ep = w.exchange && w.exchange->size() > 1;
+  auto shared_expert = [&] {
     // dy * sig, rounded to T in the same pass (the MLP's products run in T).
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
     const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
@@ -320,7 +523,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         for (int64_t j = 0; j < hn; ++j) g.shared_expert_gate[h0 + j] += col[j];
       }
     }
-  }
+  };
+  if (!ep) shared_expert();  // expert parallel: while the dy rows travel to the owners, below
 
   // Routed experts, one group at a time. dL/dw for each slot = <dy[t], expert_out> = <dact, act> with
   // dact computed from the unweighted dy (no division by a possibly tiny w).
@@ -328,7 +532,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   ExpertsInPlace<T> in_place(s, w, &g);
   ExpertStream<T>& experts = w.experts ? *w.experts : in_place;
   Buffer dweight = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.dweight");
-  {
+  if (!ep) {
     Buffer wrow = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_weight");
     Buffer rdot = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.row_dot");
     Buffer dy_rows = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.expert_dy");
@@ -372,30 +576,104 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
         rows_reduce_matmul(dgu.as<T>(), xg, ex.dgate_up, n, 2 * I, H);
         rows_matmul(dgu.as<T>(), ex.gate_up, dxe.as<float>(), n, H, 2 * I, false);
-        const float* dxg = dxe.as<float>();
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) {
-          const int64_t t = rows[r] / k;
-          float* dst = dx + t * H;
-          const float* src = dxg + r * H;
-          if (expert_rank(idx, t, k, rows[r]) == 0) {
-            const float dzv = dzt[t];
-#pragma omp simd
-            for (int64_t h = 0; h < H; ++h) {
-              float v = dst[h];
-              v += dzv * w.shared_expert_gate[h];
-              dst[h] = v + src[h];
-            }
-          } else {
-#pragma omp simd
-            for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
-          }
-        }
+        add_expert_dx(n, H, k, rows, idx, dzt, w.shared_expert_gate, dxe.as<float>(), dx);
       }
     } else {
       for (int64_t e = 0; e < E; ++e) experts.next(e);
     }
     experts.finish();
+  } else {
+    // Expert parallelism: dy rows and their routing weights out to the owners, the owner's experts, dx rows and the
+    // weights' gradients back, combined in expert order as above.
+    Collectives& xc = *w.exchange;
+    const int64_t ranks = xc.size(), Xl = E / ranks;
+    const EpLayout L = ep_layout(real ? sv.expert_offset.as<int64_t>() : nullptr,
+                                 real ? sv.recv_counts.as<int64_t>() : nullptr, ranks, E, static_cast<int64_t>(nk));
+    const auto cap = static_cast<size_t>(L.capacity), uH = static_cast<size_t>(H), uI = static_cast<size_t>(I);
+    Buffer dy_own = mem.allocate_n<T>(cap * uH, MemCategory::Workspace, "moe.ep_dy");
+    Buffer w_own = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_weight");
+    {
+      Buffer dy_send = mem.allocate_n<T>(nk * uH, MemCategory::Workspace, "moe.ep_dy_send");
+      Buffer w_send = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.ep_weight_send");
+      Buffer dy_recv = mem.allocate_n<T>(cap * uH, MemCategory::Workspace, "moe.ep_dy_recv");
+      Buffer w_recv = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_weight_recv");
+      if (real) {
+        const int32_t* slots = sv.row_slot.as<int32_t>();
+        const float* wts = sv.topk_weight.as<float>();
+        T* ds = dy_send.as<T>();
+        float* ws = w_send.as<float>();
+#pragma omp parallel for schedule(static) if (static_cast<int64_t>(nk) * H > kMinParallelWork)
+        for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) {
+          ws[r] = wts[slots[r]];
+          const float* src = dy + (slots[r] / k) * H;
+          T* dst = ds + r * H;
+#pragma omp simd
+          for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+        }
+      }
+      Collectives::Request dy_rows, w_rows;
+      if (real) {
+        dy_rows = ep_exchange(xc, L, dy_send.data(), dy_recv.data(), H, sizeof(T), true);
+        w_rows = ep_exchange(xc, L, w_send.data(), w_recv.data(), 1, sizeof(float), true);
+      }
+      shared_expert();  // the first writer of dx, as without expert parallelism
+      dy_rows.wait();
+      w_rows.wait();
+      if (real) {
+        ep_permute(L, dy_recv.data(), dy_own.data(), uH * sizeof(T), true);
+        ep_permute(L, w_recv.data(), w_own.data(), sizeof(float), true);
+      }
+    }
+    Buffer dx_own = mem.allocate_n<float>(cap * uH, MemCategory::Workspace, "moe.ep_dx");
+    Buffer rd_own = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_row_dot");
+    {
+      Buffer actw = mem.allocate_n<T>(cap * uI, MemCategory::Workspace, "moe.expert_wact");
+      Buffer dact = mem.allocate_n<float>(cap * uI, MemCategory::Workspace, "moe.expert_dact");
+      Buffer dgu = mem.allocate_n<T>(cap * 2 * uI, MemCategory::Workspace, "moe.expert_dgate_up");
+      for (int64_t j = 0; j < Xl; ++j) {
+        const typename ExpertStream<T>::Expert ex = experts.next(j);
+        if (!real) continue;
+        const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
+        if (n == 0) continue;
+        const T* dyg = dy_own.as<T>() + o * H;
+        rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
+        detail::swiglu_act_grad_rows(n, I, sv.gate_up.as<T>() + o * 2 * I, dact.as<float>(), w_own.as<float>() + o,
+                                     actw.as<T>(), dgu.as<T>(), rd_own.as<float>() + o);
+        rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
+        rows_reduce_matmul(dgu.as<T>(), sv.own_x.as<T>() + o * H, ex.dgate_up, n, 2 * I, H);
+        rows_matmul(dgu.as<T>(), ex.gate_up, dx_own.as<float>() + o * H, n, H, 2 * I, false);
+      }
+      experts.finish();
+    }
+    dy_own.reset();
+    w_own.reset();
+    Buffer dx_back = mem.allocate_n<float>(nk * uH, MemCategory::Workspace, "moe.ep_dx_back");
+    Buffer rd_back = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.ep_row_dot_back");
+    {
+      Buffer dx_send = mem.allocate_n<float>(cap * uH, MemCategory::Workspace, "moe.ep_dx_send");
+      Buffer rd_send = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_row_dot_send");
+      if (real) {
+        ep_permute(L, dx_own.data(), dx_send.data(), uH * sizeof(float), false);
+        ep_permute(L, rd_own.data(), rd_send.data(), sizeof(float), false);
+        Collectives::Request dx_rows = ep_exchange(xc, L, dx_send.data(), dx_back.data(), H, sizeof(float), false);
+        ep_exchange(xc, L, rd_send.data(), rd_back.data(), 1, sizeof(float), false).wait();
+        dx_rows.wait();
+      }
+    }
+    dx_own.reset();
+    rd_own.reset();
+    if (real) {
+      const int64_t* off = sv.expert_offset.as<int64_t>();
+      const int32_t* slots = sv.row_slot.as<int32_t>();
+      float* dw = dweight.as<float>();
+      for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) dw[slots[r]] = rd_back.as<float>()[r];
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = off[e], n = off[e + 1] - off[e];
+        if (n == 0) continue;
+        add_expert_dx(n, H, k, slots + r0, sv.topk_index.as<int32_t>(), dz.as<float>(), w.shared_expert_gate,
+                      dx_back.as<float>() + r0 * H, dx);
+      }
+    }
   }
 
   // Router: slot weights -> selected probabilities (through the renormalisation) plus the aux term on

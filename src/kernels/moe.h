@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/collectives.h"
 #include "core/dtype.h"
 #include "core/memory.h"
 #include "kernels/mlp.h"
@@ -56,6 +57,15 @@ struct MoeWeights {
   // When given, the routed experts come from here (and their gradients go there) instead of gate_up / down (and
   // MoeGrads::gate_up / down).
   ExpertStream<T>* experts = nullptr;
+  // Expert parallelism: the ranks that exchange their tokens' rows (a group of more than one). Rank r of it owns the
+  // experts [r * E / size, (r + 1) * E / size), and `experts` (required) hands out only those, as local experts
+  // 0 .. E / size - 1 in ascending order. Each rank routes its own tokens over all E experts; the rows routed to an
+  // expert go (all-to-all) to its owner, which runs the expert over the rows of every rank, expert by expert (rows of
+  // rank 0 first, each rank's in its grouped order), and sends the outputs back; each rank then combines its tokens'
+  // rows in expert order as without expert parallelism. Backward: dy rows and routing weights out, dx rows and the
+  // routing weights' gradients back; the owner accumulates its experts' weight gradients. The shared expert (forward
+  // and backward) computes while the rows travel to the owners.
+  Collectives* exchange = nullptr;
 };
 
 // fp32 gradients with the shapes of MoeWeights; backward accumulates into each.
@@ -78,7 +88,10 @@ struct MoeSaved {
   Buffer topk_weight;    // [tokens, k] fp32 routing weights (renormalised when norm_topk_prob)
   Buffer expert_offset;  // [E + 1] int64: expert e owns grouped rows [offset[e], offset[e + 1])
   Buffer row_slot;       // [tokens * k] int32: grouped row -> flat slot t * k + s
-  Buffer gate_up;        // [tokens * k, 2I] T: grouped gate | up pre-activations
+  Buffer gate_up;        // [tokens * k, 2I] T: grouped gate | up pre-activations (expert parallel: of the rows
+                         // this rank's experts received, owner order; at least tokens * k rows)
+  Buffer recv_counts;    // expert parallel: [ranks * local experts] int64 rows received from each rank per expert
+  Buffer own_x;          // expert parallel: [rows received (at least tokens * k), H] T, owner order
   Buffer shared_scale;   // [tokens] fp32: sigmoid(x . shared_expert_gate)
   SwigluSaved shared;    // the shared expert's own saved tensors
 };

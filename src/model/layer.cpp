@@ -72,9 +72,33 @@ template <typename E> Buffer scratch(MemoryAccountant& mem, int64_t n, const cha
   return mem.allocate_n<E>(static_cast<size_t>(n), MemCategory::Workspace, tag, zero);
 }
 
-template <typename T> MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f, ExpertStream<T>* experts) {
+template <typename T>
+MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f, ExpertStream<T>* experts, const LayerContext& ctx) {
   return {w.mat(f + p::kRouter),     nullptr,  nullptr, w.mat(f + p::kSharedGate), w.mat(f + p::kSharedUp),
-          w.mat(f + p::kSharedDown), w.vec(f + p::kSharedExpertGate), experts};
+          w.mat(f + p::kSharedDown), w.vec(f + p::kSharedExpertGate), experts,
+          ctx.expert_parallel > 1 ? ctx.ep_group : nullptr};
+}
+
+// n elements of dtype `from` at p become n elements of dtype `to` at p (fp32 <-> bf16), through a small buffer:
+// narrowing runs up the array (a chunk's writes only reach elements already read), widening down it.
+void convert_in_place(void* p, DType from, DType to, int64_t n) {
+  if (from == to) return;
+  constexpr int64_t kChunk = 4096;
+  alignas(64) char tmp[kChunk * 4];
+  const size_t fs = dtype_size(from), ts = dtype_size(to);
+  char* b = static_cast<char*>(p);
+  auto one = [&](int64_t a, int64_t c) {
+    convert_elements(b + static_cast<size_t>(a) * fs, from, tmp, to, c);
+    std::memcpy(b + static_cast<size_t>(a) * ts, tmp, static_cast<size_t>(c) * ts);
+  };
+  if (ts < fs) {
+    for (int64_t a = 0; a < n; a += kChunk) one(a, std::min(kChunk, n - a));
+  } else {
+    for (int64_t end = n; end > 0; end -= kChunk) {
+      const int64_t a = std::max<int64_t>(0, end - kChunk);
+      one(a, end - a);
+    }
+  }
 }
 
 // One pass of the MoE kernel over a layer's routed experts, piece by piece (LayerContext::piece_bytes).
@@ -84,6 +108,14 @@ template <typename T> MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int 
 // the kernel moves on, left in flight until the piece after it is done. So two pieces of weights and two of
 // gradients live at once. Unsharded: the weights are used in place, or cast to T one piece at a time, and the
 // gradients accumulate straight into the gradient stacks.
+// Expert parallel (LayerContext::expert_parallel = X > 1, sharded over the FSDP group): the kernel asks only for this
+// rank's E / X experts (kernels::MoeWeights::exchange); FSDP rank r owns experts [(r % X) E / X, (r % X + 1) E / X).
+// The shards stay as without expert parallelism (every rank holds its 1/G of every expert, so parameters, moments,
+// checkpoints and the optimizer are unchanged); an owned expert is put together by an all-to-all over the group in
+// which every rank sends each rank its shard of the expert that rank owns, and its full gradient goes back by an
+// in-place all-to-all whose blocks each rank adds into its shards of the experts their senders own, in rank order:
+// the ranks of the group that own the same expert (the data-parallel dimension of the experts, G / X of them; and
+// with --fsdp < world their replicas, through the replicas' all-reduce) are summed in rank order.
 template <typename T>
 class PiecedExperts final : public ExpertStream<T> {
  public:
@@ -95,6 +127,8 @@ class PiecedExperts final : public ExpertStream<T> {
     if (sharded_ && (!comm_ || comm_->size() != w.shards))
       throw std::logic_error("sharded weights need the collectives of their group");
     local_ = c.experts / ep_;
+    if (ep_ > 1 && (!sharded_ || comm_->size() % ep_ != 0 || c.experts % ep_ != 0))
+      throw std::logic_error("expert parallelism needs weights sharded over a group it divides");
     n_[0] = 2 * c.expert_inter * c.hidden;
     n_[1] = c.hidden * c.expert_inter;
     for (int k = 0; k < 2; ++k) {
@@ -106,10 +140,9 @@ class PiecedExperts final : public ExpertStream<T> {
                                       : std::clamp<int64_t>(static_cast<int64_t>(ctx.piece_bytes / expert_bytes), 1, local_);
   }
 
-  // With expert parallelism (planning only) the kernel still walks all E experts; this rank's E / ep are reached
-  // ep kernel experts at a time.
+  // e: the kernel's expert index; with expert parallelism, among this rank's own (local) experts.
   Expert next(int64_t e) override {
-    const int64_t le = e / ep_, piece = le / per_piece_;
+    const int64_t le = e, piece = le / per_piece_;
     if (piece != index_) advance(piece);
     if (P_) return {};
     const int64_t j = le - cur_.first;
@@ -136,6 +169,7 @@ class PiecedExperts final : public ExpertStream<T> {
   struct Piece {
     int64_t first = 0, count = 0;
     Buffer w[2], g[2];                           // gate_up, down: weights in T (empty: in place), full gradients
+    bool convert[2] = {false, false};            // expert parallel: received in the storage dtype, converted on arrival
     std::vector<Collectives::Request> requests;  // after the buffers: finished before they are freed
   };
   // Completes a piece's transfers, then frees its buffers (a plain assignment would free them first).
@@ -153,10 +187,26 @@ class PiecedExperts final : public ExpertStream<T> {
     for (int k = 0; k < 2; ++k) {
       const TensorView& src = weight(k);
       if (!sharded_ && src.dtype == dtype_of<T>()) continue;
-      q.w[k] = mem_.allocate_n<T>(static_cast<size_t>(q.count * full_stride_[k]), MemCategory::WeightCasts,
-                                  k ? "expert_piece:down_proj" : "expert_piece:gate_up_proj");
-      if (P_) continue;
       const size_t src_elem = dtype_size(src.dtype);
+      // Expert parallel: the all-to-all moves the storage dtype, converted in place to T when the piece arrives.
+      const size_t elem = ep_ > 1 ? std::max(src_elem, sizeof(T)) : sizeof(T);
+      q.w[k] = mem_.allocate(static_cast<size_t>(q.count * full_stride_[k]) * elem, MemCategory::WeightCasts,
+                             k ? "expert_piece:down_proj" : "expert_piece:gate_up_proj");
+      q.convert[k] = ep_ > 1 && src.dtype != dtype_of<T>();
+      if (P_) continue;
+      if (ep_ > 1) {
+        const int64_t G = comm_->size(), s = shard_stride_[k];
+        for (int64_t j = 0; j < q.count; ++j) {
+          std::vector<int64_t> counts(static_cast<size_t>(G), s), sd, rd;
+          for (int64_t r = 0; r < G; ++r) {
+            sd.push_back(((r % ep_) * local_ + q.first + j) * s);
+            rd.push_back(r * s);
+          }
+          char* to = static_cast<char*>(q.w[k].data()) + static_cast<size_t>(j * full_stride_[k]) * src_elem;
+          q.requests.push_back(comm_->start_all_to_all_v(src.data, counts, sd, to, counts, rd, src_elem));
+        }
+        continue;
+      }
       for (int64_t j = 0; j < q.count; ++j) {
         const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
         T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
@@ -178,9 +228,18 @@ class PiecedExperts final : public ExpertStream<T> {
     if (!g_ || !sharded_) return;
     if (!P_)
       for (int k = 0; k < 2; ++k)
-        for (int64_t j = 0; j < q.count; ++j)
-          q.requests.push_back(comm_->start_reduce_scatter(ptr<float>(q.g[k]) + j * full_stride_[k], n_[k],
-                                                           grad(k) + (q.first + j) * shard_stride_[k]));
+        for (int64_t j = 0; j < q.count; ++j) {
+          float* full = ptr<float>(q.g[k]) + j * full_stride_[k];
+          if (ep_ > 1) {
+            // Rank r's block is the gradient of the expert r owns: it goes into this rank's shard of that expert.
+            std::vector<float*> dest;
+            for (int64_t r = 0; r < comm_->size(); ++r)
+              dest.push_back(grad(k) + ((r % ep_) * local_ + q.first + j) * shard_stride_[k]);
+            q.requests.push_back(comm_->start_reduce_scatter_to(full, n_[k], std::move(dest)));
+          } else {
+            q.requests.push_back(comm_->start_reduce_scatter(full, n_[k], grad(k) + (q.first + j) * shard_stride_[k]));
+          }
+        }
     retiring_ = std::move(q);
   }
 
@@ -190,6 +249,10 @@ class PiecedExperts final : public ExpertStream<T> {
     cur_ = index_ >= 0 && sharded_ ? std::move(ahead_) : start_weights(piece);
     for (auto& r : cur_.requests) r.wait();
     cur_.requests.clear();
+    if (!P_)
+      for (int k = 0; k < 2; ++k)
+        if (cur_.convert[k])
+          convert_in_place(cur_.w[k].data(), weight(k).dtype, dtype_of<T>(), cur_.count * full_stride_[k]);
     index_ = piece;
     if (sharded_ && (piece + 1) * per_piece_ < local_) ahead_ = start_weights(piece + 1);
     if (g_ && sharded_)
@@ -484,7 +547,6 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   const int64_t N = ctx.tokens(), H = c.hidden;
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
-  if (ctx.expert_parallel > 1 && !P) throw std::logic_error("expert parallelism is only planned, not run, in this version");
   s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm);
   s.weights.wait();
   const ComputeWeights<T>& w = s.weights;
@@ -504,11 +566,8 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
   RouterStats stats;
   if (c.moe()) {
-    // With expert parallelism each rank sends its tokens' routed rows out and receives as many back (balanced).
-    Buffer all_to_all;
-    if (ctx.expert_parallel > 1) all_to_all = scratch<T>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
     PiecedExperts<T> experts(ctx, lw, nullptr);
-    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts), ptr<T>(ffn_out),
+    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, ctx), ptr<T>(ffn_out),
                         keep ? &s.moe : nullptr, mem);
   } else {
     swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
@@ -535,13 +594,11 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   {
     Buffer dx2 = scratch<float>(mem, N * H, "ffn.dxn");  // written whole by the FFN backward (accumulate_dx = false)
     if (c.moe()) {
-      Buffer all_to_all;
-      if (ctx.expert_parallel > 1) all_to_all = scratch<float>(mem, 2 * N * c.top_k * H, "moe.all_to_all");
       MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
                   G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
                   G(gr, f + p::kSharedExpertGate)};
       PiecedExperts<T> experts(ctx, lw, &gr);
-      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts), s.moe, dh_out, aux_dprob,
+      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, ctx), s.moe, dh_out, aux_dprob,
                    ptr<float>(dx2), mg, mem, /*accumulate_dx=*/false);
     } else {
       swiglu_backward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),

@@ -32,8 +32,10 @@ struct LayerContext {
   int64_t batch, seq;          // the layer sees batch*seq tokens
   const int32_t* positions;    // [batch*seq] token positions (0..seq-1 per sequence)
   Collectives* comm = nullptr; // gathers sharded weights (needed when the weights are sharded)
-  // Expert parallelism (planning only for now): routed experts are split over this many ranks, so a sub-layer
-  // gathers 1/expert_parallel of the routed-expert weights and exchanges its tokens' rows (all-to-all) instead.
+  // Expert parallelism: routed experts are split over this many ranks of the FSDP group (`ep_group`, below, the
+  // ranks that exchange their tokens' rows: FSDP rank r is rank r % expert_parallel of it), so a sub-layer gathers
+  // only the routed-expert weights its rank owns, from the shards every rank of the group holds, and exchanges its
+  // tokens' rows (all-to-all) with the owners instead (kernels::MoeWeights::exchange).
   int64_t expert_parallel = 1;
   // A forward that saves for backward also keeps what its kernels' backwards would otherwise recompute (the delta
   // rule's per-chunk states): remat none, where nothing is recomputed and memory is traded for speed.
@@ -47,6 +49,8 @@ struct LayerContext {
   // gradients are reduce-scattered piece by piece: two pieces live at once (the next one's gather, or the previous
   // one's reduce-scatter, in flight). 0: the whole layer's experts are one piece.
   size_t piece_bytes = 0;
+  // Expert parallelism: the expert_parallel ranks that exchange tokens (planning: a virtual group of that size).
+  Collectives* ep_group = nullptr;
   int64_t tokens() const { return batch * seq; }
 };
 

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -209,6 +210,54 @@ Collectives::Request MpiCollectives::start_reduce_scatter(float* full, int64_t n
   });
 }
 
+Collectives::Request MpiCollectives::start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) {
+  const int64_t s = shard_elems(n, size()), ranks = size();
+  if (static_cast<int64_t>(dest.size()) != ranks)
+    throw std::invalid_argument("reduce_scatter_to: one destination a rank");
+  const int cnt = count(s, "reduce_scatter");
+  std::function<void()> transfer = start(
+      [full, cnt](MPI_Comm c, MPI_Request* r) {
+        return MPI_Ialltoall(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, full, cnt, MPI_FLOAT, c, r);
+      },
+      "reduce_scatter");
+  // After the exchange, full[p * s + i] is rank p's contribution to element i of dest[p]; in rank order per element.
+  return Request([transfer = std::move(transfer), full, dest = std::move(dest), s, ranks] {
+    transfer();
+#pragma omp parallel for schedule(static) if (s > 65536)
+    for (int64_t i = 0; i < s; ++i)
+      for (int64_t p = 0; p < ranks; ++p) dest[static_cast<size_t>(p)][i] += full[p * s + i];
+  });
+}
+
+Collectives::Request MpiCollectives::start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,
+                                                        std::vector<int64_t> send_displs, void* recv,
+                                                        std::vector<int64_t> recv_counts,
+                                                        std::vector<int64_t> recv_displs, size_t elem_bytes) {
+  const auto ranks = static_cast<size_t>(size());
+  if (send_counts.size() != ranks || send_displs.size() != ranks || recv_counts.size() != ranks ||
+      recv_displs.size() != ranks)
+    throw std::invalid_argument("all_to_all_v: one count and one displacement a rank");
+  MPI_Datatype t = MPI_DATATYPE_NULL;
+  if (elem_bytes == 2) t = MPI_UINT16_T;
+  if (elem_bytes == 4) t = MPI_UINT32_T;
+  if (elem_bytes == 8) t = MPI_UINT64_T;
+  if (t == MPI_DATATYPE_NULL) throw std::invalid_argument("all_to_all_v: elements of 2, 4 or 8 bytes");
+  // MPI reads the count arrays until the operation completes: they live in the job.
+  auto v = std::make_shared<std::vector<int>>(4 * ranks);
+  for (size_t q = 0; q < ranks; ++q) {
+    (*v)[q] = count(send_counts[q], "all_to_all_v");
+    (*v)[ranks + q] = count(send_displs[q], "all_to_all_v");
+    (*v)[2 * ranks + q] = count(recv_counts[q], "all_to_all_v");
+    (*v)[3 * ranks + q] = count(recv_displs[q], "all_to_all_v");
+  }
+  return Request(start(
+      [send, recv, v, t, ranks](MPI_Comm c, MPI_Request* r) {
+        const int* a = v->data();
+        return MPI_Ialltoallv(send, a, a + ranks, t, recv, a + 2 * ranks, a + 3 * ranks, t, c, r);
+      },
+      "all_to_all_v"));
+}
+
 void MpiCollectives::all_reduce_sum(double* x, int64_t n) {
   const int cnt = count(n, "all_reduce");
   std::vector<double> all(static_cast<size_t>(n * size()));
@@ -222,14 +271,17 @@ void MpiCollectives::all_reduce_sum(double* x, int64_t n) {
   }
 }
 
-void MpiCollectives::all_reduce_sum(float* x, int64_t n) {
+void MpiCollectives::all_reduce_sum(float* x, int64_t n, float* scratch) {
   // A reduce-scatter into this rank's slice, then an in-place gather of the slices: the same rank-order sums.
-  const int64_t s = shard_elems(n, size());
-  std::vector<float> buf(static_cast<size_t>(padded_elems(n)), 0.0f), mine(static_cast<size_t>(s), 0.0f);
-  std::memcpy(buf.data(), x, static_cast<size_t>(n) * sizeof(float));
-  reduce_scatter(buf.data(), n, mine.data());
-  all_gather(TensorView(mine.data(), DType::F32, {s}), buf.data(), DType::F32, n);
-  std::memcpy(x, buf.data(), static_cast<size_t>(n) * sizeof(float));
+  const int64_t s = shard_elems(n, size()), padded = padded_elems(n);
+  float* buf = scratch;
+  float* mine = scratch + padded;
+  std::memcpy(buf, x, static_cast<size_t>(n) * sizeof(float));
+  std::fill(buf + n, buf + padded, 0.0f);
+  std::fill(mine, mine + s, 0.0f);
+  reduce_scatter(buf, n, mine);
+  all_gather(TensorView(mine, DType::F32, {s}), buf, DType::F32, n);
+  std::memcpy(x, buf, static_cast<size_t>(n) * sizeof(float));
 }
 
 void MpiCollectives::broadcast(void* data, size_t bytes, int64_t root) {
@@ -239,17 +291,23 @@ void MpiCollectives::broadcast(void* data, size_t bytes, int64_t root) {
         "broadcast")();
 }
 
-Groups make_groups(Runtime& rt, int64_t fsdp) {
+Groups make_groups(Runtime& rt, int64_t fsdp, int64_t expert_parallel) {
   const int world = rt.world_size(), rank = rt.world_rank();
   if (fsdp <= 0) fsdp = world;
   if (fsdp > world || world % fsdp != 0)
     throw std::invalid_argument("--fsdp " + std::to_string(fsdp) + " must divide the number of ranks (" +
                                 std::to_string(world) + ")");
   const int g = static_cast<int>(fsdp);
+  if (expert_parallel < 1 || g % expert_parallel != 0)
+    throw std::invalid_argument("--expert-parallel " + std::to_string(expert_parallel) +
+                                " must divide the FSDP group (" + std::to_string(g) + " ranks)");
   Groups gr;
   gr.world = MpiCollectives::split(rt, 0, "world");
   gr.fsdp = MpiCollectives::split(rt, rank / g, "fsdp group");
   gr.replicas = MpiCollectives::split(rt, rank % g, "replicas");
+  // Made whatever E (a group of one for E = 1), so that every rank makes the same splits even when the ranks were
+  // given different options, which the run then reports instead of hanging in a split only some ranks make.
+  gr.experts = MpiCollectives::split(rt, rank / static_cast<int>(expert_parallel), "expert-parallel group");
   return gr;
 }
 

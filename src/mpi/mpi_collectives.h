@@ -74,8 +74,12 @@ class MpiCollectives final : public Collectives {
 
   Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
   Request start_reduce_scatter(float* full, int64_t n, float* shard) override;
+  Request start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) override;
+  Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs,
+                             void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
+                             size_t elem_bytes) override;
   void all_reduce_sum(double* x, int64_t n) override;
-  void all_reduce_sum(float* x, int64_t n) override;
+  void all_reduce_sum(float* x, int64_t n, float* scratch) override;
   void broadcast(void* data, size_t bytes, int64_t root) override;
   double exposed_seconds() const override { return exposed_s_; }
 
@@ -92,12 +96,14 @@ class MpiCollectives final : public Collectives {
 };
 
 // The communicators of a training run under mpirun: the world (the global batch is split over it), the FSDP group
-// of this rank (`fsdp` consecutive world ranks share the shards of one model copy) and the replicas of this rank's
-// shards across groups (data parallel).
+// of this rank (`fsdp` consecutive world ranks share the shards of one model copy), the replicas of this rank's
+// shards across groups (data parallel) and, with expert parallelism, the `expert_parallel` consecutive ranks that
+// exchange their tokens' rows (rank r of it owns the r-th 1/expert_parallel of the routed experts; the ranks of an
+// FSDP group with the same rank in their expert-parallel groups own the same experts; a group of one without).
 struct Groups {
-  std::unique_ptr<MpiCollectives> world, fsdp, replicas;
+  std::unique_ptr<MpiCollectives> world, fsdp, replicas, experts;
 };
-// Throws std::invalid_argument when fsdp does not divide the world size.
-Groups make_groups(Runtime& rt, int64_t fsdp);
+// Throws std::invalid_argument when fsdp does not divide the world size or expert_parallel the FSDP group.
+Groups make_groups(Runtime& rt, int64_t fsdp, int64_t expert_parallel = 1);
 
 }  // namespace hs::mpi

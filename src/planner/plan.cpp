@@ -51,9 +51,11 @@ PlanResult plan(const PlanRequest& r) {
   opt.prefetch = r.prefetch;
   opt.gather_piece_bytes = r.gather_piece_bytes;
   // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates nothing.
-  train::InBackwardAdamW update(adamw, params, &group);
+  VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
+  train::InBackwardAdamW update(adamw, params, &group, &replicas, &mem);
   if (r.update_in_backward) opt.update = &update;
   train::forward_backward(params, b, opt, mem, r.update_in_backward ? nullptr : &grads);
+  if (!r.update_in_backward) train::sum_over_replicas(*grads, replicas, mem);
 
   PlanResult out;
   out.remat = r.remat;

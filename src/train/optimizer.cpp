@@ -75,17 +75,23 @@ void check_update_in_backward(const OptimizerConfig& c) {
 }
 
 InBackwardAdamW::InBackwardAdamW(AdamWOptimizer& opt, model::ParamSet& params, Collectives* shards,
-                                 Collectives* replicas)
-    : opt_(opt), params_(params), shards_(shards), replicas_(replicas) {
+                                 Collectives* replicas, MemoryAccountant* mem)
+    : opt_(opt), params_(params), shards_(shards), replicas_(replicas), mem_(mem) {
   check_update_in_backward(opt.config());
+  if (replicas_ && replicas_->size() > 1 && !mem_)
+    throw std::logic_error("InBackwardAdamW: the replicas' sums need an accountant for their scratch");
 }
 
 void InBackwardAdamW::apply(const std::vector<Slice>& slices) {
   if (finished_) throw std::logic_error("InBackwardAdamW: gradient handed over after finish()");
   std::vector<kernels::AdamWTensor> tensors;
   for (const Slice& s : slices) {
+    if (replicas_ && replicas_->size() > 1) {
+      Buffer scratch = mem_->allocate_n<float>(static_cast<size_t>(replicas_->all_reduce_scratch_elems(s.n)),
+                                               MemCategory::Workspace, "replica_all_reduce");
+      if (s.grad && !mem_->planning()) replicas_->all_reduce_sum(s.grad, s.n, ptr<float>(scratch));
+    }
     if (!s.grad || !s.w.data) return;  // planning: shapes only
-    if (replicas_ && replicas_->size() > 1) replicas_->all_reduce_sum(s.grad, s.n);
     squares_ += kernels::sum_squares(s.grad, s.n);
     kernels::AdamWTensor t;
     if (s.w.dtype == DType::F32) t.w = static_cast<float*>(s.w.data);

@@ -51,14 +51,16 @@ void check_update_in_backward(const OptimizerConfig& c);
 
 // One optimizer step taken inside the backward (train --update-in-backward, StepOptions::update): each gradient the
 // schedule hands over (a layer's, a global tensor's: this rank's shards) is summed over the data-parallel replicas
-// (when given: the same rank-order sums as the whole set's) and consumed at once by the update AdamWOptimizer::step
+// (when given: the same rank-order sums as the whole set's, through accounted scratch) and consumed at once by the update AdamWOptimizer::step
 // gives each element (the same kernel, clipping off), so parameters and moments come out the same to the bit, and
 // the schedule frees it: no gradient set lives across the step. The constructor refuses clip > 0
-// (check_update_in_backward). In planning mode (null gradients) it does nothing: it allocates nothing either way.
+// (check_update_in_backward). In planning mode (null gradients) it computes nothing and allocates only the replicas' scratch.
 class InBackwardAdamW : public GradientSink {
  public:
+  // With replicas of more than one rank, `mem` (required then) holds each sum's scratch (the same
+  // "replica_all_reduce" workspace as train::sum_over_replicas, one tensor's at a time), planned and measured alike.
   InBackwardAdamW(AdamWOptimizer& opt, model::ParamSet& params, Collectives* shards = nullptr,
-                  Collectives* replicas = nullptr);
+                  Collectives* replicas = nullptr, MemoryAccountant* mem = nullptr);
   void layer(const model::LayerSlot& s, const model::LayerWeights& grads) override;
   void global(model::g::Global which, float* grad) override;
   // Ends the step (the optimizer counts it) and returns the global gradient norm, summed over `shards`: the same
@@ -77,6 +79,7 @@ class InBackwardAdamW : public GradientSink {
   AdamWOptimizer& opt_;
   model::ParamSet& params_;
   Collectives *shards_, *replicas_;
+  MemoryAccountant* mem_;
   double squares_ = 0;
   bool finished_ = false;
 };

@@ -93,6 +93,7 @@ struct Runner {
   Collectives* comm;
   Collectives* batch_comm;  // sums over the global batch (the ranks that share it)
   int64_t ep = 1;
+  Collectives* ep_group = nullptr;
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
   bool prefetch = false;
   size_t piece_bytes = 0;
@@ -128,7 +129,7 @@ struct Runner {
   }
   model::LayerContext ctx() const {
     return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
-            /*slots=*/nullptr, piece_bytes};
+            /*slots=*/nullptr, piece_bytes, ep_group};
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }
@@ -462,15 +463,31 @@ struct Runner {
 
 StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOptions& opt, MemoryAccountant& mem,
                             std::unique_ptr<ParamSet>* grads) {
-  if (opt.expert_parallel < 1 || (params.config().moe() && params.config().experts % opt.expert_parallel != 0))
-    throw std::invalid_argument("--expert-parallel must divide the number of experts");
+  const int64_t ep = opt.expert_parallel;
+  if (ep < 1 || (params.config().moe() && params.config().experts % ep != 0))
+    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the number of experts (" +
+                                std::to_string(params.config().experts) + ")");
+  if (ep > 1 && (params.shards() % ep != 0))
+    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the FSDP group (" +
+                                std::to_string(params.shards()) + " ranks)");
+  VirtualCollectives planned_ep(ep);
+  Collectives* ep_group = opt.ep_group;
+  if (ep > 1 && !ep_group) {
+    if (!mem.planning())
+      throw std::invalid_argument("expert parallelism needs the group of ranks that exchange tokens");
+    ep_group = &planned_ep;
+  }
+  if (ep > 1 && ep_group->size() != ep)
+    throw std::invalid_argument("the expert-parallel group has " + std::to_string(ep_group->size()) + " ranks, not " +
+                                std::to_string(ep));
   if (opt.update && grads && *grads)
     throw std::invalid_argument("the gradients go to the optimizer as the backward completes them (update in backward): "
                                 "there is no gradient set to accumulate into");
   if (!opt.update && !grads) throw std::invalid_argument("forward_backward: no gradient set to fill");
   Collectives* batch_group = opt.batch_group ? opt.batch_group : opt.comm;
   auto run = [&](auto& r) {
-    r.ep = opt.expert_parallel;
+    r.ep = ep;
+    r.ep_group = ep_group;
     r.prefetch = opt.prefetch;
     r.piece_bytes = opt.gather_piece_bytes;
     r.sink = opt.update;
@@ -482,6 +499,16 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
   }
   Runner<bf16> r(params, b, mem, opt.comm, batch_group);
   return run(r);
+}
+
+void sum_over_replicas(ParamSet& grads, Collectives& replicas, MemoryAccountant& mem) {
+  if (replicas.size() <= 1) return;
+  for (auto& g : grads.all()) {
+    const int64_t n = g.tensor.numel();
+    Buffer scratch = mem.allocate_n<float>(static_cast<size_t>(replicas.all_reduce_scratch_elems(n)),
+                                           MemCategory::Workspace, "replica_all_reduce");
+    if (!mem.planning()) replicas.all_reduce_sum(g.tensor.as<float>(), n, ptr<float>(scratch));
+  }
 }
 
 StepResult forward_only(const ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem, float* logits,

@@ -47,7 +47,10 @@ struct StepOptions {
   // When params.shards() > 1, each sub-layer's weights are all-gathered into a temporary just before it runs (and
   // again for its recompute) and its gradients are reduce-scattered right after its backward.
   Collectives* comm = nullptr;
-  int64_t expert_parallel = 1;  // planning only: routed experts split over this many ranks of the group
+  // Expert parallelism: routed experts split over this many ranks of the FSDP group (model::LayerContext), the
+  // tokens' rows exchanged within ep_group (its ranks: FSDP ranks r with the same r / expert_parallel; null when
+  // planning: a virtual group of that size).
+  int64_t expert_parallel = 1;
   // The ranks that share the global batch (every rank of a run; the FSDP group is one of its parts): target counts,
   // loss sums and router statistics are summed over it, so each rank's gradients are its share of the global
   // mean's. Null: comm.
@@ -63,6 +66,7 @@ struct StepOptions {
   // --update-in-backward: AdamW per shard in the backward, train::InBackwardAdamW). forward_backward then neither
   // makes nor fills a gradient set (*grads must be empty: there is nothing to accumulate into).
   GradientSink* update = nullptr;
+  Collectives* ep_group = nullptr;
 };
 
 struct StepResult {
@@ -92,6 +96,11 @@ StepResult forward_backward(const model::ParamSet& params, const Batch& b, const
 // Forward only: the loss, and when `logits` is given the fp32 logits [batch, seq, vocab].
 StepResult forward_only(const model::ParamSet& params, const Batch& b, DType compute, MemoryAccountant& mem,
                         float* logits = nullptr, Collectives* comm = nullptr);
+
+// FSDP groups smaller than the world: every gradient shard summed over the replicas of this rank's shards (rank
+// order), one tensor at a time through an accounted scratch (MemCategory::Workspace, "replica_all_reduce") of
+// Collectives::all_reduce_scratch_elems floats, so that the plan sees it as the run does.
+void sum_over_replicas(model::ParamSet& grads, Collectives& replicas, MemoryAccountant& mem);
 
 // The layers in scan order (block by block: local layers then the global layer; then the remainder).
 std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);

@@ -44,8 +44,9 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
 void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
   const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
                            "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
-                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" + std::to_string(o.update_in_backward) + "|" +
-                           std::to_string(o.dist->fsdp->size());
+                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" +
+                           std::to_string(o.update_in_backward) + "|" + std::to_string(o.dist->fsdp->size()) + "|" +
+                           std::to_string(o.step.expert_parallel);
   uint64_t h = 1469598103934665603ull, root;
   for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
   root = h;
@@ -159,6 +160,23 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
   o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
+  // The step's arithmetic: a resume without them would silently compute another curve, so they come back too, and a
+  // command line that names other ones is refused.
+  if (j.contains("compute_dtype")) {
+    const DType c = parse_dtype(j["compute_dtype"].get<std::string>());
+    if (o.compute_given && c != o.step.compute)
+      throw std::invalid_argument("--compute-dtype " + std::string(dtype_name(o.step.compute)) +
+                                  " differs from the checkpoint's " + std::string(dtype_name(c)) +
+                                  " (a resume continues the same arithmetic; leave the option out)");
+    o.step.compute = c;
+  }
+  if (j.contains("remat")) {
+    const RematPolicy r = parse_remat(j["remat"].get<std::string>());
+    if (o.remat_given && r != o.step.remat)
+      throw std::invalid_argument("--remat " + remat_name(o.step.remat) + " differs from the checkpoint's " +
+                                  remat_name(r) + " (a resume continues the same schedule; leave the option out)");
+    o.step.remat = r;
+  }
 }
 
 TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
@@ -192,7 +210,17 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
     if (o.batch % world != 0)
       throw std::invalid_argument("--batch " + std::to_string(o.batch) + " (the global batch) must be a multiple of the " +
                                   std::to_string(world) + " ranks");
-    if (o.step.expert_parallel > 1) throw std::invalid_argument("--expert-parallel is planned only, not run");
+  }
+  if (o.step.expert_parallel != 1) {
+    const int64_t ep = o.step.expert_parallel;
+    if (ep < 1) throw std::invalid_argument("--expert-parallel must be >= 1");
+    if (!dist || !dist->experts || dist->experts->size() != ep)
+      throw std::invalid_argument("--expert-parallel " + std::to_string(ep) +
+                                  " needs that many processes of an FSDP group: start with mpirun -np N");
+    if (!cfg.moe()) throw std::invalid_argument("--expert-parallel needs a model with routed experts");
+    if (cfg.experts % ep != 0)
+      throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the number of experts (" +
+                                  std::to_string(cfg.experts) + ")");
   }
   const ModelVocabulary vocab{cfg.vocab, checkpoint_tokenizer(!o.resume.empty() ? o.resume : o.init)};
   Tokens tokens;
@@ -298,7 +326,11 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   log << "\n";
   if (dist)
     log << world << " ranks: FSDP groups of " << shards << " (" << world / shards << " data-parallel replicas), "
-        << o.batch / world << " sequences per rank" << (o.step.prefetch ? ", prefetching" : "") << "\n";
+        << o.batch / world << " sequences per rank" << (o.step.prefetch ? ", prefetching" : "");
+  if (dist && o.step.expert_parallel > 1)
+    log << ", routed experts split over " << o.step.expert_parallel << " ranks ("
+        << cfg.experts / o.step.expert_parallel << " each)";
+  if (dist) log << "\n";
   if (o.update_in_backward) log << "AdamW applied to each gradient shard in the backward (no clipping)\n";
 
   std::ofstream metrics;
@@ -315,9 +347,12 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   if (dist) {
     step_opt.comm = dist->fsdp;
     step_opt.batch_group = dist->world;
+    step_opt.ep_group = dist->experts;
   }
   auto comm_seconds = [&] {
-    return dist ? dist->world->exposed_seconds() + dist->fsdp->exposed_seconds() + dist->replicas->exposed_seconds() : 0;
+    return dist ? dist->world->exposed_seconds() + dist->fsdp->exposed_seconds() + dist->replicas->exposed_seconds() +
+                      (dist->experts ? dist->experts->exposed_seconds() : 0)
+                : 0;
   };
   double first_step_comm = 0;
   for (int64_t step = first_step; step < last_step; ++step) {
@@ -333,15 +368,14 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
     StepResult r;
     double gnorm;
     if (o.update_in_backward) {
-      InBackwardAdamW update(opt, params, dist ? dist->fsdp : nullptr, dist ? dist->replicas : nullptr);
+      InBackwardAdamW update(opt, params, dist ? dist->fsdp : nullptr, dist ? dist->replicas : nullptr, &mem);
       StepOptions so = step_opt;
       so.update = &update;
       r = forward_backward(params, b, so, mem, nullptr);
       gnorm = update.finish();
     } else {
       r = forward_backward(params, b, step_opt, mem, &grads);
-      if (dist && dist->replicas->size() > 1)
-        for (auto& g : grads->all()) dist->replicas->all_reduce_sum(g.tensor.as<float>(), g.tensor.numel());
+      if (dist) sum_over_replicas(*grads, *dist->replicas, mem);
       gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
     }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();

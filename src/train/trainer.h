@@ -23,6 +23,8 @@ struct Distributed {
   Collectives* world = nullptr;
   Collectives* fsdp = nullptr;
   Collectives* replicas = nullptr;
+  // --expert-parallel E: the E consecutive ranks (of an FSDP group) that exchange their tokens' rows.
+  Collectives* experts = nullptr;
 };
 
 struct TrainOptions {
@@ -48,6 +50,9 @@ struct TrainOptions {
   std::string resume;           // continue a native training checkpoint exactly (weights, moments, step, data order)
   int64_t stop_after = -1;      // stop (and save) after this many steps of the schedule (-1: run to --steps)
   const Distributed* dist = nullptr;  // null: one process
+  // --resume takes the compute dtype and the remat policy back from the checkpoint; these say whether the command
+  // line named them, in which case they must agree with it (a clear error otherwise).
+  bool compute_given = false, remat_given = false;
 };
 
 // The options a training checkpoint records, and the ones a resume takes back from it.

@@ -10,6 +10,7 @@
 #include "core/memory.h"
 #include "model/params.h"
 #include "mpi/mpi_collectives.h"
+#include "train/schedule.h"
 
 namespace hs::mpi {
 namespace {
@@ -54,6 +55,67 @@ TEST(MpiCollectives, ReduceScatterAddsInRankOrder) {
       float want = 0.5f;
       for (int64_t r = 0; r < c.size(); ++r) want += e < n ? contribution(r, e) : 0.0f;
       ASSERT_EQ(shard[static_cast<size_t>(i)], want) << "n " << n << " element " << e;  // the bits of rank order
+    }
+  }
+}
+
+// Rank p sends (p + 1) * (q + 1) elements to rank q, taken from a send buffer at per-destination displacements that
+// are not in rank order; every element says where it came from.
+TEST(MpiCollectives, AllToAllVMovesEachBlockToItsRank) {
+  Collectives& c = *g_world;
+  const int64_t P = c.size(), me = c.rank();
+  for (size_t elem : {size_t{2}, size_t{4}, size_t{8}}) {
+    std::vector<int64_t> sc, sd, rc, rd;
+    int64_t at = 0;
+    for (int64_t q = P; q-- > 0;) {  // blocks laid out for the last rank first
+      sc.insert(sc.begin(), (me + 1) * (q + 1));
+      sd.insert(sd.begin(), at);
+      at += (me + 1) * (q + 1) + 3;  // and a gap between them
+    }
+    std::vector<int64_t> send(static_cast<size_t>(at), -1);
+    for (int64_t q = 0; q < P; ++q)
+      for (int64_t i = 0; i < sc[size_t(q)]; ++i) send[size_t(sd[size_t(q)] + i)] = (me * 100 + q) * 1000 + i;
+    int64_t r_at = 0;
+    for (int64_t p = 0; p < P; ++p) {
+      rc.push_back((p + 1) * (me + 1));
+      rd.push_back(r_at);
+      r_at += rc.back();
+    }
+    // Elements of `elem` bytes: the payload narrowed to that many bytes each.
+    std::vector<char> sbuf(send.size() * elem), rbuf(static_cast<size_t>(r_at) * elem, 0);
+    for (size_t i = 0; i < send.size(); ++i) std::memcpy(sbuf.data() + i * elem, &send[i], elem);
+    c.all_to_all_v(sbuf.data(), sc, sd, rbuf.data(), rc, rd, elem);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t i = 0; i < rc[size_t(p)]; ++i) {
+        const int64_t want = (p * 100 + me) * 1000 + i;
+        int64_t got = 0, masked = 0;  // the low `elem` bytes (little-endian)
+        std::memcpy(&got, rbuf.data() + size_t(rd[size_t(p)] + i) * elem, elem);
+        std::memcpy(&masked, &want, elem);
+        ASSERT_EQ(got, masked) << "from rank " << p << " element " << i << " (" << elem << "-byte elements)";
+      }
+  }
+}
+
+// Each rank's blocks go to destinations of the receiver's choosing; ranks aimed at the same destination are added in
+// rank order (expert parallelism's gradient scatter: the owners of one expert sum into its shard).
+TEST(MpiCollectives, ReduceScatterToAddsIntoChosenDestinationsInRankOrder) {
+  Collectives& c = *g_world;
+  const int64_t P = c.size();
+  for (int64_t n : {1, 7, 100, 4099}) {
+    const int64_t s = Collectives::shard_elems(n, P);
+    std::vector<float> full(static_cast<size_t>(c.padded_elems(n)), 0.0f);
+    for (int64_t i = 0; i < n; ++i) full[static_cast<size_t>(i)] = contribution(c.rank(), i);
+    // Two destinations: even senders into a, odd senders into b.
+    std::vector<float> a(static_cast<size_t>(s), 0.5f), b(static_cast<size_t>(s), 0.25f);
+    std::vector<float*> dest;
+    for (int64_t p = 0; p < P; ++p) dest.push_back(p % 2 ? b.data() : a.data());
+    c.start_reduce_scatter_to(full.data(), n, dest).wait();
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t e = c.rank() * s + i;
+      float wa = 0.5f, wb = 0.25f;
+      for (int64_t p = 0; p < P; ++p) (p % 2 ? wb : wa) += e < n ? contribution(p, e) : 0.0f;
+      ASSERT_EQ(a[size_t(i)], wa) << "n " << n << " element " << e;
+      ASSERT_EQ(b[size_t(i)], wb) << "n " << n << " element " << e;
     }
   }
 }
@@ -115,6 +177,34 @@ TEST(MpiCollectives, ShardsOfAParamSetGatherBackToTheFullSet) {
         << full.all()[t].name;
 }
 
+// The replicas' gradient all-reduce (--fsdp G < world) goes through an accounted scratch: its measured peak over the
+// gradients is the planned one (a planning accountant and a virtual group of the same size), and every gradient
+// becomes the rank-order sum.
+TEST(MpiCollectives, ReplicaSumIsAccountedAsPlanned) {
+  Collectives& c = *g_world;
+  const model::ModelConfig cfg = model::preset("tiny");
+  MemoryAccountant mem;
+  model::ParamSet grads(cfg, DType::F32, mem, MemCategory::Gradients, false);
+  for (auto& g : grads.all())
+    for (int64_t i = 0; i < g.tensor.numel(); ++i) g.tensor.as<float>()[i] = contribution(c.rank(), i);
+  mem.reset_peak();
+  train::sum_over_replicas(grads, c, mem);
+  const size_t measured = mem.peak_total() - mem.live_total();
+  MemoryAccountant plan_mem(/*planning=*/true);
+  model::ParamSet planned_grads(cfg, DType::F32, plan_mem, MemCategory::Gradients, false);
+  plan_mem.reset_peak();
+  VirtualCollectives replicas(c.size());
+  train::sum_over_replicas(planned_grads, replicas, plan_mem);
+  EXPECT_EQ(measured, plan_mem.peak_total() - plan_mem.live_total());
+  EXPECT_GT(measured, 0u);
+  for (auto& g : grads.all())
+    for (int64_t i = 0; i < g.tensor.numel(); ++i) {
+      float want = 0;
+      for (int64_t r = 0; r < c.size(); ++r) want += contribution(r, i);
+      ASSERT_EQ(g.tensor.as<float>()[i], want) << g.name << " " << i;
+    }
+}
+
 TEST(MpiCollectives, GroupsSplitTheWorld) {
   if (g_rt->world_size() % 2 != 0) GTEST_SKIP() << "needs an even world";
   Groups g = make_groups(*g_rt, 2);
@@ -123,6 +213,13 @@ TEST(MpiCollectives, GroupsSplitTheWorld) {
   EXPECT_EQ(g.replicas->size(), g_rt->world_size() / 2);
   EXPECT_EQ(g.replicas->rank(), g_rt->world_rank() / 2);
   EXPECT_THROW(make_groups(*g_rt, 3), std::invalid_argument);
+  // Expert parallelism: E consecutive ranks exchange tokens; E must divide the FSDP group.
+  Groups e = make_groups(*g_rt, 2, 2);
+  ASSERT_TRUE(e.experts);
+  EXPECT_EQ(e.experts->size(), 2);
+  EXPECT_EQ(e.experts->rank(), g_rt->world_rank() % 2);
+  EXPECT_EQ(make_groups(*g_rt, 2).experts->size(), 1);
+  EXPECT_THROW(make_groups(*g_rt, 2, 4), std::invalid_argument);
 }
 
 }  // namespace
