@@ -22,7 +22,7 @@ void causal_conv_silu_cached(const T* x, const float* w, const ColumnBlocks<T>& 
   const int64_t hist = width - 1;
   // Per (row, channel): the taps in order j = 0..width-1, as the full-sequence kernel sums them, so a sequence fed in
   // pieces gives its bits (a window zero at sequence start adds +0 where that kernel skips the tap).
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (batch * seq * channels * width >= kParallelMinWork)
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t c = 0; c < channels; ++c) {
       T* win = window + int64_t{slots[b]} * hist * channels + c;  // win[i * channels]: input at time i - hist
@@ -50,7 +50,7 @@ void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v
   if (s.k_heads <= 0 || s.v_heads % s.k_heads != 0) throw std::invalid_argument("delta_rule_step: bad head counts");
   if (s.dv > 512) throw std::invalid_argument("delta_rule_step: value head dim above 512");
   const int64_t dk = s.dk, dv = s.dv, r = s.ratio();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (s.batch * s.v_heads * dk * dv >= 4 * kParallelMinWork)
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.v_heads; ++h) {
       float* S = state + (int64_t{slots[b]} * s.v_heads + h) * dk * dv;
@@ -98,7 +98,7 @@ void kv_cache_write(const KvCacheShape& c, const T* k, const T* v, T* kcache, T*
     if (positions[n] < 0 || positions[n] >= c.capacity)
       throw std::out_of_range("kv cache: position " + std::to_string(positions[n]) + " is outside the capacity " +
                               std::to_string(c.capacity));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (batch * seq * c.kv_heads * hd >= kParallelMinWork)
   for (int64_t n = 0; n < batch * seq; ++n) {
     const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + int64_t{positions[n]} * hd;
     for (int64_t h = 0; h < c.kv_heads; ++h) {
@@ -120,7 +120,9 @@ void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q
                                     "attention_cached.scores");
   if (mem.planning() || rows == 0) return;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
+  int64_t cached = 0;  // positions read, over all rows
+  for (int64_t n = 0; n < rows; ++n) cached += int64_t{positions[n]} + 1;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (cached * q_heads * hd >= kParallelMinWork)
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t h = 0; h < q_heads; ++h) {
       const int64_t len = int64_t{positions[n]} + 1;

@@ -32,6 +32,7 @@ constexpr int kRowsPerBlock = 4;
 constexpr int kXRows = 4;
 // Below this many weight bytes one thread does the whole product: a fork/join costs more than it saves.
 constexpr int64_t kParallelBytes = int64_t{1} << 19;
+constexpr int64_t kChunkBytes = int64_t{1} << 17;
 
 // A block: the sums s[m][r] = dot(x_m, w_r) for MB rows of x (fp32 or bf16, row stride ldx) and kRowsPerBlock rows
 // of W (pointers, K apart in memory is not assumed).
@@ -172,8 +173,13 @@ template <typename TX, typename TW, typename TY>
 void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
              int64_t K) {
   const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const bool parallel = N * K * static_cast<int64_t>(sizeof(TW)) >= kParallelBytes;
-#pragma omp parallel for schedule(static) if (parallel)
+  const int64_t block_bytes = kRowsPerBlock * K * static_cast<int64_t>(sizeof(TW));
+  const bool parallel = blocks * block_bytes >= kParallelBytes;
+  // Threads take chunks of ~kChunkBytes of W as they come free: on a shared machine one thread may be descheduled
+  // for a while, and the other then streams its part instead of waiting at the end (each output is still one
+  // thread's sum, so the bits do not depend on who computes it).
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+#pragma omp parallel for schedule(dynamic, chunk) if (parallel)
   for (int64_t blk = 0; blk < blocks; ++blk) {
     const int64_t n0 = blk * kRowsPerBlock, nr = std::min<int64_t>(kRowsPerBlock, N - n0);
     Block<TX, TW> b{x, ldx, {}, K};
