@@ -27,9 +27,11 @@
 namespace hs::kernels {
 namespace {
 
-// Output rows per block (one weight row each, streamed together) and x rows per pass over a block.
+// Output rows per block (one weight row each, streamed together) and x rows per pass over a block: 4 x 4 sums, or
+// for more than 4 rows on the AVX-512 paths 2 x 8 (16 accumulators either way, within the 32 vector registers), so
+// a block of W is loaded once for 8 rows instead of once per 4.
 constexpr int kRowsPerBlock = 4;
-constexpr int kXRows = 4;
+constexpr int kXRows = 8;
 // Below this many weight bytes one thread does the whole product: a fork/join costs more than it saves.
 constexpr int64_t kParallelBytes = int64_t{1} << 19;
 constexpr int64_t kChunkBytes = int64_t{1} << 17;
@@ -44,9 +46,9 @@ template <typename TX, typename TW> struct Block {
 };
 
 // ---- scalar -------------------------------------------------------------------------------------------------------
-template <int MB, typename TW> void block_scalar(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
+template <int MB, int R, typename TW> void block_scalar(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float* xm = b.x + m * b.ldx;
       float acc = 0.0f;
       for (int64_t k = 0; k < b.K; ++k) acc += xm[k] * to_f32(b.w[r][k]);
@@ -69,22 +71,22 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
   q = _mm_add_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
-template <int MB, typename TW>
+template <int MB, int R, typename TW>
 __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
-  __m256 acc[MB][kRowsPerBlock];
+  __m256 acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm256_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t K8 = b.K / 8 * 8;
   for (int64_t k = 0; k < K8; k += 8) {
-    __m256 w[kRowsPerBlock];
-    for (int r = 0; r < kRowsPerBlock; ++r) w[r] = load8_avx2(b.w[r] + k);
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load8_avx2(b.w[r] + k);
     for (int m = 0; m < MB; ++m) {
       const __m256 xv = _mm256_loadu_ps(b.x + m * b.ldx + k);
-      for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm256_fmadd_ps(xv, w[r], acc[m][r]);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, w[r], acc[m][r]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) {
+    for (int r = 0; r < R; ++r) {
       float t = hsum8(acc[m][r]);
       for (int64_t k = K8; k < b.K; ++k) t += b.x[m * b.ldx + k] * to_f32(b.w[r][k]);
       s[m][r] = t;
@@ -99,72 +101,85 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
   const __m256i h = _mm256_maskz_loadu_epi16(m, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
-template <int MB, typename TW>
+template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
-  __m512 acc[MB][kRowsPerBlock];
+  __m512 acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < b.K; k += 16) {
     const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
-    __m512 w[kRowsPerBlock];
-    for (int r = 0; r < kRowsPerBlock; ++r) w[r] = load16(b.w[r] + k, mask);
+    __m512 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load16(b.w[r] + k, mask);
     for (int m = 0; m < MB; ++m) {
       const __m512 xv = _mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k);
-      for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm512_fmadd_ps(xv, w[r], acc[m][r]);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, w[r], acc[m][r]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
 // ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
-template <int MB>
+template <int MB, int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_avx512bf16(
     const Block<bf16, bf16>& b, float s[kXRows][kRowsPerBlock]) {
-  __m512 acc[MB][kRowsPerBlock];
+  __m512 acc[MB][R];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < b.K; k += 32) {
     const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
-    __m512bh w[kRowsPerBlock];
-    for (int r = 0; r < kRowsPerBlock; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
+    __m512bh w[R];
+    for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
     for (int m = 0; m < MB; ++m) {
       const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k);
-      for (int r = 0; r < kRowsPerBlock; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < kRowsPerBlock; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 #endif
 
 // One block of x rows (mb of them) against one block of W rows with the chosen path.
-template <typename TX, typename TW, int MB>
+template <typename TX, typename TW, int MB, int R>
 void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   if constexpr (std::is_same_v<TX, bf16>) {
 #if HS_GEMV_X86
-    block_avx512bf16<MB>(b, s);
+    block_avx512bf16<MB, R>(b, s);
 #endif
     (void)isa;
   } else {
     switch (isa) {
 #if HS_GEMV_X86
-      case GemvIsa::Avx512: block_avx512<MB>(b, s); return;
-      case GemvIsa::Avx2: block_avx2<MB>(b, s); return;
+      case GemvIsa::Avx512: block_avx512<MB, R>(b, s); return;
+      case GemvIsa::Avx2: block_avx2<MB, R>(b, s); return;
 #endif
-      default: block_scalar<MB>(b, s); return;
+      default: block_scalar<MB, R>(b, s); return;
     }
   }
 }
 
+// mb x rows against R weight rows: R = 4 with mb <= 4, R = 2 with mb <= 8.
 template <typename TX, typename TW>
-void dispatch_block(GemvIsa isa, int mb, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  if (R == 4) {
+    switch (mb) {
+      case 1: run_block<TX, TW, 1, 4>(isa, b, s); return;
+      case 2: run_block<TX, TW, 2, 4>(isa, b, s); return;
+      case 3: run_block<TX, TW, 3, 4>(isa, b, s); return;
+      default: run_block<TX, TW, 4, 4>(isa, b, s); return;
+    }
+  }
   switch (mb) {
-    case 1: run_block<TX, TW, 1>(isa, b, s); return;
-    case 2: run_block<TX, TW, 2>(isa, b, s); return;
-    case 3: run_block<TX, TW, 3>(isa, b, s); return;
-    default: run_block<TX, TW, 4>(isa, b, s); return;
+    case 1: run_block<TX, TW, 1, 2>(isa, b, s); return;
+    case 2: run_block<TX, TW, 2, 2>(isa, b, s); return;
+    case 3: run_block<TX, TW, 3, 2>(isa, b, s); return;
+    case 4: run_block<TX, TW, 4, 2>(isa, b, s); return;
+    case 5: run_block<TX, TW, 5, 2>(isa, b, s); return;
+    case 6: run_block<TX, TW, 6, 2>(isa, b, s); return;
+    case 7: run_block<TX, TW, 7, 2>(isa, b, s); return;
+    default: run_block<TX, TW, 8, 2>(isa, b, s); return;
   }
 }
 
@@ -172,8 +187,10 @@ void dispatch_block(GemvIsa isa, int mb, const Block<TX, TW>& b, float s[kXRows]
 template <typename TX, typename TW, typename TY>
 void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
              int64_t K) {
-  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t block_bytes = kRowsPerBlock * K * static_cast<int64_t>(sizeof(TW));
+  const bool wide = M > 4 && (isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16);
+  const int R = wide ? 2 : kRowsPerBlock, XR = wide ? 8 : 4;
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(TW));
   const bool parallel = blocks * block_bytes >= kParallelBytes;
   // Threads take chunks of ~kChunkBytes of W as they come free: on a shared machine one thread may be descheduled
   // for a while, and the other then streams its part instead of waiting at the end (each output is still one
@@ -181,15 +198,15 @@ void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t 
   const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
 #pragma omp parallel for schedule(dynamic, chunk) if (parallel)
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    const int64_t n0 = blk * kRowsPerBlock, nr = std::min<int64_t>(kRowsPerBlock, N - n0);
+    const int64_t n0 = blk * R, nr = std::min<int64_t>(R, N - n0);
     Block<TX, TW> b{x, ldx, {}, K};
     // A short last block repeats its last row (computed, not stored).
-    for (int r = 0; r < kRowsPerBlock; ++r) b.w[r] = W + (n0 + std::min<int64_t>(r, nr - 1)) * K;
-    for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
-      const int mb = static_cast<int>(std::min<int64_t>(kXRows, M - m0));
+    for (int r = 0; r < R; ++r) b.w[r] = W + (n0 + std::min<int64_t>(r, nr - 1)) * K;
+    for (int64_t m0 = 0; m0 < M; m0 += XR) {
+      const int mb = static_cast<int>(std::min<int64_t>(XR, M - m0));
       b.x = x + m0 * ldx;
       float s[kXRows][kRowsPerBlock];
-      dispatch_block(isa, mb, b, s);
+      dispatch_block(isa, mb, R, b, s);
       for (int m = 0; m < mb; ++m)
         for (int64_t r = 0; r < nr; ++r) y[(m0 + m) * ldy + n0 + r] = from_f32<TY>(s[m][r]);
     }
