@@ -48,9 +48,10 @@ std::vector<int64_t> pieces(int64_t T) {
 // Slots in the reverse order of the rows: a kernel that ignores the slot map reads the wrong sequence's state.
 const int32_t kSlots[2] = {1, 0};
 
+// C: 40 channels (one partial block of the kernel's 64), 150 (two whole blocks and a partial one).
 template <typename T>
-void conv_case(double tol) {
-  const int64_t B = 2, S = 300, C = 40, K = 4;
+void conv_case(double tol, int64_t C) {
+  const int64_t B = 2, S = 300, K = 4;
   std::mt19937 rng(7);
   const Vec xd = widen(cast<T>(test::randn(B * S * C, rng)));
   const Vec w = widen(test::randn(C * K, rng, 0.5f));
@@ -76,8 +77,12 @@ void conv_case(double tol) {
 
 // fp32: the same taps in the same order as the reference's double sums, rounded once: 1e-6 is a few fp32 ulps.
 // bf16: the output is rounded to bf16 (relative step 2^-8), so the error is about half of 3.9e-3 at most.
-TEST(DecodeKernels, ConvWindowCarriesAcrossPiecesFp32) { conv_case<float>(1e-6); }
-TEST(DecodeKernels, ConvWindowCarriesAcrossPiecesBf16) { conv_case<bf16>(4e-3); }
+TEST(DecodeKernels, ConvWindowCarriesAcrossPiecesFp32) {
+  for (int64_t C : {40, 150}) conv_case<float>(1e-6, C);
+}
+TEST(DecodeKernels, ConvWindowCarriesAcrossPiecesBf16) {
+  for (int64_t C : {40, 150}) conv_case<bf16>(4e-3, C);
+}
 
 struct DeltaProblem {
   DeltaRuleShape s;

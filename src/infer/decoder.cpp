@@ -106,6 +106,8 @@ void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_
                   bool all_logits) {
   const bool P = mem_.planning();
   const int64_t N = batch * seq, H = cfg_.hidden, V = cfg_.vocab;
+  // Products of a few rows (a decode step's sequences, an expert's rows, the head) stream each weight once.
+  const kernels::SmallRowProducts small_rows;
   Buffer h = mem_.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.embed");
   if (!P) {
     const TensorView& e = params_.global(model::g::kEmbed);

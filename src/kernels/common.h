@@ -18,6 +18,9 @@
 //   touching data, so the planner's peak equals the real one.
 // * OpenMP parallelises the outer loops; no kernel calls matmul() from inside a parallel region
 //   (oneDNN runs its own threads).
+//   A forward loop over fewer than kParallelMinWork elements stays on the calling thread: a fork/join (a wake-up
+//   from sleep under OMP_WAIT_POLICY=passive) costs more than such a loop, and a decode step runs ~10 of them per
+//   layer on one token's rows. Each row's arithmetic is the same either way, so the bits do not change.
 // * Each kernel has a plain reference in namespace hs::kernels::reference (templated so it also runs
 //   in double), the oracle for its tests together with central finite differences.
 #pragma once
@@ -32,6 +35,8 @@
 #include "core/memory.h"
 
 namespace hs::kernels {
+
+inline constexpr int64_t kParallelMinWork = int64_t{1} << 14;
 
 // A [rows, channels] matrix held as consecutive column blocks in separate row-major arrays (the Gated DeltaNet
 // conv's channels are [q | k | v], each kept as its own tensor): block i holds cols[i] columns at data[i], row

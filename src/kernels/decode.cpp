@@ -20,25 +20,40 @@ void causal_conv_silu_cached(const T* x, const float* w, const ColumnBlocks<T>& 
                                 std::to_string(kMaxConvWidth) + "]");
   if (y.channels() != channels) throw std::invalid_argument("causal_conv_silu_cached: column blocks do not match");
   const int64_t hist = width - 1;
-  // Per (row, channel): the taps in order j = 0..width-1, as the full-sequence kernel sums them, so a sequence fed in
-  // pieces gives its bits (a window zero at sequence start adds +0 where that kernel skips the tap).
-#pragma omp parallel for collapse(2) schedule(static)
+  // Per (row, block of kCols channels), the tokens in order; per (token, channel) the taps in order j = 0..width-1,
+  // as the full-sequence kernel sums them, so a sequence fed in pieces gives its values (a window zero at sequence
+  // start adds +0 where that kernel skips the tap). The channels are the fast index of x, the window and y, so each
+  // tap is a contiguous run of kCols inputs.
+  constexpr int64_t kCols = 64;
+  const int64_t nblk = (channels + kCols - 1) / kCols;
+#pragma omp parallel for collapse(2) schedule(static) if (batch * seq * channels * width >= kParallelMinWork)
   for (int64_t b = 0; b < batch; ++b)
-    for (int64_t c = 0; c < channels; ++c) {
-      T* win = window + int64_t{slots[b]} * hist * channels + c;  // win[i * channels]: input at time i - hist
-      const T* xb = x + b * seq * channels + c;
-      auto input = [&](int64_t u) { return to_f32(u >= 0 ? xb[u * channels] : win[(hist + u) * channels]); };
+    for (int64_t blk = 0; blk < nblk; ++blk) {
+      const int64_t c0 = blk * kCols, nc = std::min(kCols, channels - c0);
+      T* win = window + int64_t{slots[b]} * hist * channels + c0;  // row i: the inputs at time i - hist
+      const T* xb = x + b * seq * channels + c0;
+      auto input_row = [&](int64_t u) -> const T* { return u >= 0 ? xb + u * channels : win + (hist + u) * channels; };
+      float taps[kMaxConvWidth][kCols];
+      for (int64_t j = 0; j < width; ++j)
+        for (int64_t c = 0; c < nc; ++c) taps[j][c] = w[(c0 + c) * width + j];
       for (int64_t t = 0; t < seq; ++t) {
-        float pre = 0.0f;
-        for (int64_t j = 0; j < width; ++j) pre += w[c * width + j] * input(t - hist + j);
-        const float out = silu_vec(pre);
-        y.for_each_run(b * seq + t, c, 1, [&](T* d, int64_t, int64_t) { *d = from_f32<T>(out); });
+        float pre[kCols] = {};
+        for (int64_t j = 0; j < width; ++j) {
+          const T* in = input_row(t - hist + j);
+#pragma omp simd
+          for (int64_t c = 0; c < nc; ++c) pre[c] += taps[j][c] * to_f32(in[c]);
+        }
+#pragma omp simd
+        for (int64_t c = 0; c < nc; ++c) pre[c] = silu_vec(pre[c]);
+        y.for_each_run(b * seq + t, c0, nc, [&](T* d, int64_t off, int64_t n) {
+          for (int64_t c = 0; c < n; ++c) d[c] = from_f32<T>(pre[off + c]);
+        });
       }
-      // The new window: the last `hist` inputs of (window ++ x), oldest first; ascending i reads only inputs that
-      // are still to be overwritten later (source index >= i).
+      // The new window: the last `hist` inputs of (window ++ x), oldest first; ascending i reads only rows that are
+      // still to be overwritten later (source row >= i).
       for (int64_t i = 0; i < hist; ++i) {
-        const int64_t u = seq - hist + i;
-        win[i * channels] = u >= 0 ? xb[u * channels] : win[(hist + u) * channels];
+        const T* src = input_row(seq - hist + i);
+        if (src != win + i * channels) std::copy_n(src, nc, win + i * channels);
       }
     }
 }
@@ -50,7 +65,7 @@ void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v
   if (s.k_heads <= 0 || s.v_heads % s.k_heads != 0) throw std::invalid_argument("delta_rule_step: bad head counts");
   if (s.dv > 512) throw std::invalid_argument("delta_rule_step: value head dim above 512");
   const int64_t dk = s.dk, dv = s.dv, r = s.ratio();
-#pragma omp parallel for collapse(2) schedule(static)
+#pragma omp parallel for collapse(2) schedule(static) if (s.batch * s.v_heads * dk * dv >= 4 * kParallelMinWork)
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t h = 0; h < s.v_heads; ++h) {
       float* S = state + (int64_t{slots[b]} * s.v_heads + h) * dk * dv;
@@ -98,7 +113,7 @@ void kv_cache_write(const KvCacheShape& c, const T* k, const T* v, T* kcache, T*
     if (positions[n] < 0 || positions[n] >= c.capacity)
       throw std::out_of_range("kv cache: position " + std::to_string(positions[n]) + " is outside the capacity " +
                               std::to_string(c.capacity));
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (batch * seq * c.kv_heads * hd >= kParallelMinWork)
   for (int64_t n = 0; n < batch * seq; ++n) {
     const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + int64_t{positions[n]} * hd;
     for (int64_t h = 0; h < c.kv_heads; ++h) {
@@ -120,7 +135,9 @@ void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q
                                     "attention_cached.scores");
   if (mem.planning() || rows == 0) return;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
+  int64_t cached = 0;  // positions read, over all rows
+  for (int64_t n = 0; n < rows; ++n) cached += int64_t{positions[n]} + 1;
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (cached * q_heads * hd >= kParallelMinWork)
   for (int64_t n = 0; n < rows; ++n)
     for (int64_t h = 0; h < q_heads; ++h) {
       const int64_t len = int64_t{positions[n]} + 1;

@@ -30,7 +30,7 @@ int64_t column_block(int64_t dim) {
 template <typename TW, typename TA>
 void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t vocab, int64_t dim, TA* out) {
   check_ids(ids, n, vocab);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
     const TW* src = table + static_cast<int64_t>(ids[i]) * dim;
     TA* dst = out + i * dim;

@@ -5,7 +5,7 @@ namespace hs::kernels {
 template <typename T>
 void gdn_gates_forward(const T* b, const T* a, const float* A_log, const float* dt_bias, float* beta, float* g,
                        int64_t rows, int64_t heads) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * heads >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = r * heads;
     for (int64_t h = 0; h < heads; ++h) {

@@ -1,5 +1,7 @@
 #include "kernels/matmul.h"
 
+#include "kernels/gemv.h"
+
 #include <omp.h>
 
 #include <algorithm>
@@ -16,6 +18,8 @@ namespace hs::kernels {
 namespace {
 
 using dnnl::memory;
+
+thread_local bool t_small_rows = false;  // a SmallRowProducts scope is open on this thread
 
 // M or K == kRuntime: the primitive takes that dimension at execution (see varying_rows in run below).
 constexpr int64_t kRuntime = DNNL_RUNTIME_DIM_VAL;
@@ -195,6 +199,14 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
   }
   Key k{M, N, K, ld.lda ? ld.lda : (ta ? M : K), ld.ldb ? ld.ldb : (tb ? K : N), ld.ldc ? ld.ldc : N,
         ta, tb, acc, in_dt, out_dt};
+  if (t_small_rows && !ta && tb && !acc && M <= kGemvMaxRows && k.ldb == K) {
+    if (in_dt == 0) gemv(static_cast<const float*>(A), static_cast<const float*>(B), static_cast<float*>(C), M, N, K,
+                         k.lda, k.ldc);
+    else if (out_dt == 0) gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<float*>(C), M, N,
+                               K, k.lda, k.ldc);
+    else gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<bf16*>(C), M, N, K, k.lda, k.ldc);
+    return;
+  }
   if (std::min({M, N, K}) <= kSkinny && std::max({M, N, K}) > kSkinny) {
     const bool done = in_dt == 0   ? run_skinny<float, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
                       : out_dt == 0 ? run_skinny<bf16, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
@@ -259,6 +271,9 @@ template void matmul_reference<float, float>(const float*, const float*, float*,
                                              bool, bool, bool);
 template void matmul_reference<bf16, float>(const bf16*, const bf16*, float*, int64_t, int64_t, int64_t,
                                             bool, bool, bool);
+
+SmallRowProducts::SmallRowProducts() : previous_(t_small_rows) { t_small_rows = true; }
+SmallRowProducts::~SmallRowProducts() { t_small_rows = previous_; }
 
 int64_t matmul_primitives_created() {
   Runtime& rt = runtime();

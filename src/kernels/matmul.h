@@ -41,4 +41,19 @@ void matmul_reference(const TA* A, const TA* B, TC* C, int64_t M, int64_t N, int
 // Number of distinct primitives created so far (tests check that the cache is used).
 int64_t matmul_primitives_created();
 
+// Inference: while one of these lives on a thread, that thread's products x W^T (trans_b, A not transposed, no
+// accumulation, B packed) of at most kGemvMaxRows rows run on gemv (kernels/gemv.h), which streams W once for all
+// rows, instead of oneDNN, whose per-call cost dominates such products. Decoding sets it around a step (the layer
+// code it shares with training stays as it is); training never does, so its products and their bits are unchanged.
+class SmallRowProducts {
+ public:
+  SmallRowProducts();
+  ~SmallRowProducts();
+  SmallRowProducts(const SmallRowProducts&) = delete;
+  SmallRowProducts& operator=(const SmallRowProducts&) = delete;
+
+ private:
+  bool previous_;
+};
+
 }  // namespace hs::kernels

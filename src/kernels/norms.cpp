@@ -55,7 +55,7 @@ inline const float* dx_base(const float* dxr, bool accumulate, const float* resi
 template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
     T* yr = y + r * dim;
@@ -109,7 +109,7 @@ template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                            float eps) {
   const float inv_dim = 1.0f / static_cast<float>(dim);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
     const T* zr = z + r * dim;
@@ -169,7 +169,7 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
 
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
     T* yr = y + r * dim;

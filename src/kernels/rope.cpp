@@ -30,7 +30,7 @@ void rotate(T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64
   const int64_t half = rotary_dim / 2;
   if (half == 0) return;
   const std::vector<float> inv_freq = inverse_frequencies(rotary_dim, theta);
-#pragma omp parallel
+#pragma omp parallel if (tokens * heads * rotary_dim >= kParallelMinWork)
   {
     std::vector<float> cs(static_cast<size_t>(2 * half));  // cos then sin of this token's angles
 #pragma omp for schedule(static)

@@ -1,0 +1,303 @@
+#include "kernels/gemv.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+// The intrinsics of every path are compiled with per-function target attributes, whatever -march says, and a path
+// runs only where the CPU reports its features (gemv_isa_supported). The pragmas as in simd.h.
+#if defined(__x86_64__)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#define HS_GEMV_X86 1
+#endif
+
+namespace hs::kernels {
+namespace {
+
+// Output rows per block (one weight row each, streamed together) and x rows per pass over a block: 4 x 4 sums, or
+// for more than 4 rows on the AVX-512 paths 2 x 8 (16 accumulators either way, within the 32 vector registers), so
+// a block of W is loaded once for 8 rows instead of once per 4.
+constexpr int kRowsPerBlock = 4;
+constexpr int kXRows = 8;
+// Below this many weight bytes one thread does the whole product: a fork/join costs more than it saves.
+constexpr int64_t kParallelBytes = int64_t{1} << 19;
+constexpr int64_t kChunkBytes = int64_t{1} << 17;
+
+// A block: the sums s[m][r] = dot(x_m, w_r) for MB rows of x (fp32 or bf16, row stride ldx) and kRowsPerBlock rows
+// of W (pointers, K apart in memory is not assumed).
+template <typename TX, typename TW> struct Block {
+  const TX* x;
+  int64_t ldx;
+  const TW* w[kRowsPerBlock];
+  int64_t K;
+};
+
+// ---- scalar -------------------------------------------------------------------------------------------------------
+template <int MB, int R, typename TW> void block_scalar(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      const float* xm = b.x + m * b.ldx;
+      float acc = 0.0f;
+      for (int64_t k = 0; k < b.K; ++k) acc += xm[k] * to_f32(b.w[r][k]);
+      s[m][r] = acc;
+    }
+}
+
+#if HS_GEMV_X86
+// ---- AVX2 + FMA: 8 lanes, x in fp32, W fp32 or bf16 widened on load; the last K % 8 terms are added in order after
+// the lane sums.
+__attribute__((target("avx2,fma"))) inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8_avx2(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  __m128 q = _mm_add_ps(lo, hi);
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+template <int MB, int R, typename TW>
+__attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  __m256 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t K8 = b.K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load8_avx2(b.w[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m256 xv = _mm256_loadu_ps(b.x + m * b.ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, w[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) {
+      float t = hsum8(acc[m][r]);
+      for (int64_t k = K8; k < b.K; ++k) t += b.x[m * b.ldx + k] * to_f32(b.w[r][k]);
+      s[m][r] = t;
+    }
+}
+
+// ---- AVX-512F: 16 lanes, x in fp32, W fp32 or bf16 widened on load; the tail is a masked load (zeros add +0).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const bf16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <int MB, int R, typename TW>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Block<float, TW>& b,
+                                                                        float s[kXRows][kRowsPerBlock]) {
+  __m512 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < b.K; k += 16) {
+    const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
+    __m512 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load16(b.w[r] + k, mask);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, w[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
+template <int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_avx512bf16(
+    const Block<bf16, bf16>& b, float s[kXRows][kRowsPerBlock]) {
+  __m512 acc[MB][R];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < b.K; k += 32) {
+    const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
+    __m512bh w[R];
+    for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#endif
+
+// One block of x rows (mb of them) against one block of W rows with the chosen path.
+template <typename TX, typename TW, int MB, int R>
+void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  if constexpr (std::is_same_v<TX, bf16>) {
+#if HS_GEMV_X86
+    block_avx512bf16<MB, R>(b, s);
+#endif
+    (void)isa;
+  } else {
+    switch (isa) {
+#if HS_GEMV_X86
+      case GemvIsa::Avx512: block_avx512<MB, R>(b, s); return;
+      case GemvIsa::Avx2: block_avx2<MB, R>(b, s); return;
+#endif
+      default: block_scalar<MB, R>(b, s); return;
+    }
+  }
+}
+
+// mb x rows against R weight rows: R = 4 with mb <= 4, R = 2 with mb <= 8.
+template <typename TX, typename TW>
+void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  if (R == 4) {
+    switch (mb) {
+      case 1: run_block<TX, TW, 1, 4>(isa, b, s); return;
+      case 2: run_block<TX, TW, 2, 4>(isa, b, s); return;
+      case 3: run_block<TX, TW, 3, 4>(isa, b, s); return;
+      default: run_block<TX, TW, 4, 4>(isa, b, s); return;
+    }
+  }
+  switch (mb) {
+    case 1: run_block<TX, TW, 1, 2>(isa, b, s); return;
+    case 2: run_block<TX, TW, 2, 2>(isa, b, s); return;
+    case 3: run_block<TX, TW, 3, 2>(isa, b, s); return;
+    case 4: run_block<TX, TW, 4, 2>(isa, b, s); return;
+    case 5: run_block<TX, TW, 5, 2>(isa, b, s); return;
+    case 6: run_block<TX, TW, 6, 2>(isa, b, s); return;
+    case 7: run_block<TX, TW, 7, 2>(isa, b, s); return;
+    default: run_block<TX, TW, 8, 2>(isa, b, s); return;
+  }
+}
+
+// y = x W^T over all blocks of W's rows; x as the path reads it (bf16 for avx512bf16, else fp32 rows ldx apart).
+template <typename TX, typename TW, typename TY>
+void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
+             int64_t K) {
+  const bool wide = M > 4 && (isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16);
+  const int R = wide ? 2 : kRowsPerBlock, XR = wide ? 8 : 4;
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(TW));
+  const bool parallel = blocks * block_bytes >= kParallelBytes;
+  // Threads take chunks of ~kChunkBytes of W as they come free: on a shared machine one thread may be descheduled
+  // for a while, and the other then streams its part instead of waiting at the end (each output is still one
+  // thread's sum, so the bits do not depend on who computes it).
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+#pragma omp parallel for schedule(dynamic, chunk) if (parallel)
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t n0 = blk * R, nr = std::min<int64_t>(R, N - n0);
+    Block<TX, TW> b{x, ldx, {}, K};
+    // A short last block repeats its last row (computed, not stored).
+    for (int r = 0; r < R; ++r) b.w[r] = W + (n0 + std::min<int64_t>(r, nr - 1)) * K;
+    for (int64_t m0 = 0; m0 < M; m0 += XR) {
+      const int mb = static_cast<int>(std::min<int64_t>(XR, M - m0));
+      b.x = x + m0 * ldx;
+      float s[kXRows][kRowsPerBlock];
+      dispatch_block(isa, mb, R, b, s);
+      for (int m = 0; m < mb; ++m)
+        for (int64_t r = 0; r < nr; ++r) y[(m0 + m) * ldy + n0 + r] = from_f32<TY>(s[m][r]);
+    }
+  }
+}
+
+GemvIsa detect() {
+#if HS_GEMV_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+    if (__builtin_cpu_supports("avx512bf16")) return GemvIsa::Avx512Bf16;
+    return GemvIsa::Avx512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return GemvIsa::Avx2;
+#endif
+  return GemvIsa::Scalar;
+}
+
+GemvIsa parse_cap(const char* s) {
+  const std::string v = s;
+  for (GemvIsa i : {GemvIsa::Scalar, GemvIsa::Avx2, GemvIsa::Avx512, GemvIsa::Avx512Bf16})
+    if (v == gemv_isa_name(i)) return i;
+  throw std::invalid_argument("HS_GEMV_ISA='" + v + "': use scalar, avx2, avx512 or avx512bf16");
+}
+
+}  // namespace
+
+const char* gemv_isa_name(GemvIsa isa) {
+  switch (isa) {
+    case GemvIsa::Avx2: return "avx2";
+    case GemvIsa::Avx512: return "avx512";
+    case GemvIsa::Avx512Bf16: return "avx512bf16";
+    default: return "scalar";
+  }
+}
+
+bool gemv_isa_supported(GemvIsa isa) {
+  static const GemvIsa best = detect();
+  return static_cast<int>(isa) <= static_cast<int>(best);
+}
+
+GemvIsa gemv_isa() {
+  static const GemvIsa chosen = [] {
+    GemvIsa best = detect();
+    if (const char* cap = std::getenv("HS_GEMV_ISA"); cap && *cap)
+      best = static_cast<GemvIsa>(std::min(static_cast<int>(best), static_cast<int>(parse_cap(cap))));
+    return best;
+  }();
+  return chosen;
+}
+
+template <typename T, typename TY>
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa) {
+  if (M < 0 || M > kGemvMaxRows)
+    throw std::invalid_argument("gemv: " + std::to_string(M) + " rows (at most " + std::to_string(kGemvMaxRows) + ")");
+  if (!gemv_isa_supported(isa))
+    throw std::invalid_argument(std::string("gemv: this CPU does not run the ") + gemv_isa_name(isa) + " path");
+  if (M == 0 || N <= 0) return;
+  if (ldx == 0) ldx = K;
+  if (ldy == 0) ldy = N;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill_n(y + m * ldy, N, from_f32<TY>(0.0f));
+    return;
+  }
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (isa == GemvIsa::Avx512Bf16) return product(isa, x, ldx, W, y, ldy, M, N, K);
+  }
+  if (isa == GemvIsa::Avx512Bf16) isa = GemvIsa::Avx512;  // fp32 operands: the AVX-512F path
+  if constexpr (std::is_same_v<T, float>) {
+    product(isa, x, ldx, W, y, ldy, M, N, K);
+  } else {
+    // bf16 x widened once to fp32 (exact), in a per-thread scratch that only grows.
+    thread_local std::vector<float> xf;
+    if (xf.size() < static_cast<size_t>(M * K)) xf.resize(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xf[static_cast<size_t>(m * K + k)] = to_f32(x[m * ldx + k]);
+    product(isa, xf.data(), K, W, y, ldy, M, N, K);
+  }
+}
+
+template <typename T, typename TY>
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy) {
+  gemv(x, W, y, M, N, K, ldx, ldy, gemv_isa());
+}
+
+#define HS_INSTANTIATE(T, TY)                                                                               \
+  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t);         \
+  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, GemvIsa);
+HS_INSTANTIATE(float, float)
+HS_INSTANTIATE(bf16, float)
+HS_INSTANTIATE(bf16, bf16)
+#undef HS_INSTANTIATE
+
+}  // namespace hs::kernels

@@ -1,0 +1,36 @@
+// Products of a few rows with a weight matrix, for inference: y[M, N] = x[M, K] W^T with W [N, K] row-major (the
+// Hugging Face [out, in] layout, read where it lies, e.g. memory-mapped) and M <= kGemvMaxRows (the sequences of a
+// decode step, or an expert's rows). Such a product is bound by the bytes of W: each row of W is streamed once for
+// all M rows, sums accumulate in fp32, and threads split the rows of W (disjoint weight bytes per core). oneDNN
+// spends more on the call than on the arithmetic at these shapes (one token of a `small` model is ~100 products).
+//
+// Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.
+// The environment variable HS_GEMV_ISA (scalar | avx2 | avx512 | avx512bf16) caps the choice, and the isa argument
+// forces one (tests run every path the machine has). Every path sums the exact products x_k w_k in fp32 (only the
+// order differs), so |y - y_exact| <= K * 2^-24 * sum_k |x_k w_k| (+ the output's rounding in bf16).
+#pragma once
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace hs::kernels {
+
+constexpr int64_t kGemvMaxRows = 16;
+
+enum class GemvIsa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
+
+// The best path this CPU runs, capped by HS_GEMV_ISA (read once).
+GemvIsa gemv_isa();
+// Whether this CPU runs `isa`.
+bool gemv_isa_supported(GemvIsa isa);
+const char* gemv_isa_name(GemvIsa isa);
+
+// y = x W^T. x rows are ldx elements apart, y rows ldy (0: packed). x and W are both fp32 or both bf16 (the compute
+// dtype); y is fp32 or the compute dtype. Throws std::invalid_argument for M outside [0, kGemvMaxRows] or an isa the
+// CPU lacks. Allocation-free after the first call at a given M*K (per calling thread).
+template <typename T, typename TY>
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx = 0, int64_t ldy = 0);
+template <typename T, typename TY>
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa);
+
+}  // namespace hs::kernels

@@ -1,0 +1,135 @@
+// The inference products of a few rows (kernels/gemv.h) on every instruction-set path this CPU runs, against the
+// double-precision reference (matmul_reference).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels/gemv.h"
+#include "kernels/matmul.h"
+#include "test_util.h"
+
+namespace hs::kernels {
+namespace {
+
+std::vector<GemvIsa> paths() {
+  std::vector<GemvIsa> v;
+  for (GemvIsa i : {GemvIsa::Scalar, GemvIsa::Avx2, GemvIsa::Avx512, GemvIsa::Avx512Bf16})
+    if (gemv_isa_supported(i)) v.push_back(i);
+  return v;
+}
+
+// Every path sums the exact products x_k w_k (bf16 times bf16 is exact in fp32) in fp32, in its own order, so each
+// output is within K u sum_k |x_k w_k| of the exact sum (u = 2^-24; the standard bound for recursive or blocked
+// summation of K terms, first order), plus half a unit of the output's last place (2^-24, or 2^-9 for bf16) of the
+// result. Inputs are exact in the reference (it reads the same rounded values), which sums in double.
+template <typename T, typename TY>
+void expect_within_bound(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa, uint32_t seed) {
+  const std::vector<T> x = test::cast<T>(test::randn(static_cast<size_t>(M * ldx), seed));
+  const std::vector<T> W = test::cast<T>(test::randn(static_cast<size_t>(N * K), seed + 1));
+  std::vector<T> xp(static_cast<size_t>(M * K));  // packed rows for the reference
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xp[static_cast<size_t>(m * K + k)] = x[static_cast<size_t>(m * ldx + k)];
+  std::vector<float> ref(static_cast<size_t>(M * N));
+  matmul_reference(xp.data(), W.data(), ref.data(), M, N, K, false, true);
+  std::vector<TY> y(static_cast<size_t>(M * ldy), from_f32<TY>(-7.0f));
+  gemv(x.data(), W.data(), y.data(), M, N, K, ldx, ldy, isa);
+  const double u = std::ldexp(1.0, -24), out_ulp = std::is_same_v<TY, bf16> ? std::ldexp(1.0, -9) : u;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double abs_sum = 0;
+      for (int64_t k = 0; k < K; ++k)
+        abs_sum += std::abs(double(to_f32(xp[static_cast<size_t>(m * K + k)])) * to_f32(W[static_cast<size_t>(n * K + k)]));
+      const double want = ref[static_cast<size_t>(m * N + n)];
+      const double bound = (K + 1) * u * abs_sum + out_ulp * std::abs(want) * 2;
+      ASSERT_NEAR(to_f32(y[static_cast<size_t>(m * ldy + n)]), want, bound)
+          << gemv_isa_name(isa) << " M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+    }
+  // Padding between rows is left alone.
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = N; n < ldy; ++n) ASSERT_EQ(to_f32(y[static_cast<size_t>(m * ldy + n)]), -7.0f);
+}
+
+// Shapes at every path's tails: rows 1..5 and 16 (x row blocks of 4), outputs 1..5 and 37 (weight row blocks of 4),
+// K around the 8-, 16- and 32-lane steps.
+struct Shape {
+  int64_t M, N, K;
+};
+const Shape kShapes[] = {{1, 1, 1},   {1, 5, 7},    {2, 4, 16},  {3, 3, 17},  {4, 37, 31},   {5, 9, 32},
+                         {1, 64, 33}, {16, 37, 63}, {8, 13, 64}, {7, 2, 100}, {16, 70, 257}, {1, 300, 1024}};
+
+template <typename T, typename TY> void all_shapes() {
+  uint32_t seed = 1;
+  for (GemvIsa isa : paths())
+    for (const Shape& s : kShapes) {
+      expect_within_bound<T, TY>(s.M, s.N, s.K, s.K, s.N, isa, seed++);
+      expect_within_bound<T, TY>(s.M, s.N, s.K, s.K + 3, s.N + 2, isa, seed++);  // strided rows
+    }
+}
+
+TEST(Gemv, Fp32WithinTheSummationBoundOnEveryPath) { all_shapes<float, float>(); }
+TEST(Gemv, Bf16ToFp32WithinTheSummationBoundOnEveryPath) { all_shapes<bf16, float>(); }
+TEST(Gemv, Bf16ToBf16WithinTheSummationBoundOnEveryPath) { all_shapes<bf16, bf16>(); }
+
+// The bound is tight enough to see a wrong product: one of 256 weight elements off by 1/16 moves the output 16 times
+// past it (a check that the test can fail).
+TEST(Gemv, TheBoundSeesAOneElementError) {
+  const int64_t K = 256;
+  std::vector<float> x(K, 1.0f), W(K, 1.0f), y(1);
+  W[100] = 1.0f + 1.0f / 16;
+  gemv(x.data(), W.data(), y.data(), 1, 1, K);
+  EXPECT_GT(std::abs(y[0] - K), (K + 1) * std::ldexp(1.0, -24) * K);
+  EXPECT_FLOAT_EQ(y[0], K + 1.0f / 16);
+}
+
+// Each output is one dot product in a fixed order: the same bits whatever the thread count, and rows computed
+// together equal each row alone (a decode step's sequences do not depend on each other). 600 KiB of weights: the
+// threads split them.
+TEST(Gemv, BitIdenticalAcrossThreadsAndRowCounts) {
+  const int64_t M = 9, N = 301, K = 1024;
+  const std::vector<bf16> x = test::cast<bf16>(test::randn(M * K, 5)), W = test::cast<bf16>(test::randn(N * K, 6));
+  for (GemvIsa isa : paths()) {
+    std::vector<float> one(M * N), two(M * N), alone(M * N);
+    test::with_threads(1, [&] { gemv(x.data(), W.data(), one.data(), M, N, K, 0, 0, isa); });
+    test::with_threads(2, [&] { gemv(x.data(), W.data(), two.data(), M, N, K, 0, 0, isa); });
+    for (int64_t m = 0; m < M; ++m) gemv(x.data() + m * K, W.data(), alone.data() + m * N, 1, N, K, 0, 0, isa);
+    EXPECT_EQ(one, two) << gemv_isa_name(isa);
+    EXPECT_EQ(one, alone) << gemv_isa_name(isa);
+  }
+}
+
+TEST(Gemv, BadInputIsRefused) {
+  std::vector<float> x(17 * 4), W(4 * 4), y(17 * 4);
+  EXPECT_THROW(gemv(x.data(), W.data(), y.data(), 17, 4, 4), std::invalid_argument);
+  EXPECT_THROW(gemv(x.data(), W.data(), y.data(), -1, 4, 4), std::invalid_argument);
+  EXPECT_STREQ(gemv_isa_name(gemv_isa()), gemv_isa_name(gemv_isa()));
+  EXPECT_TRUE(gemv_isa_supported(GemvIsa::Scalar));
+}
+
+// Inside a SmallRowProducts scope matmul's few-row products x W^T are gemv's (same bits, no oneDNN primitive);
+// others, and every product outside the scope, stay on matmul's own paths.
+TEST(Gemv, SmallRowScopeRoutesFewRowProductsOnly) {
+  const int64_t K = 96, N = 80;
+  const std::vector<bf16> x = test::cast<bf16>(test::randn(20 * K, 7)), W = test::cast<bf16>(test::randn(N * K, 8));
+  std::vector<bf16> direct(3 * N), scoped(3 * N);
+  gemv(x.data(), W.data(), direct.data(), 3, N, K);
+  const int64_t before = matmul_primitives_created();
+  {
+    const SmallRowProducts scope;
+    matmul(x.data(), W.data(), scoped.data(), 3, N, K, false, true);
+  }
+  EXPECT_EQ(matmul_primitives_created(), before);
+  for (size_t i = 0; i < direct.size(); ++i) ASSERT_EQ(direct[i].bits, scoped[i].bits) << i;
+  std::vector<float> many(20 * N);
+  {
+    const SmallRowProducts scope;
+    matmul(x.data(), W.data(), many.data(), 20, N, K, false, true);  // 20 rows: oneDNN
+  }
+  EXPECT_EQ(matmul_primitives_created(), before + 1);
+  std::vector<float> outside(3 * N);
+  matmul(x.data(), W.data(), outside.data(), 3, N, K, false, true);  // no scope: oneDNN
+  EXPECT_EQ(matmul_primitives_created(), before + 2);
+}
+
+}  // namespace
+}  // namespace hs::kernels
