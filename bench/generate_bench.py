@@ -137,6 +137,18 @@ def cmd_convert(a):
         return original(self, tokenizer)
 
     base.TextModel.get_vocab_base_pre = vocab_base_pre
+    # llama.cpp refuses a BPE vocabulary without merges; the byte vocabulary has none (every token is one byte), so
+    # it gets one that can never apply to the ids the bench feeds (its result is not a token).
+    import gguf  # noqa: E402
+
+    add_to_gguf = gguf.SpecialVocab.add_to_gguf
+
+    def add_with_merges(self, gw, quiet=False):
+        if self.load_merges and not self.merges:
+            self.merges = ["\u0100 \u0101"]
+        return add_to_gguf(self, gw, quiet=quiet)
+
+    gguf.SpecialVocab.add_to_gguf = add_with_merges
     # --no-mtp: these checkpoints have no multi-token-prediction head (the converter asserts one for Qwen3-Next).
     sys.argv = ["convert_hf_to_gguf.py", str(a.hf), "--outtype", "bf16", "--no-mtp", "--outfile", str(a.out)]
     conv.main()
@@ -286,11 +298,59 @@ def cmd_report(a):
                   f"experts/layer) and LM head {b['weights']['lm_head'] / 2**20:.1f} MiB; state and KV "
                   f"{sum(b['state'].values()) / 2**20:.2f} MiB) -> ceiling {b['ceiling_tokens_per_s']:.1f} tokens/s")
     for c in checks:
-        md.append(f"- greedy tokens, {c['model']}: hybridscan and llama.cpp agree on the first {c['agree']} of "
-                  f"{c['compared']} new tokens (transformers: {c.get('agree_transformers', 'n/a')})")
+        parts = [f"{e} {v['agree_with_reference']} (largest margin {v['max_margin']:.3f}"
+                 + (f", reference top-2 gap where it left: {v['reference_top2_gap_at_first_difference']:.3f}"
+                    if v["reference_top2_gap_at_first_difference"] is not None else "") + ")"
+                 for e, v in c["engines"].items()]
+        md.append(f"- greedy check, {c['model']} ({len(c['prompt'])}-token prompt, {c['new_tokens']} new tokens; "
+                  f"logit std {next(iter(c['engines'].values()))['logit_std']:.2f}): leading tokens equal to the fp32 "
+                  f"reference's greedy tokens: " + "; ".join(parts))
     Path(a.out_json).write_text(json.dumps(out, indent=1))
     Path(a.out_md).write_text("\n".join(md) + "\n")
     print("\n".join(md))
+
+
+def cmd_check(a):
+    """Do the engines run the same model? The fp32 reference (transformers on the bf16 weights widened to fp32, so
+    exact up to fp32 rounding) generates greedily from the prompt, and scores each engine's own greedy tokens by
+    teacher forcing: the margin of step i is the reference's best logit minus the logit of the engine's token (0 when
+    the engine chose the reference's argmax). bf16 engines may pick another token where the reference's top two are
+    closer than bf16's error, and then continue from a different text; a margin well above that error would be a
+    real disagreement (the wrong RoPE, norm or head order)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(a.threads)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.hf, dtype=torch.float32)
+    model.eval()
+    prompt = [int(x) for x in a.prompt.split(",")]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=a.new,
+                             min_new_tokens=a.new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    ref = ref[0, len(prompt):].tolist()
+    row = {"kind": "greedy_check", "model": a.name, "prompt": prompt, "new_tokens": a.new, "reference": ref,
+           "engines": {}}
+
+    def score(tokens):
+        seq = torch.tensor([prompt + tokens])
+        with torch.inference_mode():
+            logits = model(input_ids=seq).logits[0, len(prompt) - 1:-1].float()
+        top2 = logits.topk(2, dim=-1).values
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        return (top2[:, 0] - chosen).tolist(), (top2[:, 0] - top2[:, 1]).tolist(), logits.std().item()
+
+    for spec in a.engine:
+        name, toks = spec.split("=", 1)
+        toks = json.loads(toks)[: a.new]
+        margins, gaps, spread = score(toks)
+        agree = 0
+        while agree < min(len(toks), len(ref)) and toks[agree] == ref[agree]:
+            agree += 1
+        row["engines"][name] = {"tokens": toks, "agree_with_reference": agree, "max_margin": max(margins),
+                                "margins": margins, "reference_top2_gap_at_first_difference":
+                                gaps[agree] if agree < len(toks) else None, "logit_std": spread}
+    print(json.dumps(row))
 
 
 def cmd_agree(a):
@@ -334,12 +394,19 @@ def main():
     p.add_argument("--results", required=True)
     p.add_argument("--out-json", required=True)
     p.add_argument("--out-md", required=True)
+    p = sub.add_parser("check")
+    p.add_argument("--hf", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engine", action="append", default=[], help="NAME=[ids...]")
     p = sub.add_parser("agree")
     p.add_argument("x")
     p.add_argument("y")
     a = ap.parse_args()
     {"models": cmd_models, "convert": cmd_convert, "prompts": cmd_prompts, "transformers": cmd_transformers,
-     "bound": cmd_bound, "report": cmd_report, "agree": cmd_agree}[a.cmd](a)
+     "bound": cmd_bound, "report": cmd_report, "check": cmd_check, "agree": cmd_agree}[a.cmd](a)
 
 
 if __name__ == "__main__":
