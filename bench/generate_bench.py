@@ -15,9 +15,9 @@
   prompts --vocab V --len N --count B --seed S
       B prompts of N token ids drawn uniformly from [0, V) (ids only: the same ids go to every engine), one line each.
   transformers --hf DIR --prompts FILE --batch B --new N --threads T [--rounds R]
-      transformers' generate (greedy, bf16 weights, no stop) on the first B prompts: prefill tokens/s (the
-      forward of the prompts, as generate runs it: generate with max_new_tokens=1) and decode tokens/s
-      ((N-1) x B tokens over the rest of generate with max_new_tokens=N). One JSON line.
+      transformers' generate (greedy, bf16 weights, no stop) on the first B prompts, one call of N new tokens, each
+      next-token choice time-stamped by a logits processor: prefill tokens/s (B x P over the time to the first
+      choice: the prompts' forward) and decode tokens/s ((N-1) x B over the time from the first to the last choice).
   bound --hf DIR --batch B --context C --bandwidth BYTES_PER_S
       Bytes read per decode step (weights actually touched + state + KV at the context) and the tokens/s ceiling.
   report --results FILE.jsonl --out-json FILE --out-md FILE
@@ -178,22 +178,30 @@ def cmd_transformers(a):
     model.eval()
     prompts = read_prompts(a.prompts, a.batch)
     ids = torch.tensor(prompts, dtype=torch.long)  # all prompts have the same length: no padding
-    mask = torch.ones_like(ids)
     gen = dict(do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True)
 
-    def run(new):
+    class Clock(transformers.LogitsProcessor):
+        """Stamps each next-token choice: the first comes right after the prompt's forward."""
+        times = []
+
+        def __call__(self, input_ids, scores):
+            self.times.append(time.perf_counter())
+            return scores
+
+    def run(x, new):
+        Clock.times = []
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, **gen)
-        return time.perf_counter() - t0, out
+            out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
+                                 min_new_tokens=new, logits_processor=transformers.LogitsProcessorList([Clock()]), **gen)
+        return Clock.times[0] - t0, Clock.times[-1] - Clock.times[0], out
 
-    run(2)  # warm-up (allocations, oneDNN primitives)
+    run(ids[:, :8], 2)  # warm-up on a short prompt (allocations, oneDNN primitives)
     prefill, decode, tokens = [], [], None
     for _ in range(a.rounds):
-        t1, _ = run(1)
-        tn, out = run(a.new)
-        prefill.append(t1)
-        decode.append(max(tn - t1, 1e-9))
+        tp, td, out = run(ids, a.new)
+        prefill.append(tp)
+        decode.append(max(td, 1e-9))
         tokens = out[:, ids.shape[1]:].tolist()
     B, P = ids.shape
     print(json.dumps({

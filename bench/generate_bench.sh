@@ -16,7 +16,8 @@
 # Environment: HS_CACHE (default ${XDG_CACHE_HOME:-~/.cache}/hybridscan) holds the peer and the models between runs;
 # LLAMA_CPP_DIR reuses an extracted llama.cpp tree (its build/ too) instead of downloading llama-cpp-python 0.3.36's
 # sdist (`pip download --no-deps --no-binary :all:`) and building it there once; PYTHON (default .venv/bin/python,
-# with torch and transformers: scripts/setup.sh --bench).
+# with torch and transformers: scripts/setup.sh --bench). OMP_WAIT_POLICY passes through to hybridscan and torch: on
+# cores busy with other work set it to passive (spinning OpenMP threads then cost several times their speed).
 #
 # What runs: the models are random-initialised by transformers (seed 1) and saved as Hugging Face checkpoints
 # (bench/generate_bench.py models); llama.cpp's convert_hf_to_gguf.py converts them (--outtype bf16). hybridscan reads
@@ -94,7 +95,8 @@ import json, sys
 bw = json.loads(sys.argv[2])
 meta = {"kind": "meta", "threads": $THREADS, "prompt_tokens": $PLEN, "new_tokens": $NEW, "rounds": $ROUNDS,
         "bandwidth_bytes_per_s": bw["copy_bytes_per_s"], "read_bandwidth_bytes_per_s": bw["read_bytes_per_s"],
-        "llama_cpp": "llama-cpp-python $LLAMA_VERSION ($LLAMA)", "models": "$MODELS"}
+        "llama_cpp": "llama-cpp-python $LLAMA_VERSION ($LLAMA)", "models": "$MODELS",
+        "omp_wait_policy": "${OMP_WAIT_POLICY:-}", "load_average": open("/proc/loadavg").read().split()[:3]}
 open(sys.argv[1], "a").write(json.dumps(meta) + "\n")
 PY
 
