@@ -30,7 +30,7 @@ TEST(InferenceWeights, NativeCheckpointsAreMappedInTheirStoredDtype) {
   const model::ModelConfig cfg = model::load_config(kParity + "qwen3_5_L7");
   model::ParamSet ps(cfg, DType::BF16, mem, MemCategory::Parameters, false);
   model::init_params(ps, 9);
-  checkpoint::save_native(dir / "ck", {&ps, nullptr, nullptr, nlohmann::json{{"step", 0}}});
+  checkpoint::save_native(dir / "ck", {&ps, nullptr, nullptr, nlohmann::json{{"step", 0}}, {}});
   const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(dir / "ck");
 
   GenerateOptions opt;
@@ -124,7 +124,9 @@ TEST(InferenceWeights, HuggingFaceBf16CheckpointsAreMappedInPlace) {
     EXPECT_EQ(fresh.live_total(), 0u);
     EXPECT_EQ(w->mapped_bytes, x.ps->nbytes());
     EXPECT_EQ(w->params->nbytes(), x.ps->nbytes());
-    if (std::string(sub) == "hf-sharded") EXPECT_GT(w->reader->files().size(), 2u);
+    if (std::string(sub) == "hf-sharded") {
+      EXPECT_GT(w->reader->files().size(), 2u);
+    }
     const auto spans = file_tensors(*w->reader);
     size_t views = 0;
     for (int64_t l = 0; l < x.cfg.layers; ++l) {
@@ -176,8 +178,8 @@ TEST(InferenceWeights, HuggingFaceQwen3NextCopiesOnlyTheTensorsItMustReorder) {
   const auto spans = file_tensors(*w->reader);
   const model::LayerWeights full = w->params->layer(model::slot_of_layer(x.cfg, 3));  // the attention layer
   EXPECT_TRUE(inside(spans, full[model::p::kQ]));
-  EXPECT_TRUE(inside(spans, full[model::p::kFullFfn + model::p::kSharedUp]));
-  EXPECT_FALSE(inside(spans, full[model::p::kFullFfn + model::p::kGateUp]));
+  EXPECT_TRUE(inside(spans, full[size_t(model::p::kFullFfn) + model::p::kSharedUp]));
+  EXPECT_FALSE(inside(spans, full[size_t(model::p::kFullFfn) + model::p::kGateUp]));
   EXPECT_EQ(generate(*w->params, x.prompts, x.opt, fresh).tokens, x.want);
 }
 
