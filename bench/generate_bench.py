@@ -20,13 +20,13 @@
       choice: the prompts' forward) and decode tokens/s ((N-1) x B over the time from the first to the last choice).
   bound --hf DIR --batch B --context C --bandwidth BYTES_PER_S
       Bytes read per decode step (weights actually touched + state + KV at the context) and the tokens/s ceiling.
+  check --hf DIR --name M --prompt IDS --engine NAME=[ids] ...
+      Scores each engine's greedy tokens against transformers in fp32 (see cmd_check).
   report --results FILE.jsonl --out-json FILE --out-md FILE
       The table and the JSON of every figure, with the ratios hybridscan / llama.cpp and hybridscan / transformers.
 """
 import argparse
 import json
-import math
-import os
 import random
 import statistics
 import sys
@@ -361,15 +361,6 @@ def cmd_check(a):
     print(json.dumps(row))
 
 
-def cmd_agree(a):
-    """First position where two token lists differ (the number of leading tokens they share)."""
-    x, y = json.loads(a.x), json.loads(a.y)
-    n = 0
-    while n < min(len(x), len(y)) and x[n] == y[n]:
-        n += 1
-    print(n)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -409,12 +400,9 @@ def main():
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engine", action="append", default=[], help="NAME=[ids...]")
-    p = sub.add_parser("agree")
-    p.add_argument("x")
-    p.add_argument("y")
     a = ap.parse_args()
     {"models": cmd_models, "convert": cmd_convert, "prompts": cmd_prompts, "transformers": cmd_transformers,
-     "bound": cmd_bound, "report": cmd_report, "check": cmd_check, "agree": cmd_agree}[a.cmd](a)
+     "bound": cmd_bound, "report": cmd_report, "check": cmd_check}[a.cmd](a)
 
 
 if __name__ == "__main__":
