@@ -1,7 +1,9 @@
 // `hybridscan generate` end to end on a random checkpoint of the parity fixtures (vocabulary 256: text is bytes).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -82,6 +84,36 @@ TEST(GenerateCli, SeedsPromptFilesAndStopStrings) {
   ASSERT_EQ(s.status, 0) << s.err;
   EXPECT_EQ(last_line(s.out)["tokens"][0].size(), k + 1);
   EXPECT_EQ(s.out.substr(0, k), text.substr(0, k));
+}
+
+// --prompt-ids repeated: one prompt each, each getting its own tokens (as alone). --ignore-eos: the checkpoint's
+// end-of-text id no longer ends a sequence.
+TEST(GenerateCli, RepeatedPromptIdsAndIgnoreEos) {
+  const std::string base = "--checkpoint " + kCase + " --max-new-tokens 12 --threads 2 --json ";
+  const Outcome a = run(base + "--prompt-ids 5,6,7"), b = run(base + "--prompt-ids 9,1"),
+                both = run(base + "--prompt-ids 5,6,7 --prompt-ids 9,1");
+  ASSERT_EQ(both.status, 0) << both.err;
+  const nlohmann::json j = last_line(both.out);
+  ASSERT_EQ(j["tokens"].size(), 2u);
+  EXPECT_EQ(j["tokens"][0], last_line(a.out)["tokens"][0]);
+  EXPECT_EQ(j["tokens"][1], last_line(b.out)["tokens"][0]);
+
+  // A copy of the checkpoint whose eos_token_id is the third greedy token.
+  const auto ids = last_line(a.out)["tokens"][0].get<std::vector<int32_t>>();
+  ASSERT_EQ(ids.size(), 12u);
+  test::TempDir dir;
+  std::filesystem::copy_file(kCase + "/model.safetensors", dir / "model.safetensors");
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(kCase + "/config.json"));
+  cfg["eos_token_id"] = ids[2];
+  std::ofstream(dir / "config.json") << cfg.dump();
+  const std::string copy = "--checkpoint " + dir.path().string() + " --prompt-ids 5,6,7 --max-new-tokens 12 --json";
+  const Outcome stops = run(copy), goes_on = run(copy + " --ignore-eos");
+  ASSERT_EQ(stops.status, 0) << stops.err;
+  const size_t first = static_cast<size_t>(std::find(ids.begin(), ids.end(), ids[2]) - ids.begin());
+  EXPECT_EQ(last_line(stops.out)["tokens"][0].size(), first + 1);
+  EXPECT_EQ(last_line(goes_on.out)["tokens"][0].get<std::vector<int32_t>>(), ids);
+  EXPECT_NE(run("--checkpoint " + kCase + " --prompt-ids 5 --threads -1").err.find("--threads must be >= 0"),
+            std::string::npos);
 }
 
 TEST(GenerateCli, BadInputGivesClearErrors) {

@@ -226,7 +226,7 @@ CheckpointDir open_checkpoint_dir(const fs::path& path) {
   return d;
 }
 
-std::vector<std::string> load_parameters(const CheckpointDir& d, model::ParamSet& params) {
+std::vector<std::string> load_parameters(const CheckpointDir& d, model::ParamSet& params, const std::vector<bool>* only) {
   CheckpointReader r(d.path);
   std::vector<std::string> notes;
   if (size_t skipped = check_no_strangers(r, d.tensors, d.format))
@@ -235,9 +235,12 @@ std::vector<std::string> load_parameters(const CheckpointDir& d, model::ParamSet
   std::vector<float> buf;
   for (size_t i = 0; i < d.tensors.hf.size(); ++i) {
     const HfTensor& t = d.tensors.hf[i];
+    auto wanted = [&](const ElementRun& run) { return !only || only->at(run.stacked); };
+    if (std::none_of(t.runs.begin(), t.runs.end(), wanted)) continue;
     buf.resize(static_cast<size_t>(numel(t.shape)));
     r.read_f32(t.name, buf);
     for (const ElementRun& run : t.runs) {
+      if (!wanted(run)) continue;
       const TensorView& dst = params.all()[run.stacked].tensor.view();
       if (dst.dtype == DType::F32) std::copy_n(buf.data() + run.hf_at, run.count, static_cast<float*>(dst.data) + run.stacked_at);
       else convert(buf.data() + run.hf_at, static_cast<bf16*>(dst.data) + run.stacked_at, static_cast<size_t>(run.count));

@@ -51,8 +51,11 @@ struct CheckpointDir {
 CheckpointDir open_checkpoint_dir(const std::filesystem::path& dir);
 
 // Loads the parameters of any checkpoint directory into a stacked ParamSet of the given weight dtype.
-// Returns notes (skipped tensors, ...).
-std::vector<std::string> load_parameters(const CheckpointDir& dir, model::ParamSet& params);
+// Returns notes (skipped tensors, ...). only: when given (one entry per stacked tensor), fills just the stacked
+// tensors i with only[i] and reads no file tensor that feeds none of them; the whole checkpoint is validated either way
+// (missing, unexpected or misshapen tensors throw).
+std::vector<std::string> load_parameters(const CheckpointDir& dir, model::ParamSet& params,
+                                         const std::vector<bool>* only = nullptr);
 
 struct ConvertOptions {
   Format to = Format::Native;

@@ -1,4 +1,5 @@
 // generate: text from a checkpoint (native or Hugging Face) through the incremental decoder (src/infer).
+#include <omp.h>
 #include <sys/resource.h>
 
 #include <cstdio>
@@ -21,12 +22,14 @@ namespace hs::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, prompt_ids, prompts_file, weight_dtype;
+  std::string checkpoint, prompt, prompts_file, weight_dtype;
+  std::vector<std::string> prompt_ids;  // one prompt each
   int64_t max_new_tokens = 128, top_k = 0;
+  int threads = 0;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
   std::vector<std::string> stop;
-  bool chat = false, json = false;
+  bool chat = false, json = false, ignore_eos = false;
 };
 
 size_t peak_rss_bytes() {
@@ -81,6 +84,8 @@ std::vector<int32_t> eos_ids(const nlohmann::json& cfg) {
 void run_generate(const GenerateArgs& a) {
   const int given = !a.prompt.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty();
   if (given != 1) throw std::invalid_argument("give exactly one of --prompt, --prompt-ids, --prompts");
+  if (a.threads < 0) throw std::invalid_argument("--threads must be >= 0");
+  if (a.threads > 0) omp_set_num_threads(a.threads);
   if (a.max_new_tokens <= 0)
     throw std::invalid_argument("--max-new-tokens must be positive (got " + std::to_string(a.max_new_tokens) + ")");
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
@@ -119,7 +124,7 @@ void run_generate(const GenerateArgs& a) {
 
   std::vector<std::vector<int32_t>> prompts;
   if (!a.prompt.empty()) prompts.push_back(text_ids(a.prompt));
-  if (!a.prompt_ids.empty()) prompts.push_back(parse_ids(a.prompt_ids, cfg.vocab));
+  for (const std::string& ids : a.prompt_ids) prompts.push_back(parse_ids(ids, cfg.vocab));
   if (!a.prompts_file.empty()) {
     std::ifstream in(a.prompts_file);
     if (!in) throw std::invalid_argument("cannot read --prompts file " + a.prompts_file);
@@ -136,8 +141,8 @@ void run_generate(const GenerateArgs& a) {
   infer::GenerateOptions opt;
   opt.max_new_tokens = context > 0 ? std::min(a.max_new_tokens, context - longest) : a.max_new_tokens;
   opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
-  opt.stop_ids = eos_ids(d.config_json);
-  if (tok)
+  if (!a.ignore_eos) opt.stop_ids = eos_ids(d.config_json);
+  if (tok && !a.ignore_eos)
     for (const char* end : {"<|im_end|>", "<|endoftext|>"})
       if (auto id = tok->token_to_id(end)) opt.stop_ids.push_back(static_cast<int32_t>(*id));
 
@@ -206,7 +211,9 @@ void run_generate(const GenerateArgs& a) {
                                         {"kv_cache_bytes", r.kv_cache_bytes},
                                         {"recurrent_state_bytes", r.recurrent_state_bytes},
                                         {"accounted_peak_bytes", r.peak_bytes},
-                                        {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped}})
+                                        {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped},
+                                        {"weights_mapped_bytes", weights->mapped_bytes},
+                                        {"weights_copied_bytes", weights->copied_bytes}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
   }
@@ -219,7 +226,7 @@ void register_generate(CLI::App& app) {
   CLI::App* c = app.add_subcommand("generate", "Generate text from a checkpoint (native or Hugging Face)");
   c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
   c->add_option("--prompt", a->prompt, "Prompt text (bytes for the byte-level presets)");
-  c->add_option("--prompt-ids", a->prompt_ids, "Prompt as token ids, e.g. 1,2,3");
+  c->add_option("--prompt-ids", a->prompt_ids, "Prompt as token ids, e.g. 1,2,3 (repeat for several prompts)");
   c->add_option("--prompts", a->prompts_file, "File of prompts, one a line, generated together");
   c->add_option("--max-new-tokens", a->max_new_tokens, "Tokens to generate per prompt")->capture_default_str();
   c->add_option("--temperature", a->temperature, "0: greedy")->capture_default_str();
@@ -230,6 +237,9 @@ void register_generate(CLI::App& app) {
   c->add_option("--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
   c->add_flag("--chat", a->chat, "Wrap the prompt in the Qwen chat format");
+  c->add_flag("--ignore-eos", a->ignore_eos,
+              "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");
+  c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
   c->add_flag("--json", a->json, "End with one JSON line: tokens, text, tokens/s, peak RSS");
   c->callback([a] { run_generate(*a); });
 }

@@ -1,6 +1,8 @@
 #include "infer/weights.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 
 namespace hs::infer {
@@ -17,13 +19,39 @@ DType stored_weight_dtype(const checkpoint::CheckpointDir& d) {
 
 namespace {
 
-// Why the stacked tensor cannot be used in place ("" when it can).
-std::string unmappable(const checkpoint::CheckpointReader& r, const model::StackedParam& sp) {
-  if (!r.contains(sp.name)) return sp.name + " is missing";
-  const checkpoint::TensorInfo& t = r.info(sp.name);
-  if (t.shape != sp.full_shape) return sp.name + " has shape " + shape_str(t.shape);
-  if (checkpoint::to_engine_dtype(t.dtype) != sp.dtype) return sp.name + " is stored as " + std::string(checkpoint::file_dtype_name(t.dtype));
-  if (reinterpret_cast<uintptr_t>(r.bytes(sp.name).data()) % dtype_size(sp.dtype) != 0) return sp.name + " is not aligned";
+struct Span {
+  const checkpoint::HfTensor* file;
+  const checkpoint::ElementRun* run;
+};
+
+// Where each layer of stacked tensor sp lies in the files, or why one cannot be used in place ("" when all can).
+std::string place_layers(const checkpoint::CheckpointReader& r, const model::StackedParam& sp,
+                         const std::vector<Span>& spans, std::vector<void*>& at) {
+  const int64_t per = numel(sp.spec.shape), layers = numel(sp.lead);
+  const size_t es = dtype_size(sp.dtype);
+  at.assign(static_cast<size_t>(layers), nullptr);
+  for (int64_t j = 0; j < layers; ++j) {
+    const Span* s = nullptr;
+    for (const Span& c : spans)
+      if (c.run->stacked_at <= j * per && j * per + per <= c.run->stacked_at + c.run->count) s = &c;
+    if (!s) {
+      std::vector<std::string> from;
+      for (const Span& c : spans)
+        if (c.run->stacked_at < (j + 1) * per && j * per < c.run->stacked_at + c.run->count &&
+            std::find(from.begin(), from.end(), c.file->name) == from.end())
+          from.push_back(c.file->name);
+      if (from.empty()) return "a layer is missing";
+      return "a layer is assembled from pieces of '" + from[0] + "'" +
+             (from.size() > 1 ? " and " + std::to_string(from.size() - 1) + " more" : "");
+    }
+    const checkpoint::TensorInfo& t = r.info(s->file->name);
+    if (checkpoint::to_engine_dtype(t.dtype) != sp.dtype)
+      return "'" + s->file->name + "' is stored as " + std::string(checkpoint::file_dtype_name(t.dtype)) + ", wanted " +
+             std::string(dtype_name(sp.dtype));
+    const std::byte* p = r.bytes(s->file->name).data() + static_cast<size_t>(s->run->hf_at + j * per - s->run->stacked_at) * es;
+    if (reinterpret_cast<uintptr_t>(p) % es != 0) return "'" + s->file->name + "' is not aligned";
+    at[static_cast<size_t>(j)] = const_cast<std::byte*>(p);
+  }
   return "";
 }
 
@@ -33,26 +61,45 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
                                                MemoryAccountant& mem) {
   auto w = std::make_unique<InferenceWeights>();
   const DType want = dtype ? *dtype : stored_weight_dtype(d);
-  if (d.format == checkpoint::Format::Native && d.layout == checkpoint::Layout::Scanned) {
-    auto reader = std::make_unique<checkpoint::CheckpointReader>(d.path);
-    auto params = std::make_unique<model::ParamSet>(d.config, want, w->shapes, MemCategory::Parameters, false);
-    std::string why;
-    for (const model::StackedParam& sp : params->all())
-      if (why.empty()) why = unmappable(*reader, sp);
-    if (why.empty() && reader->tensor_names().size() != params->all().size()) why = "it holds other tensors too";
-    if (why.empty()) {
-      for (model::StackedParam& sp : params->all())
-        sp.tensor = Tensor::borrowed(TensorView(const_cast<std::byte*>(reader->bytes(sp.name).data()), sp.dtype,
-                                                sp.full_shape));
-      w->reader = std::move(reader);
-      w->params = std::move(params);
-      w->mapped = true;
-      return w;
-    }
-    w->notes.push_back("weights copied, not mapped: " + why);
+  auto reader = std::make_unique<checkpoint::CheckpointReader>(d.path);
+  auto params = std::make_unique<model::ParamSet>(d.config, want, w->shapes, MemCategory::Parameters, false);
+  std::vector<std::vector<Span>> spans(params->all().size());
+  for (const checkpoint::HfTensor& t : d.tensors.hf) {
+    if (!reader->contains(t.name)) continue;  // load_parameters below names it
+    for (const checkpoint::ElementRun& run : t.runs) spans.at(run.stacked).push_back({&t, &run});
   }
-  w->params = std::make_unique<model::ParamSet>(d.config, want, mem, MemCategory::Parameters, false);
-  for (auto& n : checkpoint::load_parameters(d, *w->params)) w->notes.push_back(std::move(n));
+  std::vector<bool> copy(params->all().size(), false);
+  std::map<std::string, std::vector<std::string>> why_copied;  // reason -> tensors
+  for (size_t i = 0; i < params->all().size(); ++i) {
+    model::StackedParam& sp = params->all()[i];
+    std::vector<void*> at;
+    const std::string why = place_layers(*reader, sp, spans[i], at);
+    if (!why.empty()) {
+      copy[i] = true;
+      sp.tensor = Tensor::empty(mem, MemCategory::Parameters, sp.dtype, sp.full_shape, sp.name);
+      w->copied_bytes += sp.tensor.nbytes();
+      why_copied[why].push_back(sp.name);
+      continue;
+    }
+    // One block of memory (a native scanned stack, a global): the stacked tensor itself; else a view per layer.
+    const size_t layer_bytes = static_cast<size_t>(numel(sp.spec.shape)) * dtype_size(sp.dtype);
+    bool contiguous = true;
+    for (size_t j = 1; j < at.size(); ++j)
+      contiguous = contiguous && static_cast<std::byte*>(at[j]) == static_cast<std::byte*>(at[0]) + j * layer_bytes;
+    if (contiguous) sp.tensor = Tensor::borrowed(TensorView(at[0], sp.dtype, sp.full_shape));
+    else sp.layers = std::move(at);
+    w->mapped_bytes += layer_bytes * static_cast<size_t>(numel(sp.lead));
+  }
+  // Validates the whole checkpoint (missing, unexpected, misshapen tensors) and fills the copied tensors only.
+  for (auto& n : checkpoint::load_parameters(d, *params, &copy)) w->notes.push_back(std::move(n));
+  for (const auto& [why, names] : why_copied) {
+    std::string list;
+    for (const std::string& n : names) list += (list.empty() ? "" : ", ") + n;
+    w->notes.push_back("copied, not mapped (" + why + "): " + list);
+  }
+  w->mapped = w->copied_bytes == 0;
+  w->reader = std::move(reader);
+  w->params = std::move(params);
   return w;
 }
 

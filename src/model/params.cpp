@@ -121,7 +121,7 @@ ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& m
       stored.push_back(layer_shard_elems(s, shards));
     }
     Tensor tensor = zero ? Tensor::zeros(mem, cat, t, stored, name) : Tensor::empty(mem, cat, t, stored, name);
-    params_.push_back({name, s, lead, std::move(tensor), full, t});
+    params_.push_back({name, s, lead, std::move(tensor), full, t, {}});
   };
   for (const auto& s : global_specs(c)) add("", s, {});
   struct G { StackGroup g; Shape lead; LayerKind kind; };
@@ -147,6 +147,11 @@ LayerWeights ParamSet::layer(const LayerSlot& s) const {
   size_t first = first_[static_cast<int>(s.group)];
   for (size_t i = 0; i < n; ++i) {
     const StackedParam& sp = params_.at(first + i);
+    if (!sp.layers.empty()) {
+      const int64_t at = s.group == StackGroup::Local ? s.block * sp.lead.at(1) + s.local : s.block;
+      w.t.push_back(TensorView(sp.layers.at(static_cast<size_t>(at)), sp.dtype, sp.spec.shape));
+      continue;
+    }
     TensorView v = sp.tensor.view()[s.block];
     if (s.group == StackGroup::Local) v = v[s.local];
     // Sharded: this rank's shard of the layer's tensor, described by the per-layer shape the gather produces.
@@ -158,13 +163,14 @@ LayerWeights ParamSet::layer(const LayerSlot& s) const {
 
 int64_t ParamSet::numel() const {
   int64_t n = 0;
-  for (const auto& p : params_) n += p.tensor.numel();
+  for (const auto& p : params_) n += p.layers.empty() ? p.tensor.numel() : hs::numel(p.full_shape);
   return n;
 }
 
 size_t ParamSet::nbytes() const {
   size_t n = 0;
-  for (const auto& p : params_) n += p.tensor.nbytes();
+  for (const auto& p : params_)
+    n += p.layers.empty() ? p.tensor.nbytes() : static_cast<size_t>(hs::numel(p.full_shape)) * dtype_size(p.dtype);
   return n;
 }
 

@@ -69,6 +69,10 @@ struct StackedParam {
   Tensor tensor;      // shape lead ++ spec.shape (unsharded), or this rank's 1-D shard
   Shape full_shape;   // lead ++ spec.shape
   DType dtype;
+  // Non-empty when the stack's layers do not lie in one block of memory (weights used in place from a per-layer
+  // checkpoint, e.g. a memory-mapped Hugging Face file): layers[i] is layer i of the stack (row-major over lead), of
+  // spec.shape, memory the set does not own; tensor is then empty. layer() and nbytes() see through it.
+  std::vector<void*> layers = {};
 };
 
 // Where a decoder layer lives in the stacks.
