@@ -87,6 +87,12 @@ constexpr size_t kMappedBytes = ~size_t{0};
 constexpr size_t kMappedBytes = size_t{1} << 16;
 #endif
 constexpr size_t kHugePage = size_t{2} << 20;
+}  // namespace
+
+size_t own_mapping_min_bytes() { return kMappedBytes; }
+
+namespace {
+
 size_t mapped_length(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 
 void* map_buffer(size_t bytes) {

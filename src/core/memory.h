@@ -35,6 +35,9 @@ class MemoryAccountant;
 
 // memset of a large buffer split between the OpenMP threads (one thread alone leaves the others idle).
 void zero_bytes(void* p, size_t bytes);
+// Buffers of at least this many bytes get their own anonymous mapping, returned to the system when freed, so that the
+// resident set follows the accountant; SIZE_MAX when every buffer stays in the heap (under AddressSanitizer).
+size_t own_mapping_min_bytes();
 
 // An allocation owned by the caller; returns its bytes to the accountant when destroyed.
 class Buffer {

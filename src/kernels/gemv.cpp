@@ -10,17 +10,9 @@
 #include <vector>
 
 // The intrinsics of every path are compiled with per-function target attributes, whatever -march says, and a path
-// runs only where the CPU reports its features (gemv_isa_supported). The pragmas as in simd.h.
+// runs only where the CPU reports its features (gemv_isa_supported).
+#include "kernels/simd.h"
 #if defined(__x86_64__)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
 #define HS_GEMV_X86 1
 #endif
 
