@@ -124,6 +124,9 @@ for m in $MODELS; do
   for r in $(seq "$ROUNDS"); do
     for b in $BATCHES; do
       echo "== $m, batch $b, round $r/$ROUNDS" >&2
+      # Both engines map their weight files: read them into the page cache first, so that neither engine's prefill
+      # pays for the disk (llama-bench also runs an untimed warm-up pass).
+      cat "$HF"/*.safetensors "$GGUF" > /dev/null
       # hybridscan: the Hugging Face directory as it is (memory-mapped bf16)
       args=()
       while IFS= read -r line; do args+=(--prompt-ids "$line"); done < <(head -n "$b" "$PROMPTS")

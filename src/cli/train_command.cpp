@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "core/memory.h"
 #include "mpi/mpi_collectives.h"
 #include "planner/plan.h"
 #include "train/trainer.h"
@@ -136,6 +137,9 @@ void register_train(CLI::App& app) {
     x.o.opt.moment_dtype = train::parse_dtype(x.moment_dtype);
     if (x.remat == "auto") {
       if (x.budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
+      if (!x.o.resume.empty())
+        throw std::invalid_argument("--remat auto chooses the policy of a new run; a resume continues the checkpoint's "
+                                    "(leave --remat out)");
       // The planner's choice for exactly this run: the same schedule over shapes.
       planner::PlanRequest r;
       r.model = model::load_config(!x.o.resume.empty() || !x.o.init.empty() ? (!x.o.resume.empty() ? x.o.resume : x.o.init)
@@ -203,6 +207,7 @@ void register_train(CLI::App& app) {
                           {"argument_bytes", s.argument_bytes},
                           {"temp_bytes", s.temp_bytes},
                           {"peak_bytes", s.peak_bytes},
+                          {"peak_rss_bytes", peak_resident_bytes()},
                           {"ranks", world},
                           {"rank_peak_bytes", std::vector<size_t>(peaks.begin(), peaks.end())},
                           {"rank_comm_exposed_s", exposed},

@@ -1,15 +1,19 @@
 #include "core/memory.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <new>
 #include <stdexcept>
+#include <string>
 
 #include <sys/mman.h>
+#include <sys/resource.h>
 
 namespace hs {
 
@@ -48,10 +52,12 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
     owner_ = o.owner_;
     id_ = o.id_;
     cat_ = o.cat_;
+    mapped_ = o.mapped_;
     o.data_ = nullptr;
     o.bytes_ = 0;
     o.owner_ = nullptr;
     o.id_ = 0;
+    o.mapped_ = false;
   }
   return *this;
 }
@@ -62,6 +68,7 @@ void Buffer::reset() {
   bytes_ = 0;
   owner_ = nullptr;
   id_ = 0;
+  mapped_ = false;
 }
 
 namespace {
@@ -89,7 +96,22 @@ constexpr size_t kMappedBytes = size_t{1} << 16;
 constexpr size_t kHugePage = size_t{2} << 20;
 }  // namespace
 
-size_t own_mapping_min_bytes() { return kMappedBytes; }
+std::atomic<size_t> g_own_mapping_min{kMappedBytes};
+
+size_t own_mapping_min_bytes() { return g_own_mapping_min.load(); }
+void set_own_mapping_min_bytes(size_t bytes) {
+  if (kMappedBytes != ~size_t{0}) g_own_mapping_min.store(bytes);
+}
+
+size_t peak_resident_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return static_cast<size_t>(std::stoull(line.substr(6))) * 1024;  // kB
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<size_t>(u.ru_maxrss) * 1024;
+}
 
 namespace {
 
@@ -135,7 +157,7 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
   Buffer b;
   if (!planning_ && bytes > 0) {
     size_t rounded = (bytes + 63) / 64 * 64;
-    const bool mapped = bytes >= kMappedBytes;
+    const bool mapped = bytes >= g_own_mapping_min.load(std::memory_order_relaxed);
     void* p = mapped ? map_buffer(bytes) : std::aligned_alloc(64, rounded);
     if (!p) {
       std::fprintf(stderr, "hybridscan: out of memory allocating %s for '%.*s' (%s live)\n",
@@ -145,6 +167,7 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
     }
     if (zero) zero_bytes(p, rounded);
     b.data_ = p;
+    b.mapped_ = mapped;
   }
   std::lock_guard<std::mutex> lock(mu_);
   b.bytes_ = bytes;
@@ -166,7 +189,9 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
 
 void MemoryAccountant::release(Buffer& b) {
   if (b.data_) {
-    if (b.bytes_ >= kMappedBytes) munmap(b.data_, mapped_length(b.bytes_));
+    if (b.mapped_) {
+      if (munmap(b.data_, mapped_length(b.bytes_)) != 0) std::perror("hybridscan: munmap of a freed buffer");
+    }
     else std::free(b.data_);
   }
   std::lock_guard<std::mutex> lock(mu_);

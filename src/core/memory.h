@@ -38,6 +38,14 @@ void zero_bytes(void* p, size_t bytes);
 // Buffers of at least this many bytes get their own anonymous mapping, returned to the system when freed, so that the
 // resident set follows the accountant; SIZE_MAX when every buffer stays in the heap (under AddressSanitizer).
 size_t own_mapping_min_bytes();
+// Changes that threshold for the buffers allocated from now on (each buffer remembers where it came from). SIZE_MAX
+// keeps every buffer in the heap: `generate` does, since a decoded token allocates and frees the same few buffers,
+// which the heap hands back without new page faults. Under AddressSanitizer it stays SIZE_MAX.
+void set_own_mapping_min_bytes(size_t bytes);
+
+// This process's peak resident set (VmHWM of /proc/self/status: the current program image's own, where
+// getrusage's ru_maxrss also counts the image before an exec, e.g. a test process that forked it).
+size_t peak_resident_bytes();
 
 // An allocation owned by the caller; returns its bytes to the accountant when destroyed.
 class Buffer {
@@ -63,6 +71,7 @@ class Buffer {
   MemoryAccountant* owner_ = nullptr;
   uint64_t id_ = 0;
   MemCategory cat_ = MemCategory::Workspace;
+  bool mapped_ = false;  // its own mapping (munmap), else the heap (free)
 };
 
 // The data of a buffer as E*: a free function, so it reads the same inside templates.

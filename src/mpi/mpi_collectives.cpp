@@ -273,6 +273,7 @@ void MpiCollectives::all_reduce_sum(double* x, int64_t n) {
 
 void MpiCollectives::all_reduce_sum(float* x, int64_t n, float* scratch) {
   // A reduce-scatter into this rank's slice, then an in-place gather of the slices: the same rank-order sums.
+  if (size() == 1) return;  // the sum over one rank is x (and all_reduce_scratch_elems gave no scratch)
   const int64_t s = shard_elems(n, size()), padded = padded_elems(n);
   float* buf = scratch;
   float* mine = scratch + padded;

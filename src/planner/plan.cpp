@@ -50,7 +50,8 @@ PlanResult plan(const PlanRequest& r) {
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   opt.prefetch = r.prefetch;
   opt.gather_piece_bytes = r.gather_piece_bytes;
-  // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates nothing.
+  // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates only the replicas'
+  // sums' scratch, one tensor's at a time, as the real run does.
   VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
   train::InBackwardAdamW update(adamw, params, &group, &replicas, &mem);
   if (r.update_in_backward) opt.update = &update;

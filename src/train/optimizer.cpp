@@ -91,7 +91,7 @@ void InBackwardAdamW::apply(const std::vector<Slice>& slices) {
                                                MemCategory::Workspace, "replica_all_reduce");
       if (s.grad && !mem_->planning()) replicas_->all_reduce_sum(s.grad, s.n, ptr<float>(scratch));
     }
-    if (!s.grad || !s.w.data) return;  // planning: shapes only
+    if (!s.grad || !s.w.data) continue;  // planning: shapes only (every tensor's scratch is still planned)
     squares_ += kernels::sum_squares(s.grad, s.n);
     kernels::AdamWTensor t;
     if (s.w.dtype == DType::F32) t.w = static_cast<float*>(s.w.data);
@@ -108,6 +108,7 @@ void InBackwardAdamW::apply(const std::vector<Slice>& slices) {
     t.weight_decay = s.decay ? static_cast<float>(opt_.cfg_.weight_decay) : 0.0f;
     tensors.push_back(t);
   }
+  if (tensors.empty()) return;
   kernels::adamw_update_clear_all(tensors, adamw_params(opt_.cfg_, opt_.step_), opt_.step_ + 1);
 }
 

@@ -204,7 +204,13 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   const model::ModelConfig cfg = resume ? resume->config : (!o.init.empty() ? checkpoint::open_checkpoint_dir(o.init).config
                                                                              : model::load_config(o.model));
   if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
-  if (o.update_in_backward) check_update_in_backward(o.opt);
+  if (o.update_in_backward) {
+    if (resume && o.opt.clip > 0)
+      throw std::invalid_argument(o.resume + " was trained with --clip " + std::to_string(o.opt.clip) +
+                                  ", which a resume keeps; --update-in-backward needs --clip 0 (resume without "
+                                  "--update-in-backward, or start a new run with --clip 0)");
+    check_update_in_backward(o.opt);
+  }
   if (dist) {
     check_same_run(o, cfg, *dist->world);
     if (o.batch % world != 0)
