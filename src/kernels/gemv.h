@@ -6,7 +6,9 @@
 //
 // Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.
 // The environment variable HS_GEMV_ISA (scalar | avx2 | avx512 | avx512bf16) caps the choice, and the isa argument
-// forces one (tests run every path the machine has). Every path sums the exact products x_k w_k in fp32 (only the
+// forces one (tests run every path the machine has). With HS_NATIVE=ON (the default, -march=native) the compiler may
+// also use the build machine's instructions inside the AVX2 and scalar paths: configure -DHS_NATIVE=OFF for a binary
+// that runs on older CPUs. Every path sums the exact products x_k w_k in fp32 (only the
 // order differs), so |y - y_exact| <= K * 2^-24 * sum_k |x_k w_k| (+ the output's rounding in bf16).
 #pragma once
 #include <cstdint>
