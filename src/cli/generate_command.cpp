@@ -81,10 +81,6 @@ void run_generate(const GenerateArgs& a) {
   if (given != 1) throw std::invalid_argument("give exactly one of --prompt, --prompt-ids, --prompts");
   if (a.threads < 0) throw std::invalid_argument("--threads must be >= 0");
   if (a.threads > 0) omp_set_num_threads(a.threads);
-  // Each decoded token allocates and frees the same few buffers (logits, a layer's projections): from the heap they
-  // come back without page faults; in their own mappings every token faulted them in again (~15% of a `small`
-  // decode step in page faults and clearing).
-  set_own_mapping_min_bytes(SIZE_MAX);
   if (a.max_new_tokens <= 0)
     throw std::invalid_argument("--max-new-tokens must be positive (got " + std::to_string(a.max_new_tokens) + ")");
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");

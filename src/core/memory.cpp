@@ -1,7 +1,6 @@
 #include "core/memory.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -101,12 +100,7 @@ constexpr size_t kMappedBytes = size_t{1} << 16;
 constexpr size_t kHugePage = size_t{2} << 20;
 }  // namespace
 
-std::atomic<size_t> g_own_mapping_min{kMappedBytes};
-
-size_t own_mapping_min_bytes() { return g_own_mapping_min.load(); }
-void set_own_mapping_min_bytes(size_t bytes) {
-  if (kMappedBytes != ~size_t{0}) g_own_mapping_min.store(bytes);
-}
+size_t own_mapping_min_bytes() { return kMappedBytes; }
 
 size_t peak_resident_bytes() {
   std::ifstream in("/proc/self/status");
@@ -228,7 +222,7 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
   Buffer b;
   if (!planning_ && bytes > 0) {
     size_t rounded = (bytes + 63) / 64 * 64;
-    const bool mapped = bytes >= g_own_mapping_min.load(std::memory_order_relaxed);
+    const bool mapped = bytes >= kMappedBytes;
     void* p = mapped ? mappings().take(mapped_length(bytes)) : std::aligned_alloc(64, rounded);
     if (!p) {
       std::fprintf(stderr, "hybridscan: out of memory allocating %s for '%.*s' (%s live)\n",

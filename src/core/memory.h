@@ -38,10 +38,6 @@ void zero_bytes(void* p, size_t bytes);
 // Buffers of at least this many bytes get their own anonymous mapping, returned to the system when freed, so that the
 // resident set follows the accountant; SIZE_MAX when every buffer stays in the heap (under AddressSanitizer).
 size_t own_mapping_min_bytes();
-// Changes that threshold for the buffers allocated from now on (each buffer remembers where it came from). SIZE_MAX
-// keeps every buffer in the heap: `generate` does, since a decoded token allocates and frees the same few buffers,
-// which the heap hands back without new page faults. Under AddressSanitizer it stays SIZE_MAX.
-void set_own_mapping_min_bytes(size_t bytes);
 
 // This process's peak resident set (VmHWM of /proc/self/status: the current program image's own, where
 // getrusage's ru_maxrss also counts the image before an exec, e.g. a test process that forked it).
