@@ -3,7 +3,11 @@
 // random checkpoints of tests/fixtures/parity).
 #include <gtest/gtest.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -186,6 +190,53 @@ TEST(Decode, BatchedGenerationEqualsEachPromptAlone) {
     one.step(std::span(&s0, 1), std::span(&next[i], 1), l1.data());
     EXPECT_LT(worst_position(std::vector<float>(lb.begin() + i * V, lb.begin() + (i + 1) * V), l1, V), 1e-6) << i;
   }
+}
+
+// The fused step (one parallel region per step, infer/fused_step.h) computes every element with the layered path's
+// kernels in the same order, so its logits equal the layered path's bit for bit, at 1 and 2 threads, for both
+// families, fp32 and bf16, one row and several (distinct positions and slots), over 24 steps (the caches it advances
+// feed the later steps, so a state written differently would show).
+TEST(Decode, FusedStepIsBitIdenticalToTheLayeredPath) {
+  for (const char* name : {"qwen3_next_L5", "qwen3_5_L7"})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      auto m = init(name, dt, 3);
+      const int64_t V = m->cfg().vocab;
+      const std::vector<std::vector<int32_t>> prompts = {random_ids(5, V, 1), random_ids(70, V, 2),
+                                                         random_ids(17, V, 3)};
+      for (int64_t B : {1, 3}) {
+        std::vector<std::vector<float>> runs;
+        for (int variant = 0; variant < 3; ++variant) {  // layered; fused at 2 threads; fused at 1 thread
+          const int threads = omp_get_max_threads();
+          if (variant == 2) omp_set_num_threads(1);
+          Decoder dec(*m->params, dt, B, 100, m->mem);
+          dec.set_fused(variant > 0);
+          EXPECT_EQ(dec.fused(), variant > 0) << name;
+          std::vector<float> out, logits(static_cast<size_t>(B * V));
+          std::vector<int32_t> slots, ids;
+          for (int64_t b = 0; b < B; ++b) {
+            dec.prefill(b, prompts[static_cast<size_t>(b)], logits.data());
+            slots.push_back(static_cast<int32_t>(B - 1 - b));  // rows not in slot order
+            ids.push_back(static_cast<int32_t>((7 * b + 3) % V));
+          }
+          for (int t = 0; t < 24; ++t) {
+            dec.step(slots, ids, logits.data());
+            out.insert(out.end(), logits.begin(), logits.end());
+            for (int64_t b = 0; b < B; ++b)  // feed back the argmax, so the runs follow the same tokens
+              ids[static_cast<size_t>(b)] = static_cast<int32_t>(
+                  std::max_element(logits.begin() + b * V, logits.begin() + (b + 1) * V) - (logits.begin() + b * V));
+          }
+          omp_set_num_threads(threads);
+          runs.push_back(std::move(out));
+        }
+        for (int variant = 1; variant < 3; ++variant) {
+          ASSERT_EQ(runs[variant].size(), runs[0].size());
+          size_t differ = 0;
+          for (size_t i = 0; i < runs[0].size(); ++i)
+            differ += std::memcmp(&runs[variant][i], &runs[0][i], sizeof(float)) != 0;
+          EXPECT_EQ(differ, 0u) << name << " " << dtype_name(dt) << " B=" << B << " variant " << variant;
+        }
+      }
+    }
 }
 
 // transformers' greedy generate (its own KV cache and recurrent state) on the random checkpoints: the same 40 tokens

@@ -1,7 +1,11 @@
 #include "infer/decoder.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
+
+#include "kernels/gemv.h"
 
 #include "kernels/embedding.h"
 #include "kernels/matmul.h"
@@ -40,6 +44,11 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
   length_.assign(static_cast<size_t>(slots), 0);
   positions_.resize(static_cast<size_t>(std::max(piece, slots)));
   row_slots_.resize(1);
+  if (const char* f = std::getenv("HS_DECODE_FUSED"); f && std::strcmp(f, "0") == 0) use_fused_ = false;
+  if (compute == DType::F32 && FusedStep<float>::supported(params, compute))
+    fused32_ = std::make_unique<FusedStep<float>>(params, order_, caches_, mem);
+  if (compute == DType::BF16 && FusedStep<bf16>::supported(params, compute))
+    fused16_ = std::make_unique<FusedStep<bf16>>(params, order_, caches_, mem);
 }
 
 size_t Decoder::kv_cache_bytes() const {
@@ -96,8 +105,25 @@ void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids,
                               ")");
     positions_[static_cast<size_t>(b)] = static_cast<int32_t>(length_[static_cast<size_t>(s)]);
   }
-  if (compute_ == DType::F32) run<float>(B, 1, slots.data(), ids.data(), logits, true);
-  else run<bf16>(B, 1, slots.data(), ids.data(), logits, true);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < b; ++j)
+      if (slots[static_cast<size_t>(j)] == slots[static_cast<size_t>(b)])
+        throw std::invalid_argument("decoder: slot " + std::to_string(slots[static_cast<size_t>(b)]) +
+                                    " appears twice in one step");
+  if (fused()) {
+    // Groups of at most kGemvMaxRows rows, each one fused step.
+    const int64_t V = cfg_.vocab;
+    for (int64_t b0 = 0; b0 < B; b0 += kernels::kGemvMaxRows) {
+      const int64_t n = std::min(kernels::kGemvMaxRows, B - b0);
+      float* out = logits ? logits + b0 * V : nullptr;
+      if (fused32_) fused32_->run(n, slots.data() + b0, positions_.data() + b0, ids.data() + b0, out);
+      else fused16_->run(n, slots.data() + b0, positions_.data() + b0, ids.data() + b0, out);
+    }
+  } else if (compute_ == DType::F32) {
+    run<float>(B, 1, slots.data(), ids.data(), logits, true);
+  } else {
+    run<bf16>(B, 1, slots.data(), ids.data(), logits, true);
+  }
   for (int32_t s : slots) ++length_[static_cast<size_t>(s)];
 }
 

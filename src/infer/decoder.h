@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/memory.h"
+#include "infer/fused_step.h"
 #include "model/layer.h"
 #include "model/params.h"
 
@@ -37,8 +38,14 @@ class Decoder {
   // Continues the sequence of `slot` with `ids`. logits: fp32 [ids.size(), V] when all_logits, else [V] for the last
   // id. Throws std::out_of_range when the sequence would pass the capacity or an id is outside the vocabulary.
   void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false);
-  // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V].
+  // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V]. Up to kGemvMaxRows
+  // slots at a time run as one fused step (infer/fused_step.h) when the weights allow it, more in groups of that size;
+  // the logits are bit-identical to the layered path's either way.
   void step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits);
+  // Whether step() runs fused (when the weights allow it; default on unless HS_DECODE_FUSED=0). Tests and the
+  // bench compare both paths.
+  void set_fused(bool on) { use_fused_ = on; }
+  bool fused() const { return use_fused_ && (fused32_ || fused16_); }
 
  private:
   template <typename T>
@@ -53,6 +60,9 @@ class Decoder {
   std::vector<model::LayerCache> caches_;  // per layer, in scan order
   std::vector<int64_t> length_;            // positions filled per slot
   std::vector<int32_t> positions_, row_slots_;  // per-call scratch, sized once
+  std::unique_ptr<FusedStep<float>> fused32_;
+  std::unique_ptr<FusedStep<bf16>> fused16_;
+  bool use_fused_ = true;
 };
 
 }  // namespace hs::infer

@@ -58,51 +58,69 @@ void causal_conv_silu_cached(const T* x, const float* w, const ColumnBlocks<T>& 
     }
 }
 
+namespace {
+// One (batch row, value head) of delta_rule_step.
 template <typename T>
-void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta, const float* g,
-                     T* o, float* state, const int32_t* slots) {
+inline void delta_head(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta, const float* g,
+                       T* o, float* state, const int32_t* slots, int64_t b, int64_t h) {
+  const int64_t dk = s.dk, dv = s.dv, r = s.ratio();
+  float* S = state + (int64_t{slots[b]} * s.v_heads + h) * dk * dv;
+  const T* qt = q + (b * s.k_heads + h / r) * dk;
+  const T* kt = k + (b * s.k_heads + h / r) * dk;
+  const T* vt = v + (b * s.v_heads + h) * dv;
+  const float decay = std::exp(std::min(g[b * s.v_heads + h], 0.0f)), bt = beta[b * s.v_heads + h];
+  float kv[512], delta[512], out[512];  // dv <= 512 (checked by the callers)
+  std::fill_n(kv, dv, 0.0f);
+  // S <- exp(g) S and kv = S^T k in one pass over the rows of S.
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float ki = to_f32(kt[i]);
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] *= decay;
+      kv[j] += row[j] * ki;
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < dv; ++j) {
+    delta[j] = bt * (to_f32(vt[j]) - kv[j]);
+    out[j] = 0.0f;
+  }
+  // S <- S + k delta^T and o = S^T q in a second pass.
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = S + i * dv;
+    const float ki = to_f32(kt[i]), qi = to_f32(qt[i]);
+#pragma omp simd
+    for (int64_t j = 0; j < dv; ++j) {
+      row[j] += ki * delta[j];
+      out[j] += row[j] * qi;
+    }
+  }
+  T* ot = o + (b * s.v_heads + h) * dv;
+  for (int64_t j = 0; j < dv; ++j) ot[j] = from_f32<T>(out[j]);
+}
+
+void check_step(const DeltaRuleShape& s) {
   if (s.seq != 1) throw std::invalid_argument("delta_rule_step: one token per row (seq must be 1)");
   if (s.k_heads <= 0 || s.v_heads % s.k_heads != 0) throw std::invalid_argument("delta_rule_step: bad head counts");
   if (s.dv > 512) throw std::invalid_argument("delta_rule_step: value head dim above 512");
-  const int64_t dk = s.dk, dv = s.dv, r = s.ratio();
-#pragma omp parallel for collapse(2) schedule(static) if (s.batch * s.v_heads * dk * dv >= 4 * kParallelMinWork)
+}
+}  // namespace
+
+template <typename T>
+void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta, const float* g,
+                     T* o, float* state, const int32_t* slots) {
+  check_step(s);
+#pragma omp parallel for collapse(2) schedule(static) if (s.batch * s.v_heads * s.dk * s.dv >= 4 * kParallelMinWork)
   for (int64_t b = 0; b < s.batch; ++b)
-    for (int64_t h = 0; h < s.v_heads; ++h) {
-      float* S = state + (int64_t{slots[b]} * s.v_heads + h) * dk * dv;
-      const T* qt = q + (b * s.k_heads + h / r) * dk;
-      const T* kt = k + (b * s.k_heads + h / r) * dk;
-      const T* vt = v + (b * s.v_heads + h) * dv;
-      const float decay = std::exp(std::min(g[b * s.v_heads + h], 0.0f)), bt = beta[b * s.v_heads + h];
-      float kv[512], delta[512], out[512];  // dv <= 512 (checked below)
-      std::fill_n(kv, dv, 0.0f);
-      // S <- exp(g) S and kv = S^T k in one pass over the rows of S.
-      for (int64_t i = 0; i < dk; ++i) {
-        float* row = S + i * dv;
-        const float ki = to_f32(kt[i]);
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          row[j] *= decay;
-          kv[j] += row[j] * ki;
-        }
-      }
-#pragma omp simd
-      for (int64_t j = 0; j < dv; ++j) {
-        delta[j] = bt * (to_f32(vt[j]) - kv[j]);
-        out[j] = 0.0f;
-      }
-      // S <- S + k delta^T and o = S^T q in a second pass.
-      for (int64_t i = 0; i < dk; ++i) {
-        float* row = S + i * dv;
-        const float ki = to_f32(kt[i]), qi = to_f32(qt[i]);
-#pragma omp simd
-        for (int64_t j = 0; j < dv; ++j) {
-          row[j] += ki * delta[j];
-          out[j] += row[j] * qi;
-        }
-      }
-      T* ot = o + (b * s.v_heads + h) * dv;
-      for (int64_t j = 0; j < dv; ++j) ot[j] = from_f32<T>(out[j]);
-    }
+    for (int64_t h = 0; h < s.v_heads; ++h) delta_head(s, q, k, v, beta, g, o, state, slots, b, h);
+}
+
+template <typename T>
+void delta_rule_step_range(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                           const float* g, T* o, float* state, const int32_t* slots, int64_t u0, int64_t u1) {
+  check_step(s);
+  for (int64_t u = u0; u < u1; ++u) delta_head(s, q, k, v, beta, g, o, state, slots, u / s.v_heads, u % s.v_heads);
 }
 
 template <typename T>
@@ -123,51 +141,74 @@ void kv_cache_write(const KvCacheShape& c, const T* k, const T* v, T* kcache, T*
   }
 }
 
+namespace {
+// One (row, query head) of attention_cached_forward; sc: `capacity` floats of scratch.
+template <typename T>
+inline void attention_head(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
+                           const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t seq,
+                           int64_t n, int64_t h, float* sc) {
+  const int64_t hd = c.head_dim, group = q_heads / c.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t len = int64_t{positions[n]} + 1;
+  const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + (h / group) * c.capacity * hd;
+  const T* K = kcache + base;
+  const T* V = vcache + base;
+  float qf[1024], acc[1024];
+  for (int64_t d = 0; d < hd; ++d) qf[d] = to_f32(q[(n * q_heads + h) * hd + d]);
+  float mx = -INFINITY;
+  for (int64_t p = 0; p < len; ++p) {
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < hd; ++d) dot += qf[d] * to_f32(K[p * hd + d]);
+    sc[p] = dot * scale;
+    mx = std::max(mx, sc[p]);
+  }
+  float sum = 0.0f;
+  std::fill_n(acc, hd, 0.0f);
+  for (int64_t p = 0; p < len; ++p) {
+    const float e = std::exp(sc[p] - mx);
+    sum += e;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) acc[d] += e * to_f32(V[p * hd + d]);
+  }
+  const float inv = 1.0f / sum;
+  const T* gt = gate + (n * q_heads + h) * hd;
+  T* ot = out + (n * q_heads + h) * hd;
+  for (int64_t d = 0; d < hd; ++d) ot[d] = from_f32<T>(acc[d] * inv * sigmoidf(to_f32(gt[d])));
+}
+
+void check_attention(const KvCacheShape& c, int64_t q_heads) {
+  if (c.kv_heads <= 0 || q_heads % c.kv_heads != 0) throw std::invalid_argument("attention_cached: bad head counts");
+  if (c.head_dim > 1024) throw std::invalid_argument("attention_cached: head_dim above 1024");
+}
+}  // namespace
+
 template <typename T>
 void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
                               const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t batch,
                               int64_t seq, MemoryAccountant& mem) {
-  const int64_t hd = c.head_dim, group = q_heads / c.kv_heads, rows = batch * seq;
-  if (c.kv_heads <= 0 || q_heads % c.kv_heads != 0) throw std::invalid_argument("attention_cached: bad head counts");
-  if (hd > 1024) throw std::invalid_argument("attention_cached: head_dim above 1024");
+  const int64_t hd = c.head_dim, rows = batch * seq;
+  check_attention(c, q_heads);
   const int threads = omp_get_max_threads();
   Buffer ws = mem.allocate_n<float>(static_cast<size_t>(threads * c.capacity), MemCategory::Workspace,
                                     "attention_cached.scores");
   if (mem.planning() || rows == 0) return;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   int64_t cached = 0;  // positions read, over all rows
   for (int64_t n = 0; n < rows; ++n) cached += int64_t{positions[n]} + 1;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (cached * q_heads * hd >= kParallelMinWork)
   for (int64_t n = 0; n < rows; ++n)
-    for (int64_t h = 0; h < q_heads; ++h) {
-      const int64_t len = int64_t{positions[n]} + 1;
-      const int64_t base = int64_t{slots[n / seq]} * c.slot_stride() + (h / group) * c.capacity * hd;
-      const T* K = kcache + base;
-      const T* V = vcache + base;
-      float* sc = ws.as<float>() + omp_get_thread_num() * c.capacity;
-      float qf[1024], acc[1024];
-      for (int64_t d = 0; d < hd; ++d) qf[d] = to_f32(q[(n * q_heads + h) * hd + d]);
-      float mx = -INFINITY;
-      for (int64_t p = 0; p < len; ++p) {
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < hd; ++d) dot += qf[d] * to_f32(K[p * hd + d]);
-        sc[p] = dot * scale;
-        mx = std::max(mx, sc[p]);
-      }
-      float sum = 0.0f;
-      std::fill_n(acc, hd, 0.0f);
-      for (int64_t p = 0; p < len; ++p) {
-        const float e = std::exp(sc[p] - mx);
-        sum += e;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) acc[d] += e * to_f32(V[p * hd + d]);
-      }
-      const float inv = 1.0f / sum;
-      const T* gt = gate + (n * q_heads + h) * hd;
-      T* ot = out + (n * q_heads + h) * hd;
-      for (int64_t d = 0; d < hd; ++d) ot[d] = from_f32<T>(acc[d] * inv * sigmoidf(to_f32(gt[d])));
-    }
+    for (int64_t h = 0; h < q_heads; ++h)
+      attention_head(c, q_heads, q, gate, kcache, vcache, out, slots, positions, seq, n, h,
+                     ws.as<float>() + omp_get_thread_num() * c.capacity);
+}
+
+template <typename T>
+void attention_cached_range(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
+                            const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t seq,
+                            int64_t u0, int64_t u1, float* scores) {
+  check_attention(c, q_heads);
+  for (int64_t u = u0; u < u1; ++u)
+    attention_head(c, q_heads, q, gate, kcache, vcache, out, slots, positions, seq, u / q_heads, u % q_heads, scores);
 }
 
 #define HS_INSTANTIATE(T)                                                                                         \
@@ -175,6 +216,10 @@ void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q
                                            int64_t, int64_t, int64_t, int64_t);                                  \
   template void delta_rule_step<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,             \
                                    const float*, T*, float*, const int32_t*);                                    \
+  template void delta_rule_step_range<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,       \
+                                         const float*, T*, float*, const int32_t*, int64_t, int64_t);             \
+  template void attention_cached_range<T>(const KvCacheShape&, int64_t, const T*, const T*, const T*, const T*,   \
+                                          T*, const int32_t*, const int32_t*, int64_t, int64_t, int64_t, float*); \
   template void kv_cache_write<T>(const KvCacheShape&, const T*, const T*, T*, T*, const int32_t*, const int32_t*, \
                                   int64_t, int64_t);                                                             \
   template void attention_cached_forward<T>(const KvCacheShape&, int64_t, const T*, const T*, const T*, const T*, \

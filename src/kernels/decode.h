@@ -28,6 +28,12 @@ template <typename T>
 void delta_rule_step(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta, const float* g,
                      T* o, float* state, const int32_t* slots);
 
+// The same for the (row, head) units u in [u0, u1) (u = b * v_heads + h) on the calling thread alone, no OpenMP: for a
+// caller that runs its own threads (src/infer/fused_step.h). Each unit has the bits delta_rule_step gives it.
+template <typename T>
+void delta_rule_step_range(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
+                           const float* g, T* o, float* state, const int32_t* slots, int64_t u0, int64_t u1);
+
 // A KV cache: per slot and KV head, `capacity` positions of hd values in T ([slots, kv_heads, capacity, hd]).
 struct KvCacheShape {
   int64_t kv_heads, head_dim, capacity;
@@ -48,5 +54,12 @@ template <typename T>
 void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
                               const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t batch,
                               int64_t seq, MemoryAccountant& mem);
+
+// The same for the (row, query head) units u in [u0, u1) (u = n * q_heads + h) on the calling thread alone, no
+// OpenMP and no allocation: scores holds `capacity` floats. Each unit has the bits attention_cached_forward gives it.
+template <typename T>
+void attention_cached_range(const KvCacheShape& c, int64_t q_heads, const T* q, const T* gate, const T* kcache,
+                            const T* vcache, T* out, const int32_t* slots, const int32_t* positions, int64_t seq,
+                            int64_t u0, int64_t u1, float* scores);
 
 }  // namespace hs::kernels

@@ -175,21 +175,13 @@ void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[
   }
 }
 
-// y = x W^T over all blocks of W's rows; x as the path reads it (bf16 for avx512bf16, else fp32 rows ldx apart).
+// The blocks [blk0, blk1) of y = x W^T (R weight rows each, R and the x rows per pass as chosen for M and isa); x as
+// the path reads it (bf16 for avx512bf16, else fp32 rows ldx apart). Each output is one block's sum whatever the
+// range, so any split of the blocks gives the same bits.
 template <typename TX, typename TW, typename TY>
-void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
-             int64_t K) {
-  const bool wide = M > 4 && (isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16);
-  const int R = wide ? 2 : kRowsPerBlock, XR = wide ? 8 : 4;
-  const int64_t blocks = (N + R - 1) / R;
-  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(TW));
-  const bool parallel = blocks * block_bytes >= kParallelBytes;
-  // Threads take chunks of ~kChunkBytes of W as they come free: on a shared machine one thread may be descheduled
-  // for a while, and the other then streams its part instead of waiting at the end (each output is still one
-  // thread's sum, so the bits do not depend on who computes it).
-  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
-#pragma omp parallel for schedule(dynamic, chunk) if (parallel)
-  for (int64_t blk = 0; blk < blocks; ++blk) {
+void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
+                    int64_t K, int R, int XR, int64_t blk0, int64_t blk1) {
+  for (int64_t blk = blk0; blk < blk1; ++blk) {
     const int64_t n0 = blk * R, nr = std::min<int64_t>(R, N - n0);
     Block<TX, TW> b{x, ldx, {}, K};
     // A short last block repeats its last row (computed, not stored).
@@ -203,6 +195,30 @@ void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t 
         for (int64_t r = 0; r < nr; ++r) y[(m0 + m) * ldy + n0 + r] = from_f32<TY>(s[m][r]);
     }
   }
+}
+
+// Weight rows per block: 2 when more than 4 x rows run on an AVX-512 path (2 x 8 sums), else 4 (4 x 4).
+inline bool wide_blocks(GemvIsa isa, int64_t M) {
+  return M > 4 && (isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16);
+}
+
+// y = x W^T over all blocks of W's rows.
+template <typename TX, typename TW, typename TY>
+void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
+             int64_t K) {
+  const bool wide = wide_blocks(isa, M);
+  const int R = wide ? 2 : kRowsPerBlock, XR = wide ? 8 : 4;
+  const int64_t blocks = (N + R - 1) / R;
+  const int64_t block_bytes = R * K * static_cast<int64_t>(sizeof(TW));
+  const bool parallel = blocks * block_bytes >= kParallelBytes;
+  // Threads take chunks of ~kChunkBytes of W as they come free: on a shared machine one thread may be descheduled
+  // for a while, and the other then streams its part instead of waiting at the end (each output is still one
+  // thread's sum, so the bits do not depend on who computes it).
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / block_bytes);
+  if (!parallel) return product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, 0, blocks);
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t c = 0; c < (blocks + chunk - 1) / chunk; ++c)
+    product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, c * chunk, std::min(blocks, (c + 1) * chunk));
 }
 
 GemvIsa detect() {
@@ -279,6 +295,45 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
   }
 }
 
+int64_t gemv_row_align(int64_t M, GemvIsa isa) { return wide_blocks(isa, M) ? 2 : kRowsPerBlock; }
+
+template <typename T, typename TY>
+void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
+               int64_t n1, GemvIsa isa) {
+  if (M < 0 || M > kGemvMaxRows)
+    throw std::invalid_argument("gemv_rows: " + std::to_string(M) + " rows (at most " + std::to_string(kGemvMaxRows) +
+                                ")");
+  if (!gemv_isa_supported(isa))
+    throw std::invalid_argument(std::string("gemv_rows: this CPU does not run the ") + gemv_isa_name(isa) + " path");
+  const int64_t align = gemv_row_align(M, isa);
+  if (n0 < 0 || n1 > N || n0 > n1 || (n0 % align != 0) || (n1 % align != 0 && n1 != N))
+    throw std::invalid_argument("gemv_rows: rows [" + std::to_string(n0) + ", " + std::to_string(n1) +
+                                ") are not a block range of " + std::to_string(N));
+  if (M == 0 || n0 == n1) return;
+  if (ldx == 0) ldx = K;
+  if (ldy == 0) ldy = N;
+  if (K <= 0) {
+    for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy + n0, y + m * ldy + n1, from_f32<TY>(0.0f));
+    return;
+  }
+  const bool wide = wide_blocks(isa, M);  // the same for avx512bf16 and its fp32 stand-in avx512
+  const int R = wide ? 2 : kRowsPerBlock, XR = wide ? 8 : 4;
+  const int64_t b0 = n0 / R, b1 = (n1 + R - 1) / R;
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (isa == GemvIsa::Avx512Bf16) return product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);
+  }
+  if (isa == GemvIsa::Avx512Bf16) isa = GemvIsa::Avx512;
+  if constexpr (std::is_same_v<T, float>) {
+    product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);
+  } else {
+    thread_local std::vector<float> xf;
+    if (xf.size() < static_cast<size_t>(M * K)) xf.resize(static_cast<size_t>(M * K));
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xf[static_cast<size_t>(m * K + k)] = to_f32(x[m * ldx + k]);
+    product_blocks(isa, xf.data(), K, W, y, ldy, M, N, K, R, XR, b0, b1);
+  }
+}
+
 template <typename T, typename TY>
 void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy) {
   gemv(x, W, y, M, N, K, ldx, ldy, gemv_isa());
@@ -286,7 +341,9 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
 
 #define HS_INSTANTIATE(T, TY)                                                                               \
   template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t);         \
-  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, GemvIsa);
+  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, GemvIsa);  \
+  template void gemv_rows<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,  \
+                                 int64_t, GemvIsa);
 HS_INSTANTIATE(float, float)
 HS_INSTANTIATE(bf16, float)
 HS_INSTANTIATE(bf16, bf16)

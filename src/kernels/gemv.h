@@ -35,4 +35,12 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
 template <typename T, typename TY>
 void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa);
 
+// For a caller that runs its own threads (one parallel region for a whole decode step, src/infer/fused_step.h):
+// rows [n0, n1) of y = x W^T on the calling thread alone, no OpenMP. n0 and n1 must be multiples of
+// gemv_row_align(M, isa) (n1 may also be N). Every element has the bits gemv gives it, whatever the split.
+int64_t gemv_row_align(int64_t M, GemvIsa isa);
+template <typename T, typename TY>
+void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
+               int64_t n1, GemvIsa isa);
+
 }  // namespace hs::kernels

@@ -68,9 +68,11 @@ void check_shape(const MoeShape& s) {
     throw std::invalid_argument("moe: tokens * top_k must fit in int32");
 }
 
+}  // namespace
+
 // In place: router logits -> softmax probabilities (fp32, per row), then the top-k. A NaN probability
 // orders as -inf, so k distinct experts are always selected (and the NaN still reaches the loss).
-void route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight) {
+void detail::moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight) {
 #pragma omp parallel for schedule(static) if (tokens * E > kMinParallelWork)
   for (int64_t t = 0; t < tokens; ++t) {
     float* p = probs + t * E;
@@ -109,6 +111,30 @@ void route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_
   }
 }
 
+void detail::moe_group_by_expert(int64_t nk, int64_t E, const int32_t* idx, int64_t* off, int32_t* slots) {
+  // off[e] serves as expert e's cursor, which leaves it at the old off[e + 1]; shift back after.
+  std::fill_n(off, E + 1, int64_t{0});
+  for (int64_t i = 0; i < nk; ++i) ++off[idx[i] + 1];
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  for (int64_t i = 0; i < nk; ++i) slots[off[idx[i]]++] = static_cast<int32_t>(i);
+  for (int64_t e = E; e > 0; --e) off[e] = off[e - 1];
+  off[0] = 0;
+}
+
+template <typename T>
+void detail::moe_shared_scale(int64_t N, int64_t H, const T* x, const float* shared_expert_gate, float* scale) {
+#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
+  for (int64_t t = 0; t < N; ++t) {
+    const T* xt = x + t * H;
+    float z = 0.0f;
+#pragma omp simd reduction(+ : z)
+    for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * shared_expert_gate[h];
+    scale[t] = sigmoidf(z);
+  }
+}
+
+namespace {
+
 // Position of slot s of token t among the token's k slots ordered by expert index (the order in which the
 // grouped experts reach the token): 0 = its first expert, k - 1 = its last. A token's experts are distinct.
 inline int64_t expert_rank(const int32_t* index, int64_t t, int64_t k, int64_t slot) {
@@ -137,12 +163,15 @@ class ExpertsInPlace final : public ExpertStream<T> {
 };
 
 
+}  // namespace
+
 // Adds an expert's output rows yg [n, H] (fp32, grouped rows `rows` of the expert) into its tokens' outputs: each token
 // appears once per expert, so rows never collide; experts add in index order like transformers' index_add_ loop (into
 // a zero sum), and the token's last expert adds the gated shared expert and writes y.
 template <typename T>
-void add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
-                     const float* scale, const T* sh, const float* yg, float* sum, T* y) {
+void detail::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
+                                 const float* wts, const float* scale, const T* sh, const float* yg, float* sum,
+                                 T* y) {
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
   for (int64_t r = 0; r < n; ++r) {
     const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
@@ -181,6 +210,8 @@ void add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const
     }
   }
 }
+
+namespace {
 
 // Adds an expert's input-gradient rows dxg [n, H] into dx; a token's first expert (in index order) also adds the
 // shared-expert gate's term dz * w_sg.
@@ -343,16 +374,10 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     int64_t* off = offset.as<int64_t>();
     int32_t* slots = row_slot.as<int32_t>();
     matmul(x, w.router, p, N, E, H, false, true);  // fp32 logits
-    route(N, E, k, s.norm_topk_prob, p, idx, wts);
+    detail::moe_route(N, E, k, s.norm_topk_prob, p, idx, wts);
 
     // Counting sort of the (token, slot) pairs by expert; tokens stay ascending within an expert.
-    // off[e] serves as expert e's cursor, which leaves it at the old off[e + 1]; shift back after.
-    std::fill_n(off, E + 1, int64_t{0});
-    for (size_t i = 0; i < nk; ++i) ++off[idx[i] + 1];
-    for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
-    for (size_t i = 0; i < nk; ++i) slots[off[idx[i]]++] = static_cast<int32_t>(i);
-    for (int64_t e = E; e > 0; --e) off[e] = off[e - 1];
-    off[0] = 0;
+    detail::moe_group_by_expert(static_cast<int64_t>(nk), E, idx, off, slots);
 
     for (int64_t t = 0; t < N; ++t)
       for (int64_t e = 0; e < E; ++e) stats.prob_sums[static_cast<size_t>(e)] += p[t * E + e];
@@ -360,15 +385,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
 
     // Shared-expert gate, needed by the last expert of each token below.
-    float* scale = shared_scale.as<float>();
-#pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
-    for (int64_t t = 0; t < N; ++t) {
-      const T* xt = x + t * H;
-      float z = 0.0f;
-#pragma omp simd reduction(+ : z)
-      for (int64_t h = 0; h < H; ++h) z += to_f32(xt[h]) * w.shared_expert_gate[h];
-      scale[t] = sigmoidf(z);
-    }
+    detail::moe_shared_scale(N, H, x, w.shared_expert_gate, shared_scale.as<float>());
   }
   if (!ep) {
     if (real) {
@@ -389,7 +406,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
         detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
         rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
-        add_expert_rows(n, H, k, rows, idx, wts, shared_scale.as<float>(), shared_out.as<T>(), ye.as<float>(),
+        detail::moe_add_expert_rows(n, H, k, rows, idx, wts, shared_scale.as<float>(), shared_out.as<T>(), ye.as<float>(),
                         acc.as<float>(), y);
       }
     } else {
@@ -458,7 +475,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
-        add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
+        detail::moe_add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
                         shared_scale.as<float>(), shared_out.as<T>(), y_back.as<float>() + r0 * H, acc.as<float>(), y);
       }
     }
@@ -749,5 +766,12 @@ template void moe_backward<float>(const MoeShape&, const float*, const MoeWeight
                                   const float*, const float*, float*, const MoeGrads&, MemoryAccountant&, bool);
 template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&, const float*,
                                  const float*, float*, const MoeGrads&, MemoryAccountant&, bool);
+#define HS_INSTANTIATE(T)                                                                                            \
+  template void detail::moe_shared_scale<T>(int64_t, int64_t, const T*, const float*, float*);                      \
+  template void detail::moe_add_expert_rows<T>(int64_t, int64_t, int64_t, const int32_t*, const int32_t*,          \
+                                               const float*, const float*, const T*, const float*, float*, T*);
+HS_INSTANTIATE(float)
+HS_INSTANTIATE(bf16)
+#undef HS_INSTANTIATE
 
 }  // namespace hs::kernels

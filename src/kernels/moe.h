@@ -117,6 +117,24 @@ void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, con
 // every layer; multiply by the aux coefficient to get moe_backward's aux_dprob.
 double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts, std::vector<float>* dprob_sums);
 
+namespace detail {
+// The pieces of moe_forward, for a decode step that runs them on its own threads (src/infer/fused_step.h); called
+// from inside a parallel region they run on the calling thread. In place: router logits probs [tokens, E] ->
+// softmax, then the top k (index, weight [tokens, k]) as the header describes.
+void moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight);
+// Counting sort of the nk (token, slot) pairs by expert: expert e owns grouped rows [off[e], off[e + 1]) (off: E + 1),
+// slots[row] = t * k + slot, tokens ascending within an expert.
+void moe_group_by_expert(int64_t nk, int64_t E, const int32_t* idx, int64_t* off, int32_t* slots);
+// scale[t] = sigmoid(x_t . shared_expert_gate).
+template <typename T>
+void moe_shared_scale(int64_t N, int64_t H, const T* x, const float* shared_expert_gate, float* scale);
+// Adds expert rows yg [n, H] (grouped rows `rows`) into the running sums; a token's last expert (in index order)
+// adds scale[t] * shared[t] and writes y. Experts must come in ascending index order.
+template <typename T>
+void moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
+                         const float* scale, const T* sh, const float* yg, float* sum, T* y);
+}  // namespace detail
+
 namespace reference {
 // All parameters in S (float or double) so finite differences can perturb every one of them.
 template <typename S>

@@ -1,0 +1,475 @@
+#include "infer/fused_step.h"
+
+#include <omp.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "kernels/decode.h"
+#include "kernels/embedding.h"
+#include "kernels/gdn_gates.h"
+#include "kernels/gemv.h"
+#include "kernels/mlp.h"
+#include "kernels/moe.h"
+#include "kernels/norms.h"
+#include "kernels/rope.h"
+#include "model/linear.h"
+
+namespace hs::infer {
+
+using model::LayerKind;
+namespace p = model::p;
+
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// A barrier for the threads of one parallel region that spins (the threads are all inside the region, none asleep
+// to wake) and yields the core after a while, so a waiting thread does not keep a descheduled one off a shared core.
+class SpinBarrier {
+ public:
+  void wait(int n) {
+    if (n == 1) return;
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < kSpins) cpu_relax();
+      else sched_yield();
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 4000;
+  alignas(64) std::atomic<int> arrived_{0};
+  alignas(64) std::atomic<int> generation_{0};
+};
+
+// One product of a phase: y[M, N] = x[M, K] W^T (x packed), y fp32 or T with row stride ldy.
+template <typename T> struct Job {
+  const T* x;
+  const T* W;
+  void* y;
+  bool y_f32;
+  int64_t M, N, K, ldy;
+  int64_t chunk_rows = 0, chunks = 0;
+};
+
+// A thread's view of the team: its id, the barrier, and the chunk counters of the step's product phases (each phase
+// takes the next counter; every thread runs the same sequence of phases).
+template <typename T> struct Team {
+  int tid, nt;
+  SpinBarrier& bar;
+  std::atomic<int64_t>* counters;
+  int64_t ncounters;
+  int64_t phase = 0;
+  kernels::GemvIsa isa;
+
+  void sync() { bar.wait(nt); }
+  // [lo, hi) of n items for this thread (contiguous, static).
+  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * tid / nt, n * (tid + 1) / nt}; }
+  bool first() const { return tid == 0; }
+
+  // Runs the products of one phase, chunk by chunk as threads come free. Not followed by a barrier.
+  void products(Job<T>* jobs, int n) {
+    if (phase >= ncounters) throw std::logic_error("fused step: more product phases than counters");
+    std::atomic<int64_t>& next = counters[phase++];
+    int64_t total = 0;
+    for (int j = 0; j < n; ++j) {
+      Job<T>& b = jobs[j];
+      const int64_t align = kernels::gemv_row_align(b.M, isa);
+      const int64_t row_bytes = b.K * static_cast<int64_t>(sizeof(T));
+      b.chunk_rows = std::max<int64_t>(align, kFusedChunkBytes / std::max<int64_t>(row_bytes, 1) / align * align);
+      b.chunks = b.M > 0 && b.N > 0 ? (b.N + b.chunk_rows - 1) / b.chunk_rows : 0;
+      total += b.chunks;
+    }
+    int j = 0;
+    int64_t base = 0;  // chunks of jobs before j
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      while (c >= base + jobs[j].chunks) base += jobs[j++].chunks;  // chunks come in ascending order per thread
+      const Job<T>& b = jobs[j];
+      const int64_t n0 = (c - base) * b.chunk_rows, n1 = std::min(b.N, n0 + b.chunk_rows);
+      if (b.y_f32)
+        kernels::gemv_rows(b.x, b.W, static_cast<float*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
+      else
+        kernels::gemv_rows(b.x, b.W, static_cast<T*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
+    }
+  }
+};
+
+template <typename T> Job<T> job(const T* x, const T* W, T* y, int64_t M, int64_t N, int64_t K, int64_t ldy = 0) {
+  return {x, W, y, false, M, N, K, ldy ? ldy : N};
+}
+template <typename T> Job<T> job_f32(const T* x, const T* W, float* y, int64_t M, int64_t N, int64_t K) {
+  return {x, W, y, true, M, N, K, N};
+}
+
+template <typename T> void residual_add(const T* a, const T* b, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+}
+
+// A bump allocator over one workspace buffer (64-byte aligned pieces). Sizing: the same calls on a null base.
+class Carve {
+ public:
+  explicit Carve(char* base) : base_(base) {}
+  template <typename E> E* take(int64_t n) {
+    E* p = reinterpret_cast<E*>(base_ + used_);
+    used_ += (static_cast<size_t>(n) * sizeof(E) + 63) / 64 * 64;
+    return base_ ? p : nullptr;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+}  // namespace
+
+template <typename T>
+struct FusedStep<T>::Impl {
+  const model::ParamSet& params;
+  const model::ModelConfig& cfg;
+  std::vector<model::LayerSlot> order;
+  std::vector<model::LayerCache>& caches;
+  MemoryAccountant& mem;
+  std::vector<model::LayerWeights> lw;
+  std::vector<model::ComputeWeights<T>> cw;  // matrices in place, small vectors in fp32
+  model::Converted<float> final_norm;
+  std::vector<std::atomic<int64_t>> counters;
+  SpinBarrier bar;
+
+  Impl(const model::ParamSet& ps, const std::vector<model::LayerSlot>& o, std::vector<model::LayerCache>& c,
+       MemoryAccountant& m)
+      : params(ps), cfg(ps.config()), order(o), caches(c), mem(m),
+        counters(static_cast<size_t>(5 * ps.config().layers + 2)) {
+    for (const model::LayerSlot& s : order) {
+      lw.push_back(params.layer(s));
+      cw.push_back(model::compute_weights<T>(cfg, lw.back(), mem, nullptr));
+    }
+    final_norm = model::as_type<float>(params.global(model::g::kFinalNorm), mem, MemCategory::WeightCasts,
+                                       "weight_cast");
+  }
+
+  // The buffers of one step of B rows, carved from one workspace allocation.
+  struct Work {
+    T *h, *hmid, *xn, *mix;
+    // Gated DeltaNet
+    T *qkv, *z, *b, *a, *q, *k, *v, *qn, *kn, *o, *y;
+    float *rstd, *beta, *g;
+    // attention
+    T *qg, *qraw, *gate, *kraw, *vv, *aq, *ak, *attn;
+    float* scores;  // [threads, capacity]
+    // FFN
+    float *probs, *wts, *scale, *ye, *sum;
+    int32_t *idx, *rslot;
+    int64_t* off;
+    T *xg, *gu, *act, *sgu, *sact, *sout, *ffn;
+    T* xf;
+  };
+  Work carve(Carve& cv, int64_t B, int threads, int64_t capacity) const {
+    const model::ModelConfig& c = cfg;
+    const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
+    const int64_t k = std::max<int64_t>(c.top_k, 1), E = std::max<int64_t>(c.experts, 1);
+    const int64_t I = c.moe() ? c.expert_inter : c.intermediate, Is = c.moe() ? c.shared_inter : 1;
+    Work w{};
+    w.h = cv.take<T>(B * H);
+    w.hmid = cv.take<T>(B * H);
+    w.xn = cv.take<T>(B * H);
+    w.mix = cv.take<T>(B * H);
+    w.qkv = cv.take<T>(B * c.conv_dim());
+    w.z = cv.take<T>(B * c.value_dim());
+    w.b = cv.take<T>(B * c.v_heads);
+    w.a = cv.take<T>(B * c.v_heads);
+    w.q = cv.take<T>(B * c.key_dim());
+    w.k = cv.take<T>(B * c.key_dim());
+    w.v = cv.take<T>(B * c.value_dim());
+    w.qn = cv.take<T>(B * c.key_dim());
+    w.kn = cv.take<T>(B * c.key_dim());
+    w.o = cv.take<T>(B * c.value_dim());
+    w.y = cv.take<T>(B * c.value_dim());
+    w.rstd = cv.take<float>(B * std::max({c.k_heads, c.v_heads, nH, nKV, int64_t{1}}));
+    w.beta = cv.take<float>(B * c.v_heads);
+    w.g = cv.take<float>(B * c.v_heads);
+    w.qg = cv.take<T>(B * nH * 2 * hd);
+    w.qraw = cv.take<T>(B * nH * hd);
+    w.gate = cv.take<T>(B * nH * hd);
+    w.kraw = cv.take<T>(B * nKV * hd);
+    w.vv = cv.take<T>(B * nKV * hd);
+    w.aq = cv.take<T>(B * nH * hd);
+    w.ak = cv.take<T>(B * nKV * hd);
+    w.attn = cv.take<T>(B * nH * hd);
+    w.scores = cv.take<float>(threads * capacity);
+    w.probs = cv.take<float>(B * E);
+    w.wts = cv.take<float>(B * k);
+    w.scale = cv.take<float>(B);
+    w.ye = cv.take<float>(B * k * H);
+    w.sum = cv.take<float>(B * H);
+    w.idx = cv.take<int32_t>(B * k);
+    w.rslot = cv.take<int32_t>(B * k);
+    w.off = cv.take<int64_t>(E + 1);
+    w.xg = cv.take<T>(B * k * H);
+    w.gu = cv.take<T>(B * k * 2 * I);
+    w.act = cv.take<T>(B * k * I);
+    w.sgu = cv.take<T>(B * 2 * Is);
+    w.sact = cv.take<T>(B * Is);
+    w.sout = cv.take<T>(B * H);
+    w.ffn = cv.take<T>(B * H);
+    w.xf = cv.take<T>(B * H);
+    return w;
+  }
+
+  void gdn(Team<T>& tm, const Work& w, size_t li, int64_t B, const int32_t* slots) {
+    const model::ModelConfig& c = cfg;
+    const model::ComputeWeights<T>& W = cw[li];
+    model::LayerCache& cache = caches[li];
+    const int64_t H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hk = c.k_heads,
+                  Hv = c.v_heads;
+    const auto [r0, r1] = tm.share(B);
+    if (r1 > r0)
+      kernels::rmsnorm_forward(w.h + r0 * H, W.vec(p::kInputNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
+                               float(c.rms_eps));
+    tm.sync();
+    Job<T> jobs[4] = {job(w.xn, W.mat(p::kQkv), w.qkv, B, CD, H), job(w.xn, W.mat(p::kZ), w.z, B, VD, H),
+                      job(w.xn, W.mat(p::kB), w.b, B, Hv, H), job(w.xn, W.mat(p::kA), w.a, B, Hv, H)};
+    tm.products(jobs, 4);
+    tm.sync();
+    // Per row: the conv over its window, the q/k norms and the gates.
+    for (int64_t r = r0; r < r1; ++r) {
+      const auto cols = kernels::ColumnBlocks<T>().add(w.q + r * KD, KD).add(w.k + r * KD, KD).add(w.v + r * VD, VD);
+      kernels::causal_conv_silu_cached(w.qkv + r * CD, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots + r, 1, 1, CD,
+                                       c.conv_width);
+      const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
+      kernels::l2norm_forward(w.q + r * KD, w.qn + r * KD, w.rstd + r * Hk, Hk, c.dk, 1e-6f, qscale);
+      kernels::l2norm_forward(w.k + r * KD, w.kn + r * KD, w.rstd + r * Hk, Hk, c.dk, 1e-6f, 1.0f);
+      kernels::gdn_gates_forward(w.b + r * Hv, w.a + r * Hv, W.vec(p::kALog), W.vec(p::kDtBias), w.beta + r * Hv,
+                                 w.g + r * Hv, 1, Hv);
+    }
+    tm.sync();
+    // Per (row, value head): the delta-rule step and the gated norm of its output.
+    {
+      const auto [u0, u1] = tm.share(B * Hv);
+      const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
+      if (u1 > u0) {
+        kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
+        kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
+                                       w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
+      }
+    }
+    tm.sync();
+    Job<T> out = job(w.y, W.mat(p::kOut), w.mix, B, H, VD);
+    tm.products(&out, 1);
+    tm.sync();
+  }
+
+  void attention(Team<T>& tm, const Work& w, size_t li, int64_t B, const int32_t* slots, const int32_t* positions) {
+    const model::ModelConfig& c = cfg;
+    const model::ComputeWeights<T>& W = cw[li];
+    model::LayerCache& cache = caches[li];
+    const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
+    const auto [r0, r1] = tm.share(B);
+    if (r1 > r0)
+      kernels::rmsnorm_forward(w.h + r0 * H, W.vec(p::kInputNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
+                               float(c.rms_eps));
+    tm.sync();
+    Job<T> jobs[3] = {job(w.xn, W.mat(p::kQ), w.qg, B, nH * 2 * hd, H), job(w.xn, W.mat(p::kK), w.kraw, B, nKV * hd, H),
+                      job(w.xn, W.mat(p::kV), w.vv, B, nKV * hd, H)};
+    tm.products(jobs, 3);
+    tm.sync();
+    const kernels::KvCacheShape kc{nKV, hd, cache.capacity};
+    for (int64_t r = r0; r < r1; ++r) {
+      // [heads, 2hd] per row: hd query values then hd gate values per head (split_query_gate of the layered path).
+      for (int64_t h = 0; h < nH; ++h) {
+        std::copy_n(w.qg + (r * nH + h) * 2 * hd, hd, w.qraw + (r * nH + h) * hd);
+        std::copy_n(w.qg + (r * nH + h) * 2 * hd + hd, hd, w.gate + (r * nH + h) * hd);
+      }
+      kernels::rmsnorm_forward(w.qraw + r * nH * hd, W.vec(p::kQNorm), w.aq + r * nH * hd, w.rstd + r * nH, nH, hd,
+                               float(c.rms_eps));
+      kernels::rmsnorm_forward(w.kraw + r * nKV * hd, W.vec(p::kKNorm), w.ak + r * nKV * hd, w.rstd + r * nH, nKV, hd,
+                               float(c.rms_eps));
+      kernels::rope_forward(w.aq + r * nH * hd, positions + r, 1, nH, hd, c.rotary_dim(), float(c.rope_theta));
+      kernels::rope_forward(w.ak + r * nKV * hd, positions + r, 1, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+      kernels::kv_cache_write(kc, w.ak + r * nKV * hd, w.vv + r * nKV * hd, ptr<T>(cache.k), ptr<T>(cache.v),
+                              slots + r, positions + r, 1, 1);
+    }
+    tm.sync();
+    {
+      const auto [u0, u1] = tm.share(B * nH);
+      if (u1 > u0)
+        kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
+                                        positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
+    }
+    tm.sync();
+    Job<T> out = job(w.attn, W.mat(p::kO), w.mix, B, H, nH * hd);
+    tm.products(&out, 1);
+    tm.sync();
+  }
+
+  void ffn(Team<T>& tm, const Work& w, size_t li, int64_t B) {
+    const model::ModelConfig& c = cfg;
+    const model::ComputeWeights<T>& W = cw[li];
+    const int f = model::ffn_offset(lw[li].kind);
+    const int64_t H = c.hidden;
+    const auto [r0, r1] = tm.share(B);
+    if (r1 > r0) {
+      residual_add(w.h + r0 * H, w.mix + r0 * H, w.hmid + r0 * H, (r1 - r0) * H);
+      kernels::rmsnorm_forward(w.hmid + r0 * H, W.vec(p::kPostNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
+                               float(c.rms_eps));
+    }
+    tm.sync();
+    if (!c.moe()) {
+      const int64_t I = c.intermediate;
+      Job<T> gu[2] = {job(w.xn, W.mat(f + p::kMlpGate), w.gu, B, I, H, 2 * I),
+                      job(w.xn, W.mat(f + p::kMlpUp), w.gu + I, B, I, H, 2 * I)};
+      tm.products(gu, 2);
+      tm.sync();
+      if (r1 > r0) kernels::detail::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
+      tm.sync();
+      Job<T> down = job(w.act, W.mat(f + p::kMlpDown), w.ffn, B, H, I);
+      tm.products(&down, 1);
+      tm.sync();
+    } else {
+      const int64_t E = c.experts, k = c.top_k, I = c.expert_inter, Is = c.shared_inter;
+      Job<T> router = job_f32(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H);
+      tm.products(&router, 1);
+      tm.sync();
+      if (tm.first()) {
+        kernels::detail::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
+        kernels::detail::moe_group_by_expert(B * k, E, w.idx, w.off, w.rslot);
+        kernels::detail::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
+        for (int64_t r = 0; r < B * k; ++r) std::copy_n(w.xn + (w.rslot[r] / k) * H, H, w.xg + r * H);
+      }
+      tm.sync();
+      const T* gate_up = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kGateUp)].data);
+      const T* down = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kDown)].data);
+      // The experts with rows (at most B * k of them) and the shared expert's gate and up.
+      thread_local std::vector<Job<T>> jobs;  // at most min(E, B k) + 2; grows once per thread
+      jobs.resize(static_cast<size_t>(std::min(E, B * k) + 2));
+      int n = 0;
+      auto add = [&](const Job<T>& j) { jobs[static_cast<size_t>(n++)] = j; };
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t a = w.off[e], m = w.off[e + 1] - a;
+        if (m > 0) add(job(w.xg + a * H, gate_up + e * 2 * I * H, w.gu + a * 2 * I, m, 2 * I, H));
+      }
+      add(job(w.xn, W.mat(f + p::kSharedGate), w.sgu, B, Is, H, 2 * Is));
+      add(job(w.xn, W.mat(f + p::kSharedUp), w.sgu + Is, B, Is, H, 2 * Is));
+      tm.products(jobs.data(), n);
+      tm.sync();
+      {
+        const auto [a0, a1] = tm.share(B * k + B);  // the routed rows, then the shared expert's
+        const int64_t e0 = std::min(a0, B * k), e1 = std::min(a1, B * k);
+        if (e1 > e0) kernels::detail::swiglu_act_rows(e1 - e0, I, w.gu + e0 * 2 * I, nullptr, w.act + e0 * I);
+        const int64_t s0 = std::max(a0, B * k) - B * k, s1 = std::max(a1, B * k) - B * k;
+        if (s1 > s0) kernels::detail::swiglu_act_rows(s1 - s0, Is, w.sgu + s0 * 2 * Is, nullptr, w.sact + s0 * Is);
+      }
+      tm.sync();
+      n = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t a = w.off[e], m = w.off[e + 1] - a;
+        if (m > 0) add(job_f32(w.act + a * I, down + e * H * I, w.ye + a * H, m, H, I));
+      }
+      add(job(w.sact, W.mat(f + p::kSharedDown), w.sout, B, H, Is));
+      tm.products(jobs.data(), n);
+      tm.sync();
+      if (tm.first())
+        for (int64_t e = 0; e < E; ++e) {
+          const int64_t a = w.off[e], m = w.off[e + 1] - a;
+          if (m > 0)
+            kernels::detail::moe_add_expert_rows(m, H, k, w.rslot + a, w.idx, w.wts, w.scale, w.sout, w.ye + a * H,
+                                                 w.sum, w.ffn);
+        }
+      tm.sync();
+    }
+    if (r1 > r0) residual_add(w.hmid + r0 * H, w.ffn + r0 * H, w.h + r0 * H, (r1 - r0) * H);
+    tm.sync();
+  }
+
+  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
+    if (B <= 0 || B > kernels::kGemvMaxRows)
+      throw std::invalid_argument("fused step: " + std::to_string(B) + " rows (1 to " +
+                                  std::to_string(kernels::kGemvMaxRows) + ")");
+    const int threads = omp_get_max_threads();
+    const int64_t capacity = caches.empty() ? 0 : caches.front().capacity;
+    Carve sizing(nullptr);
+    carve(sizing, B, threads, capacity);
+    Buffer ws = mem.allocate(sizing.used(), MemCategory::Workspace, "fused_step.workspace");
+    if (mem.planning()) return;
+    Carve cv(static_cast<char*>(ws.data()));
+    const Work w = carve(cv, B, threads, capacity);
+    for (auto& x : counters) x.store(0, std::memory_order_relaxed);
+    const kernels::GemvIsa isa = kernels::gemv_isa();
+    const model::ModelConfig& c = cfg;
+    const int64_t H = c.hidden, V = c.vocab;
+    const TensorView& embed = params.global(model::g::kEmbed);
+    const T* head = static_cast<const T*>(params.global(model::g::kLmHead).data);
+#pragma omp parallel num_threads(threads)
+    {
+      Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), bar, counters.data(),
+                 static_cast<int64_t>(counters.size()), 0, isa};
+      // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
+      if (tm.first()) {
+        if (embed.dtype == DType::F32)
+          kernels::embedding_forward(ids, B, static_cast<const float*>(embed.data), V, H, w.h);
+        else kernels::embedding_forward(ids, B, static_cast<const bf16*>(embed.data), V, H, w.h);
+      }
+      tm.sync();
+      for (size_t i = 0; i < order.size(); ++i) {
+        if (order[i].kind() == LayerKind::LinearAttention) gdn(tm, w, i, B, slots);
+        else attention(tm, w, i, B, slots, positions);
+        ffn(tm, w, i, B);
+      }
+      if (logits) {
+        const auto [r0, r1] = tm.share(B);
+        if (r1 > r0)
+          kernels::rmsnorm_forward(w.h + r0 * H, final_norm.ptr, w.xf + r0 * H, w.rstd + r0, r1 - r0, H,
+                                   float(c.rms_eps));
+        tm.sync();
+        Job<T> lm = job_f32(w.xf, head, logits, B, V, H);
+        tm.products(&lm, 1);
+      }
+    }
+  }
+};
+
+template <typename T>
+bool FusedStep<T>::supported(const model::ParamSet& params, DType compute) {
+  if (compute != dtype_of<T>() || params.shards() != 1) return false;
+  const model::ModelConfig& c = params.config();
+  if (params.global(model::g::kLmHead).dtype != compute) return false;
+  if (c.dv > 512 || c.head_dim > 1024) return false;
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const model::LayerSlot s = model::slot_of_layer(c, i);
+    const model::LayerWeights lw = params.layer(s);
+    const auto specs = model::layer_specs(c, s.kind());
+    for (size_t j = 0; j < specs.size(); ++j)
+      if (specs[j].is_matrix && lw[j].dtype != compute) return false;
+  }
+  return true;
+}
+
+template <typename T>
+FusedStep<T>::FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
+                        std::vector<model::LayerCache>& caches, MemoryAccountant& mem)
+    : impl_(std::make_unique<Impl>(params, order, caches, mem)) {}
+
+template <typename T> FusedStep<T>::~FusedStep() = default;
+
+template <typename T>
+void FusedStep<T>::run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
+  impl_->run(B, slots, positions, ids, logits);
+}
+
+template class FusedStep<float>;
+template class FusedStep<bf16>;
+
+}  // namespace hs::infer

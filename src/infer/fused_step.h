@@ -1,0 +1,51 @@
+// One decode step (one token for each of B <= kGemvMaxRows sequences) through every layer and the head inside a
+// single OpenMP parallel region. The layer-by-layer path (model::layer_forward) forks and joins ~20 times per layer
+// on a token's rows, and at decode shapes those fork/joins (a futex wake-up each under OMP_WAIT_POLICY=passive) and
+// the small loops between them cost more than streaming the weights. Here the threads enter once per step and split
+// the work themselves, with a spinning barrier between dependent phases:
+//  * products (projections, router, shared expert, the routed experts' rows, the LM head): the weight rows of all the
+//    products of a phase are cut into chunks of ~kFusedChunkBytes that threads take as they come free (kernels::
+//    gemv_rows), so a thread descheduled on a shared machine leaves its part to the others;
+//  * per-row work (norms, conv window, gates, RoPE, the cache write, the residual adds) by the thread owning the row;
+//  * per-head work (delta-rule step + gated norm, cached attention) split over (row, head) units;
+//  * the MoE's routing and combine on one thread while the others wait.
+// Every element is computed by the same kernel code as the layered path, in the same order, whatever the thread that
+// computes it, so a step's logits are bit-identical to the layered path's and to themselves at any thread count
+// (tests/decode_test.cpp: Decode.FusedStepIsBitIdenticalToTheLayeredPath).
+//
+// Eligible (FusedStep::supported): unsharded weights whose matrices (routed experts included) and LM head are stored
+// in the compute dtype, so every product reads the weights where they lie. The decoder takes the layered path
+// otherwise.
+#pragma once
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/memory.h"
+#include "model/layer.h"
+#include "model/params.h"
+
+namespace hs::infer {
+
+inline constexpr int64_t kFusedChunkBytes = int64_t{1} << 15;
+
+template <typename T>
+class FusedStep {
+ public:
+  static bool supported(const model::ParamSet& params, DType compute);
+  // The small vectors (norm weights, conv taps, gates) are cast to fp32 once here when they are stored in bf16
+  // (MemCategory::WeightCasts, live as long as this object).
+  FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
+            std::vector<model::LayerCache>& caches, MemoryAccountant& mem);
+  ~FusedStep();
+  // rows: B sequences in slots[b] at positions[b] with input ids[b]; logits fp32 [B, V] (null: none). In planning
+  // mode only the per-step workspace is allocated.
+  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace hs::infer
