@@ -1,10 +1,14 @@
 #include "infer/fused_step.h"
 
 #include <omp.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "kernels/decode.h"
@@ -30,28 +34,31 @@ inline void cpu_relax() {
 #endif
 }
 
-// A barrier for the threads of one parallel region that spins (the threads are all inside the region, none asleep
-// to wake) and yields the core after a while, so a waiting thread does not keep a descheduled one off a shared core.
-class SpinBarrier {
- public:
-  void wait(int n) {
-    if (n == 1) return;
-    const int gen = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(gen + 1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < kSpins) cpu_relax();
-      else sched_yield();
-    }
-  }
+// Pause instructions before a thread that waits for a phase sleeps (HS_FUSED_SPIN overrides, for measuring).
+int spin_limit() {
+  static const int n = [] {
+    const char* e = std::getenv("HS_FUSED_SPIN");
+    return e && *e ? std::atoi(e) : 2000;
+  }();
+  return n;
+}
 
- private:
-  static constexpr int kSpins = 4000;
-  alignas(64) std::atomic<int> arrived_{0};
-  alignas(64) std::atomic<int> generation_{0};
+void futex_wait(std::atomic<int>* a, int expected) {
+  static_assert(sizeof(std::atomic<int>) == sizeof(int));
+  syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+void futex_wake_all(std::atomic<int>* a) {
+  syscall(SYS_futex, reinterpret_cast<int*>(a), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// One phase of a step: its work comes in `total` chunks that threads take in order (next) and count when finished
+// (done). A thread moves on when every chunk is done, not when every thread has arrived: a thread descheduled on a
+// shared machine holds up the others only while it holds a chunk, and when it runs again it finds the phases it
+// missed complete and skips them. So what decides a phase's chunks (shapes, the MoE routing) is never overwritten
+// within a step (the routing is kept per layer).
+struct alignas(64) Phase {
+  std::atomic<int64_t> next{0};
+  alignas(64) std::atomic<int> done{0};
 };
 
 // One product of a phase: y[M, N] = x[M, K] W^T (x packed), y fp32 or T with row stride ldy.
@@ -64,25 +71,45 @@ template <typename T> struct Job {
   int64_t chunk_rows = 0, chunks = 0;
 };
 
-// A thread's view of the team: its id, the barrier, and the chunk counters of the step's product phases (each phase
-// takes the next counter; every thread runs the same sequence of phases).
+// A thread's view of the step: its id and the phases (every thread runs the same sequence of phases).
 template <typename T> struct Team {
-  int tid, nt;
-  SpinBarrier& bar;
-  std::atomic<int64_t>* counters;
-  int64_t ncounters;
-  int64_t phase = 0;
+  int tid;
+  Phase* phases;
+  int64_t nphases;
+  std::atomic<int>& sleepers;
   kernels::GemvIsa isa;
+  int64_t phase = 0;
 
-  void sync() { bar.wait(nt); }
-  // [lo, hi) of n items for this thread (contiguous, static).
-  std::pair<int64_t, int64_t> share(int64_t n) const { return {n * tid / nt, n * (tid + 1) / nt}; }
-  bool first() const { return tid == 0; }
-
-  // Runs the products of one phase, chunk by chunk as threads come free. Not followed by a barrier.
+  // Runs chunks f(c) of the next phase as they come, then waits until all `total` are done.
+  template <typename F> void run_phase(int64_t total, F&& f) {
+    if (phase >= nphases) throw std::logic_error("fused step: more phases than planned");
+    Phase& ph = phases[phase++];
+    for (int64_t c = ph.next.fetch_add(1, std::memory_order_relaxed); c < total;
+         c = ph.next.fetch_add(1, std::memory_order_relaxed)) {
+      f(c);
+      if (ph.done.fetch_add(1, std::memory_order_seq_cst) + 1 == total &&
+          sleepers.load(std::memory_order_seq_cst) > 0)
+        futex_wake_all(&ph.done);
+    }
+    const int n = static_cast<int>(total);
+    for (int i = 0, limit = spin_limit(); i < limit; ++i) {
+      if (ph.done.load(std::memory_order_acquire) >= n) return;
+      cpu_relax();
+    }
+    sleepers.fetch_add(1, std::memory_order_seq_cst);
+    for (int d; (d = ph.done.load(std::memory_order_seq_cst)) < n;) futex_wait(&ph.done, d);
+    sleepers.fetch_sub(1, std::memory_order_relaxed);
+  }
+  // Work done by whichever thread comes first.
+  template <typename F> void serial(F&& f) {
+    run_phase(1, [&](int64_t) { f(); });
+  }
+  // f(u0, u1) over n units in chunks of `per` units.
+  template <typename F> void units(int64_t n, int64_t per, F&& f) {
+    run_phase((n + per - 1) / per, [&](int64_t c) { f(c * per, std::min(n, (c + 1) * per)); });
+  }
+  // The products of one phase, in chunks of ~kFusedChunkBytes of weight rows.
   void products(Job<T>* jobs, int n) {
-    if (phase >= ncounters) throw std::logic_error("fused step: more product phases than counters");
-    std::atomic<int64_t>& next = counters[phase++];
     int64_t total = 0;
     for (int j = 0; j < n; ++j) {
       Job<T>& b = jobs[j];
@@ -94,16 +121,15 @@ template <typename T> struct Team {
     }
     int j = 0;
     int64_t base = 0;  // chunks of jobs before j
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < total;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
-      while (c >= base + jobs[j].chunks) base += jobs[j++].chunks;  // chunks come in ascending order per thread
+    run_phase(total, [&](int64_t c) {
+      while (c >= base + jobs[j].chunks) base += jobs[j++].chunks;  // a thread's chunks come in ascending order
       const Job<T>& b = jobs[j];
       const int64_t n0 = (c - base) * b.chunk_rows, n1 = std::min(b.N, n0 + b.chunk_rows);
       if (b.y_f32)
         kernels::gemv_rows(b.x, b.W, static_cast<float*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
       else
         kernels::gemv_rows(b.x, b.W, static_cast<T*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
-    }
+    });
   }
 };
 
@@ -146,13 +172,13 @@ struct FusedStep<T>::Impl {
   std::vector<model::LayerWeights> lw;
   std::vector<model::ComputeWeights<T>> cw;  // matrices in place, small vectors in fp32
   model::Converted<float> final_norm;
-  std::vector<std::atomic<int64_t>> counters;
-  SpinBarrier bar;
+  std::vector<Phase> phases;
+  std::atomic<int> sleepers{0};
 
   Impl(const model::ParamSet& ps, const std::vector<model::LayerSlot>& o, std::vector<model::LayerCache>& c,
        MemoryAccountant& m)
       : params(ps), cfg(ps.config()), order(o), caches(c), mem(m),
-        counters(static_cast<size_t>(5 * ps.config().layers + 2)) {
+        phases(static_cast<size_t>(12 * ps.config().layers + 4)) {
     for (const model::LayerSlot& s : order) {
       lw.push_back(params.layer(s));
       cw.push_back(model::compute_weights<T>(cfg, lw.back(), mem, nullptr));
@@ -217,7 +243,7 @@ struct FusedStep<T>::Impl {
     w.sum = cv.take<float>(B * H);
     w.idx = cv.take<int32_t>(B * k);
     w.rslot = cv.take<int32_t>(B * k);
-    w.off = cv.take<int64_t>(E + 1);
+    w.off = cv.take<int64_t>((E + 1) * std::max<int64_t>(c.layers, 1));  // per layer (fused_step.cpp: Phase)
     w.xg = cv.take<T>(B * k * H);
     w.gu = cv.take<T>(B * k * 2 * I);
     w.act = cv.take<T>(B * k * I);
@@ -229,127 +255,121 @@ struct FusedStep<T>::Impl {
     return w;
   }
 
+  // Thread 0's work before layer li's mixer products: its input norm of h into xn.
+  void input_norm(const Work& w, size_t li, int64_t B) {
+    kernels::rmsnorm_forward(w.h, cw[li].vec(p::kInputNorm), w.xn, w.rstd, B, cfg.hidden, float(cfg.rms_eps));
+  }
+
+  // Layer li's Gated DeltaNet mixer from xn (normed) to mix; ends after a barrier.
   void gdn(Team<T>& tm, const Work& w, size_t li, int64_t B, const int32_t* slots) {
     const model::ModelConfig& c = cfg;
     const model::ComputeWeights<T>& W = cw[li];
     model::LayerCache& cache = caches[li];
     const int64_t H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hk = c.k_heads,
                   Hv = c.v_heads;
-    const auto [r0, r1] = tm.share(B);
-    if (r1 > r0)
-      kernels::rmsnorm_forward(w.h + r0 * H, W.vec(p::kInputNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
-                               float(c.rms_eps));
-    tm.sync();
     Job<T> jobs[4] = {job(w.xn, W.mat(p::kQkv), w.qkv, B, CD, H), job(w.xn, W.mat(p::kZ), w.z, B, VD, H),
                       job(w.xn, W.mat(p::kB), w.b, B, Hv, H), job(w.xn, W.mat(p::kA), w.a, B, Hv, H)};
     tm.products(jobs, 4);
-    tm.sync();
-    // Per row: the conv over its window, the q/k norms and the gates.
-    for (int64_t r = r0; r < r1; ++r) {
-      const auto cols = kernels::ColumnBlocks<T>().add(w.q + r * KD, KD).add(w.k + r * KD, KD).add(w.v + r * VD, VD);
-      kernels::causal_conv_silu_cached(w.qkv + r * CD, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots + r, 1, 1, CD,
+    // The conv over each row's window, the q/k norms and the gates (thread 0: a few thousand values per row).
+    tm.serial([&] {
+      const auto cols = kernels::ColumnBlocks<T>().add(w.q, KD).add(w.k, KD).add(w.v, VD);
+      kernels::causal_conv_silu_cached(w.qkv, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots, B, 1, CD,
                                        c.conv_width);
       const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-      kernels::l2norm_forward(w.q + r * KD, w.qn + r * KD, w.rstd + r * Hk, Hk, c.dk, 1e-6f, qscale);
-      kernels::l2norm_forward(w.k + r * KD, w.kn + r * KD, w.rstd + r * Hk, Hk, c.dk, 1e-6f, 1.0f);
-      kernels::gdn_gates_forward(w.b + r * Hv, w.a + r * Hv, W.vec(p::kALog), W.vec(p::kDtBias), w.beta + r * Hv,
-                                 w.g + r * Hv, 1, Hv);
-    }
-    tm.sync();
+      kernels::l2norm_forward(w.q, w.qn, w.rstd, B * Hk, c.dk, 1e-6f, qscale);
+      kernels::l2norm_forward(w.k, w.kn, w.rstd, B * Hk, c.dk, 1e-6f, 1.0f);
+      kernels::gdn_gates_forward(w.b, w.a, W.vec(p::kALog), W.vec(p::kDtBias), w.beta, w.g, B, Hv);
+    });
     // Per (row, value head): the delta-rule step and the gated norm of its output.
-    {
-      const auto [u0, u1] = tm.share(B * Hv);
-      const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
-      if (u1 > u0) {
-        kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
-        kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
-                                       w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
-      }
-    }
-    tm.sync();
+    const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
+    tm.units(B * Hv, 1, [&](int64_t u0, int64_t u1) {
+      kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
+      kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
+                                     w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
+    });
     Job<T> out = job(w.y, W.mat(p::kOut), w.mix, B, H, VD);
     tm.products(&out, 1);
-    tm.sync();
   }
 
+  // Layer li's gated attention from xn to mix; ends after a barrier.
   void attention(Team<T>& tm, const Work& w, size_t li, int64_t B, const int32_t* slots, const int32_t* positions) {
     const model::ModelConfig& c = cfg;
     const model::ComputeWeights<T>& W = cw[li];
     model::LayerCache& cache = caches[li];
     const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
-    const auto [r0, r1] = tm.share(B);
-    if (r1 > r0)
-      kernels::rmsnorm_forward(w.h + r0 * H, W.vec(p::kInputNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
-                               float(c.rms_eps));
-    tm.sync();
     Job<T> jobs[3] = {job(w.xn, W.mat(p::kQ), w.qg, B, nH * 2 * hd, H), job(w.xn, W.mat(p::kK), w.kraw, B, nKV * hd, H),
                       job(w.xn, W.mat(p::kV), w.vv, B, nKV * hd, H)};
     tm.products(jobs, 3);
-    tm.sync();
     const kernels::KvCacheShape kc{nKV, hd, cache.capacity};
-    for (int64_t r = r0; r < r1; ++r) {
-      // [heads, 2hd] per row: hd query values then hd gate values per head (split_query_gate of the layered path).
-      for (int64_t h = 0; h < nH; ++h) {
-        std::copy_n(w.qg + (r * nH + h) * 2 * hd, hd, w.qraw + (r * nH + h) * hd);
-        std::copy_n(w.qg + (r * nH + h) * 2 * hd + hd, hd, w.gate + (r * nH + h) * hd);
+    tm.serial([&] {
+      // [rows, heads, 2hd]: per head hd query values then hd gate values (split_query_gate of the layered path).
+      for (int64_t u = 0; u < B * nH; ++u) {
+        std::copy_n(w.qg + u * 2 * hd, hd, w.qraw + u * hd);
+        std::copy_n(w.qg + u * 2 * hd + hd, hd, w.gate + u * hd);
       }
-      kernels::rmsnorm_forward(w.qraw + r * nH * hd, W.vec(p::kQNorm), w.aq + r * nH * hd, w.rstd + r * nH, nH, hd,
-                               float(c.rms_eps));
-      kernels::rmsnorm_forward(w.kraw + r * nKV * hd, W.vec(p::kKNorm), w.ak + r * nKV * hd, w.rstd + r * nH, nKV, hd,
-                               float(c.rms_eps));
-      kernels::rope_forward(w.aq + r * nH * hd, positions + r, 1, nH, hd, c.rotary_dim(), float(c.rope_theta));
-      kernels::rope_forward(w.ak + r * nKV * hd, positions + r, 1, nKV, hd, c.rotary_dim(), float(c.rope_theta));
-      kernels::kv_cache_write(kc, w.ak + r * nKV * hd, w.vv + r * nKV * hd, ptr<T>(cache.k), ptr<T>(cache.v),
-                              slots + r, positions + r, 1, 1);
-    }
-    tm.sync();
-    {
-      const auto [u0, u1] = tm.share(B * nH);
-      if (u1 > u0)
-        kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
-                                        positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
-    }
-    tm.sync();
+      kernels::rmsnorm_forward(w.qraw, W.vec(p::kQNorm), w.aq, w.rstd, B * nH, hd, float(c.rms_eps));
+      kernels::rmsnorm_forward(w.kraw, W.vec(p::kKNorm), w.ak, w.rstd, B * nKV, hd, float(c.rms_eps));
+      kernels::rope_forward(w.aq, positions, B, nH, hd, c.rotary_dim(), float(c.rope_theta));
+      kernels::rope_forward(w.ak, positions, B, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+      kernels::kv_cache_write(kc, w.ak, w.vv, ptr<T>(cache.k), ptr<T>(cache.v), slots, positions, B, 1);
+    });
+    tm.units(B * nH, 1, [&](int64_t u0, int64_t u1) {
+      kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
+                                      positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
+    });
     Job<T> out = job(w.attn, W.mat(p::kO), w.mix, B, H, nH * hd);
     tm.products(&out, 1);
-    tm.sync();
   }
 
+  // Router products at most this big run on thread 0 with the routing (one barrier fewer).
+  static constexpr int64_t kSerialRouterBytes = int64_t{1} << 18;
+
+  // Thread 0: the routing of the rows in xn (router logits when `router_done` is false, softmax, top-k, grouping by
+  // expert, the shared expert's gate) and the gathered rows of each expert.
+  void route(const Work& w, size_t li, int64_t B, bool logits_done) {
+    const model::ModelConfig& c = cfg;
+    const model::ComputeWeights<T>& W = cw[li];
+    const int f = model::ffn_offset(lw[li].kind);
+    const int64_t H = c.hidden, E = c.experts, k = c.top_k;
+    if (!logits_done)
+      kernels::gemv_rows(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H, 0, 0, 0, E, kernels::gemv_isa());
+    kernels::detail::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
+    kernels::detail::moe_group_by_expert(B * k, E, w.idx, w.off + li * (E + 1), w.rslot);
+    kernels::detail::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
+    for (int64_t r = 0; r < B * k; ++r) std::copy_n(w.xn + (w.rslot[r] / k) * H, H, w.xg + r * H);
+  }
+
+  // Layer li's feed-forward block after its mixer (mix ready), through h = hmid + ffn and the next layer's input norm
+  // (or the final norm into xf after the last layer); ends after a barrier.
   void ffn(Team<T>& tm, const Work& w, size_t li, int64_t B) {
     const model::ModelConfig& c = cfg;
     const model::ComputeWeights<T>& W = cw[li];
     const int f = model::ffn_offset(lw[li].kind);
     const int64_t H = c.hidden;
-    const auto [r0, r1] = tm.share(B);
-    if (r1 > r0) {
-      residual_add(w.h + r0 * H, w.mix + r0 * H, w.hmid + r0 * H, (r1 - r0) * H);
-      kernels::rmsnorm_forward(w.hmid + r0 * H, W.vec(p::kPostNorm), w.xn + r0 * H, w.rstd + r0, r1 - r0, H,
-                               float(c.rms_eps));
-    }
-    tm.sync();
+    const bool serial_router = c.moe() && c.experts * H * int64_t(sizeof(T)) <= kSerialRouterBytes;
+    const int64_t* off = w.off + li * (c.experts + 1);  // this layer's routing (see Phase)
+    tm.serial([&] {
+      residual_add(w.h, w.mix, w.hmid, B * H);
+      kernels::rmsnorm_forward(w.hmid, W.vec(p::kPostNorm), w.xn, w.rstd, B, H, float(c.rms_eps));
+      if (serial_router) route(w, li, B, false);
+    });
     if (!c.moe()) {
       const int64_t I = c.intermediate;
       Job<T> gu[2] = {job(w.xn, W.mat(f + p::kMlpGate), w.gu, B, I, H, 2 * I),
                       job(w.xn, W.mat(f + p::kMlpUp), w.gu + I, B, I, H, 2 * I)};
       tm.products(gu, 2);
-      tm.sync();
-      if (r1 > r0) kernels::detail::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
-      tm.sync();
+      tm.units(B, 4, [&](int64_t r0, int64_t r1) {
+        kernels::detail::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
+      });
       Job<T> down = job(w.act, W.mat(f + p::kMlpDown), w.ffn, B, H, I);
       tm.products(&down, 1);
-      tm.sync();
     } else {
       const int64_t E = c.experts, k = c.top_k, I = c.expert_inter, Is = c.shared_inter;
-      Job<T> router = job_f32(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H);
-      tm.products(&router, 1);
-      tm.sync();
-      if (tm.first()) {
-        kernels::detail::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
-        kernels::detail::moe_group_by_expert(B * k, E, w.idx, w.off, w.rslot);
-        kernels::detail::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
-        for (int64_t r = 0; r < B * k; ++r) std::copy_n(w.xn + (w.rslot[r] / k) * H, H, w.xg + r * H);
+      if (!serial_router) {
+        Job<T> router = job_f32(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H);
+        tm.products(&router, 1);
+        tm.serial([&] { route(w, li, B, true); });
       }
-      tm.sync();
       const T* gate_up = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kGateUp)].data);
       const T* down = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kDown)].data);
       // The experts with rows (at most B * k of them) and the shared expert's gate and up.
@@ -358,40 +378,38 @@ struct FusedStep<T>::Impl {
       int n = 0;
       auto add = [&](const Job<T>& j) { jobs[static_cast<size_t>(n++)] = j; };
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t a = w.off[e], m = w.off[e + 1] - a;
+        const int64_t a = off[e], m = off[e + 1] - a;
         if (m > 0) add(job(w.xg + a * H, gate_up + e * 2 * I * H, w.gu + a * 2 * I, m, 2 * I, H));
       }
       add(job(w.xn, W.mat(f + p::kSharedGate), w.sgu, B, Is, H, 2 * Is));
       add(job(w.xn, W.mat(f + p::kSharedUp), w.sgu + Is, B, Is, H, 2 * Is));
       tm.products(jobs.data(), n);
-      tm.sync();
-      {
-        const auto [a0, a1] = tm.share(B * k + B);  // the routed rows, then the shared expert's
+      tm.units(B * k + B, 4, [&](int64_t a0, int64_t a1) {  // the routed rows, then the shared expert's
         const int64_t e0 = std::min(a0, B * k), e1 = std::min(a1, B * k);
         if (e1 > e0) kernels::detail::swiglu_act_rows(e1 - e0, I, w.gu + e0 * 2 * I, nullptr, w.act + e0 * I);
         const int64_t s0 = std::max(a0, B * k) - B * k, s1 = std::max(a1, B * k) - B * k;
         if (s1 > s0) kernels::detail::swiglu_act_rows(s1 - s0, Is, w.sgu + s0 * 2 * Is, nullptr, w.sact + s0 * Is);
-      }
-      tm.sync();
+      });
       n = 0;
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t a = w.off[e], m = w.off[e + 1] - a;
+        const int64_t a = off[e], m = off[e + 1] - a;
         if (m > 0) add(job_f32(w.act + a * I, down + e * H * I, w.ye + a * H, m, H, I));
       }
       add(job(w.sact, W.mat(f + p::kSharedDown), w.sout, B, H, Is));
       tm.products(jobs.data(), n);
-      tm.sync();
-      if (tm.first())
-        for (int64_t e = 0; e < E; ++e) {
-          const int64_t a = w.off[e], m = w.off[e + 1] - a;
-          if (m > 0)
-            kernels::detail::moe_add_expert_rows(m, H, k, w.rslot + a, w.idx, w.wts, w.scale, w.sout, w.ye + a * H,
-                                                 w.sum, w.ffn);
-        }
-      tm.sync();
     }
-    if (r1 > r0) residual_add(w.hmid + r0 * H, w.ffn + r0 * H, w.h + r0 * H, (r1 - r0) * H);
-    tm.sync();
+    tm.serial([&] {
+      if (c.moe())
+        for (int64_t e = 0; e < c.experts; ++e) {
+          const int64_t a = off[e], m = off[e + 1] - a;
+          if (m > 0)
+            kernels::detail::moe_add_expert_rows(m, H, c.top_k, w.rslot + a, w.idx, w.wts, w.scale, w.sout,
+                                                 w.ye + a * H, w.sum, w.ffn);
+        }
+      residual_add(w.hmid, w.ffn, w.h, B * H);
+      if (li + 1 < order.size()) input_norm(w, li + 1, B);
+      else kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
+    });
   }
 
   void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
@@ -406,7 +424,10 @@ struct FusedStep<T>::Impl {
     if (mem.planning()) return;
     Carve cv(static_cast<char*>(ws.data()));
     const Work w = carve(cv, B, threads, capacity);
-    for (auto& x : counters) x.store(0, std::memory_order_relaxed);
+    for (Phase& ph : phases) {
+      ph.next.store(0, std::memory_order_relaxed);
+      ph.done.store(0, std::memory_order_relaxed);
+    }
     const kernels::GemvIsa isa = kernels::gemv_isa();
     const model::ModelConfig& c = cfg;
     const int64_t H = c.hidden, V = c.vocab;
@@ -414,26 +435,21 @@ struct FusedStep<T>::Impl {
     const T* head = static_cast<const T*>(params.global(model::g::kLmHead).data);
 #pragma omp parallel num_threads(threads)
     {
-      Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), bar, counters.data(),
-                 static_cast<int64_t>(counters.size()), 0, isa};
+      Team<T> tm{omp_get_thread_num(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa};
       // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
-      if (tm.first()) {
+      tm.serial([&] {
         if (embed.dtype == DType::F32)
           kernels::embedding_forward(ids, B, static_cast<const float*>(embed.data), V, H, w.h);
         else kernels::embedding_forward(ids, B, static_cast<const bf16*>(embed.data), V, H, w.h);
-      }
-      tm.sync();
+        if (!order.empty()) input_norm(w, 0, B);
+        else kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
+      });
       for (size_t i = 0; i < order.size(); ++i) {
         if (order[i].kind() == LayerKind::LinearAttention) gdn(tm, w, i, B, slots);
         else attention(tm, w, i, B, slots, positions);
         ffn(tm, w, i, B);
       }
       if (logits) {
-        const auto [r0, r1] = tm.share(B);
-        if (r1 > r0)
-          kernels::rmsnorm_forward(w.h + r0 * H, final_norm.ptr, w.xf + r0 * H, w.rstd + r0, r1 - r0, H,
-                                   float(c.rms_eps));
-        tm.sync();
         Job<T> lm = job_f32(w.xf, head, logits, B, V, H);
         tm.products(&lm, 1);
       }
