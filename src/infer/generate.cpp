@@ -3,12 +3,46 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include "infer/decoder.h"
 
 namespace hs::infer {
 
+namespace {
+// Sorts c[0, n) (ids ascending on entry) most likely first, the lower id first on a tie, as std::sort with the
+// sampler's order would: a stable least-significant-digit radix sort (3 passes of 11 bits) on the logit's bits mapped
+// to an unsigned key that ascends as the logit descends (+0 and -0 one key), using tmp[0, n).
+void radix_sort_most_likely_first(std::pair<float, int32_t>* c, std::pair<float, int32_t>* tmp, int64_t n) {
+  auto key = [](float f) {
+    uint32_t u;
+    if (f == 0.0f) f = 0.0f;
+    std::memcpy(&u, &f, sizeof u);
+    u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascends with f
+    return ~u;                                         // ascends as f descends
+  };
+  std::pair<float, int32_t>* src = c;
+  std::pair<float, int32_t>* dst = tmp;
+  for (int shift = 0; shift < 32; shift += 11) {
+    uint32_t count[2049] = {};
+    for (int64_t i = 0; i < n; ++i) ++count[((key(src[i].first) >> shift) & 2047u) + 1];
+    for (int b = 0; b < 2048; ++b) count[b + 1] += count[b];
+    for (int64_t i = 0; i < n; ++i) dst[count[(key(src[i].first) >> shift) & 2047u]++] = src[i];
+    std::swap(src, dst);
+  }
+  if (src != c) std::copy_n(src, n, c);  // 3 passes: the result is in tmp
+}
+}  // namespace
+
+// Sampling without sorting the vocabulary. The distribution is the most likely ids first (the lower id first on a
+// tie), each weighted w = exp((l - max) / T) in fp32, summed in double in that order; the sampler draws one uniform u
+// in [0, total) and returns the first id whose running sum passes u. Ids of weight w < 2^-53 change nothing there:
+// the running sum starts at the most likely id's w = exp(0) = 1, so adding less than half its ulp leaves it as it is.
+// So only the ids with (l - max) / T >= ln 2^-54 (which bounds w below 2^-53 for the rest, with room for exp's
+// rounding) and, with top_k, only the top_k of those are put in order (a heap, std::partial_sort); when many ids
+// weigh (a flat distribution, a high temperature) they are ordered by a radix sort, not a comparison sort. The ids, the sums and the draw are those of a full sort, bit for bit
+// (Generate.SamplerEqualsTheFullSortSampler checks against one).
 int32_t sample_token(const float* logits, int64_t vocab, const Sampling& s, std::mt19937_64& rng,
                      std::vector<std::pair<float, int32_t>>& scratch) {
   if (s.temperature <= 0) {
@@ -17,27 +51,40 @@ int32_t sample_token(const float* logits, int64_t vocab, const Sampling& s, std:
       if (logits[i] > logits[best]) best = i;
     return static_cast<int32_t>(best);
   }
-  scratch.resize(static_cast<size_t>(vocab));
-  for (int64_t i = 0; i < vocab; ++i) scratch[static_cast<size_t>(i)] = {logits[i], static_cast<int32_t>(i)};
-  // Most likely first, the lower id first on a tie, so the candidate set does not depend on the sort.
+  // Most likely first, the lower id first on a tie.
   auto more_likely = [](const std::pair<float, int32_t>& a, const std::pair<float, int32_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
-  const int64_t k = s.top_k > 0 ? std::min(s.top_k, vocab) : vocab;
-  std::partial_sort(scratch.begin(), scratch.begin() + k, scratch.end(), more_likely);
-  // The candidates' weights exp((l - max) / T) replace their logits; sums in double.
-  const double mx = scratch[0].first, inv_t = 1.0 / s.temperature;
+  const int64_t K = s.top_k > 0 ? std::min(s.top_k, vocab) : vocab;
+  float top = logits[0];
+  for (int64_t i = 1; i < vocab; ++i) top = std::max(top, logits[i]);
+  const double mx = top, inv_t = 1.0 / s.temperature;
+  const double floor = std::log(0x1p-54);
+  scratch.resize(static_cast<size_t>(2 * vocab));  // the upper half: the radix sort's buffer
+  int64_t m = 0;  // candidates: every id that can weigh (and any others above the bound), in id order
+  for (int64_t i = 0; i < vocab; ++i)
+    if ((logits[i] - mx) * inv_t >= floor) scratch[static_cast<size_t>(m++)] = {logits[i], static_cast<int32_t>(i)};
+  if (K < m) {  // a heap of the K most likely (few updates once it holds them), then in order
+    std::partial_sort(scratch.begin(), scratch.begin() + K, scratch.begin() + m, more_likely);
+    m = K;
+  } else if (m > 2048) {
+    radix_sort_most_likely_first(scratch.data(), scratch.data() + vocab, m);
+  } else {
+    std::sort(scratch.begin(), scratch.begin() + m, more_likely);
+  }
+  // The candidates' weights replace their logits; sums in double.
   double total = 0;
-  for (int64_t i = 0; i < k; ++i) {
+  for (int64_t i = 0; i < m; ++i) {
     auto& c = scratch[static_cast<size_t>(i)];
     c.first = static_cast<float>(std::exp((c.first - mx) * inv_t));
     total += c.first;
   }
-  // top_p: the shortest prefix (most likely first) whose probability reaches top_p; at least one id.
-  int64_t n = k;
+  // top_p: the shortest prefix whose probability reaches top_p; at least one id, never past the candidates (their
+  // sum is already the total).
+  int64_t n = K;
   if (s.top_p < 1) {
     double acc = 0;
-    for (n = 0; n < k;) {
+    for (n = 0; n < m;) {
       acc += scratch[static_cast<size_t>(n++)].first;
       if (acc >= s.top_p * total) break;
     }
@@ -45,11 +92,17 @@ int32_t sample_token(const float* logits, int64_t vocab, const Sampling& s, std:
   }
   const double u = std::uniform_real_distribution<double>(0, total)(rng);
   double acc = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < std::min(n, m); ++i) {
     acc += scratch[static_cast<size_t>(i)].first;
     if (u < acc) return scratch[static_cast<size_t>(i)].second;
   }
-  return scratch[static_cast<size_t>(n - 1)].second;
+  // u reached the total (the distribution may round up to its bound): the last id of the n in order.
+  if (n <= m) return scratch[static_cast<size_t>(n - 1)].second;
+  int64_t e = 0;  // the (n - m)-th most likely of the ids below the bound
+  for (int64_t i = 0; i < vocab; ++i)
+    if (!((logits[i] - mx) * inv_t >= floor)) scratch[static_cast<size_t>(e++)] = {logits[i], static_cast<int32_t>(i)};
+  std::nth_element(scratch.begin(), scratch.begin() + (n - m - 1), scratch.begin() + e, more_likely);
+  return scratch[static_cast<size_t>(n - m - 1)].second;
 }
 
 GenerateResult generate(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
