@@ -73,7 +73,7 @@ template <typename T> struct Job {
 
 // A thread's view of the step: its id and the phases (every thread runs the same sequence of phases).
 template <typename T> struct Team {
-  int tid;
+  int tid, nt;
   Phase* phases;
   int64_t nphases;
   std::atomic<int>& sleepers;
@@ -110,12 +110,17 @@ template <typename T> struct Team {
   }
   // The products of one phase, in chunks of ~kFusedChunkBytes of weight rows.
   void products(Job<T>* jobs, int n) {
+    // Chunks of ~1/(8 threads) of the phase's weights, between kFusedChunkBytes and 32x that: small enough that the
+    // threads finish together, large enough that taking one (two atomics) costs nothing next to streaming it.
+    int64_t bytes = 0;
+    for (int j = 0; j < n; ++j) bytes += jobs[j].N * jobs[j].K * static_cast<int64_t>(sizeof(T));
+    const int64_t chunk_bytes = std::clamp<int64_t>(bytes / (8 * nt), kFusedChunkBytes, 32 * kFusedChunkBytes);
     int64_t total = 0;
     for (int j = 0; j < n; ++j) {
       Job<T>& b = jobs[j];
       const int64_t align = kernels::gemv_row_align(b.M, isa);
       const int64_t row_bytes = b.K * static_cast<int64_t>(sizeof(T));
-      b.chunk_rows = std::max<int64_t>(align, kFusedChunkBytes / std::max<int64_t>(row_bytes, 1) / align * align);
+      b.chunk_rows = std::max<int64_t>(align, chunk_bytes / std::max<int64_t>(row_bytes, 1) / align * align);
       b.chunks = b.M > 0 && b.N > 0 ? (b.N + b.chunk_rows - 1) / b.chunk_rows : 0;
       total += b.chunks;
     }
@@ -435,7 +440,7 @@ struct FusedStep<T>::Impl {
     const T* head = static_cast<const T*>(params.global(model::g::kLmHead).data);
 #pragma omp parallel num_threads(threads)
     {
-      Team<T> tm{omp_get_thread_num(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa};
+      Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa};
       // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
       tm.serial([&] {
         if (embed.dtype == DType::F32)
