@@ -194,12 +194,24 @@ TEST(Decode, BatchedGenerationEqualsEachPromptAlone) {
 
 // The fused step (one parallel region per step, infer/fused_step.h) computes every element with the layered path's
 // kernels in the same order, so its logits equal the layered path's bit for bit, at 1 and 2 threads, for both
-// families, fp32 and bf16, one row and several (distinct positions and slots), over 16 steps (the caches it advances
+// families (MoE) and a dense feed-forward, fp32 and bf16, one row and several (distinct positions and slots), over 16 steps (the caches it advances
 // feed the later steps, so a state written differently would show).
 TEST(Decode, FusedStepIsBitIdenticalToTheLayeredPath) {
-  for (const char* name : {"qwen3_next_L5", "qwen3_5_L7"})
+  for (const char* name : {"qwen3_next_L5", "qwen3_5_L7", "dense"})
     for (DType dt : {DType::F32, DType::BF16}) {
-      auto m = init(name, dt, 3);
+      std::unique_ptr<Model> m;
+      if (std::string(name) == "dense") {  // the Qwen3.5 body with a dense SwiGLU feed-forward
+        m = std::make_unique<Model>();
+        model::ModelConfig c = model::load_config(kParity + "qwen3_5_L5");
+        c.experts = 0;
+        c.top_k = 0;
+        c.intermediate = 48;
+        c.validate();
+        m->params = std::make_unique<model::ParamSet>(c, dt, m->mem, MemCategory::Parameters, false);
+        model::init_params(*m->params, 3);
+      } else {
+        m = init(name, dt, 3);
+      }
       const int64_t V = m->cfg().vocab;
       const std::vector<std::vector<int32_t>> prompts = {random_ids(5, V, 1), random_ids(70, V, 2),
                                                          random_ids(17, V, 3)};
