@@ -326,6 +326,17 @@ TEST(Decode, BadInputIsRefused) {
   const std::vector<int32_t> bad = {1, static_cast<int32_t>(m->cfg().vocab)};
   EXPECT_THROW(dec.prefill(0, bad, logits.data()), std::out_of_range);
   EXPECT_THROW(dec.prefill(1, bad, logits.data()), std::out_of_range);
+  // A step refuses an id outside the vocabulary and a slot given twice before it starts (fused or not).
+  Decoder two(*m->params, DType::F32, 2, 10, m->mem);
+  std::vector<float> two_logits(2 * m->cfg().vocab);
+  two.prefill(0, std::vector<int32_t>{1}, two_logits.data());
+  two.prefill(1, std::vector<int32_t>{2}, two_logits.data());
+  const std::vector<int32_t> slot0 = {0}, both = {0, 1}, twice = {1, 1}, out_id = {static_cast<int32_t>(m->cfg().vocab)};
+  EXPECT_THROW(two.step(slot0, out_id, two_logits.data()), std::out_of_range);
+  EXPECT_THROW(two.step(twice, both, two_logits.data()), std::invalid_argument);
+  EXPECT_EQ(two.length(0), 1);
+  two.step(both, both, two_logits.data());
+  EXPECT_EQ(two.length(1), 2);
   GenerateOptions opt;
   opt.max_new_tokens = 0;
   EXPECT_THROW(generate(*m->params, {{1, 2}}, opt, m->mem), std::invalid_argument);

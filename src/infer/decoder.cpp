@@ -5,9 +5,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "kernels/gemv.h"
-
 #include "kernels/embedding.h"
+#include "kernels/gemv.h"
 #include "kernels/matmul.h"
 #include "kernels/norms.h"
 #include "model/linear.h"
@@ -105,11 +104,17 @@ void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids,
                               ")");
     positions_[static_cast<size_t>(b)] = static_cast<int32_t>(length_[static_cast<size_t>(s)]);
   }
-  for (int64_t b = 0; b < B; ++b)
+  // Checked here, not inside the fused step's parallel region (where a throw could not reach the caller).
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t id = ids[static_cast<size_t>(b)];
+    if (id < 0 || id >= cfg_.vocab)
+      throw std::out_of_range("decoder: token id " + std::to_string(id) + " is outside the vocabulary of " +
+                              std::to_string(cfg_.vocab));
     for (int64_t j = 0; j < b; ++j)
       if (slots[static_cast<size_t>(j)] == slots[static_cast<size_t>(b)])
         throw std::invalid_argument("decoder: slot " + std::to_string(slots[static_cast<size_t>(b)]) +
                                     " appears twice in one step");
+  }
   if (fused()) {
     // Groups of at most kGemvMaxRows rows, each one fused step.
     const int64_t V = cfg_.vocab;

@@ -145,10 +145,6 @@ template <typename T> Job<T> job_f32(const T* x, const T* W, float* y, int64_t M
   return {x, W, y, true, M, N, K, N};
 }
 
-template <typename T> void residual_add(const T* a, const T* b, T* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
-}
-
 // A bump allocator over one workspace buffer (64-byte aligned pieces). Sizing: the same calls on a null base.
 class Carve {
  public:
@@ -354,7 +350,7 @@ struct FusedStep<T>::Impl {
     const bool serial_router = c.moe() && c.experts * H * int64_t(sizeof(T)) <= kSerialRouterBytes;
     const int64_t* off = w.off + li * (c.experts + 1);  // this layer's routing (see Phase)
     tm.serial([&] {
-      residual_add(w.h, w.mix, w.hmid, B * H);
+      model::add(w.h, w.mix, w.hmid, B * H);
       kernels::rmsnorm_forward(w.hmid, W.vec(p::kPostNorm), w.xn, w.rstd, B, H, float(c.rms_eps));
       if (serial_router) route(w, li, B, false);
     });
@@ -411,7 +407,7 @@ struct FusedStep<T>::Impl {
             kernels::detail::moe_add_expert_rows(m, H, c.top_k, w.rslot + a, w.idx, w.wts, w.scale, w.sout,
                                                  w.ye + a * H, w.sum, w.ffn);
         }
-      residual_add(w.hmid, w.ffn, w.h, B * H);
+      model::add(w.hmid, w.ffn, w.h, B * H);
       if (li + 1 < order.size()) input_norm(w, li + 1, B);
       else kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
     });
