@@ -150,9 +150,9 @@ class Carve {
  public:
   explicit Carve(char* base) : base_(base) {}
   template <typename E> E* take(int64_t n) {
-    E* p = reinterpret_cast<E*>(base_ + used_);
+    E* p = base_ ? reinterpret_cast<E*>(base_ + used_) : nullptr;
     used_ += (static_cast<size_t>(n) * sizeof(E) + 63) / 64 * 64;
-    return base_ ? p : nullptr;
+    return p;
   }
   size_t used() const { return used_; }
 
