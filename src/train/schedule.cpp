@@ -129,7 +129,7 @@ struct Runner {
   }
   model::LayerContext ctx() const {
     return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
-            /*slots=*/nullptr, piece_bytes, ep_group};
+            /*slots=*/nullptr, piece_bytes, ep_group, /*pack_weights=*/kernels::weight_packing()};
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }
