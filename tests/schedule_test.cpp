@@ -230,11 +230,11 @@ TEST(PlanningMode, PeakEqualsMeasuredForEveryPolicy) {
     }
 }
 
-// Weights packed into oneDNN's layout (kernels::PackedWeight, on by default) change no bit of the loss or the
-// gradients against plain weights, for every policy and weight dtype (the same kernel reads the same numbers), are
-// read by products when on and never when off, and the plan still equals the measured run with them.
+// Weights packed into oneDNN's layout (StepOptions::pack_weights) change no bit of the loss or the gradients against
+// plain weights, for both policies that differ in what they keep, both weight and both compute dtypes (the same
+// kernel reads the same numbers), are read by products when on and never when off, and the plan still equals the
+// measured run with them, category by category.
 TEST(PackedWeights, SameBitsAsPlainWeightsAndPlanEqualsMeasured) {
-  const bool was = kernels::weight_packing();
   ModelConfig c = tiny(4);
   Data d = random_data(2, 40, c.vocab, 21);
   if (kernels::packed_weight_bytes(DType::BF16, c.conv_dim(), c.hidden, kernels::WeightUse::Forward) == 0)
@@ -245,27 +245,25 @@ TEST(PackedWeights, SameBitsAsPlainWeightsAndPlanEqualsMeasured) {
         MemoryAccountant mem;
         ParamSet ps(c, wdt, mem, MemCategory::Parameters, false);
         model::init_params(ps, 3);
-        std::unique_ptr<ParamSet> g_plain, g_packed;
-        kernels::set_weight_packing(false);
-        int64_t n = kernels::matmul_packed_products();
-        StepResult a = forward_backward(ps, d.batch(2, 40), {pol, cdt}, mem, &g_plain);
+        std::unique_ptr<ParamSet> g_plain, g_packed, g_plan;
+        StepOptions plain{pol, cdt}, packed{pol, cdt};
+        packed.pack_weights = true;
+        const int64_t n = kernels::matmul_packed_products();
+        StepResult a = forward_backward(ps, d.batch(2, 40), plain, mem, &g_plain);
         EXPECT_EQ(kernels::matmul_packed_products(), n);
-        kernels::set_weight_packing(true);
-        MemoryAccountant real(false), plan(true);  // accountants of their own: equal peaks, category by category
+        MemoryAccountant real(false), plan(true);  // accountants of their own: equal peaks
         ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
         model::init_params(pr, 3);
-        std::unique_ptr<ParamSet> g_plan;
         real.reset_peak();
         plan.reset_peak();
-        StepResult b = forward_backward(pr, d.batch(2, 40), {pol, cdt}, real, &g_packed);
-        forward_backward(pp, d.batch(2, 40), {pol, cdt}, plan, &g_plan);
+        StepResult b = forward_backward(pr, d.batch(2, 40), packed, real, &g_packed);
+        forward_backward(pp, d.batch(2, 40), packed, plan, &g_plan);
         EXPECT_GT(kernels::matmul_packed_products(), n);
         EXPECT_EQ(a.loss, b.loss);
         std::string where;
         EXPECT_EQ(max_rel_diff(*g_plain, *g_packed, &where), 0.0) << where;
         EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << remat_name(pol);
       }
-  kernels::set_weight_packing(was);
 }
 
 // Only remat none keeps the delta rule's per-chunk states for the backward (LayerContext::keep_recomputables): its

@@ -379,24 +379,14 @@ size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use) {
   return layout ? layout->get_size() : 0;
 }
 
-namespace {
-// -1: not yet read from HS_PACKED_WEIGHTS.
-std::atomic<int> g_packing{-1};
-}  // namespace
-
-void set_weight_packing(bool on) { g_packing.store(on ? 1 : 0); }
-
-bool weight_packing() {
-  int v = g_packing.load();
-  if (v < 0) {
-    const char* env = std::getenv("HS_PACKED_WEIGHTS");
-    const std::string e = env ? env : "";
-    if (e.empty() || e == "on" || e == "1") v = 1;
-    else if (e == "off" || e == "0") v = 0;
-    else throw std::invalid_argument("HS_PACKED_WEIGHTS must be on or off, not '" + e + "'");
-    g_packing.store(v);
-  }
-  return v == 1;
+bool weight_packing_default() {
+  const char* env = std::getenv("HS_PACKED_WEIGHTS");
+  const std::string e = env ? env : "";
+  // Off unless asked for: on this AVX-512 (no AMX) machine it did not measure faster (README, "Weights in oneDNN's
+  // packed layout").
+  if (e == "on") return true;
+  if (e.empty() || e == "off") return false;
+  throw std::invalid_argument("HS_PACKED_WEIGHTS must be on or off, not '" + e + "'");
 }
 
 PackedWeight::PackedWeight(const void* W, DType dt, int64_t out, int64_t in, WeightUse use, MemoryAccountant& mem,

@@ -60,10 +60,9 @@ enum class WeightUse : uint8_t { Forward, BackwardData };
 // layout anyway (no brgemm kernel for this CPU and dtype). Planning and running query it the same way.
 size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use);
 
-// Process-wide switch (the train and plan commands' --packed-weights, or HS_PACKED_WEIGHTS=on|off; default on):
-// whether the training schedule packs its sub-layers' weights. Planning and running must agree.
-void set_weight_packing(bool on);
-bool weight_packing();
+// The default of train --packed-weights (train::StepOptions::pack_weights): HS_PACKED_WEIGHTS=on|off, else off.
+// Throws for another value.
+bool weight_packing_default();
 
 // The packed copy of one weight for one use, allocated through the accountant (packed_weight_bytes of it; nothing
 // when that is 0). pack() reorders W into it once W's contents are final (a gather finished) and registers it;
