@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A/B of two hybridscan builds (or two environments) on the `small` training step, alternated run by run so that a
 # noisy, shared machine slows both alike. Each run trains WARMUP + STEPS synthetic steps and is timed over the steps
-# after the warm-up (total tokens / total time, from its metrics.jsonl); prints every run, the mean per side and
-# B / A.
+# after the warm-up (total tokens / total time, from its metrics.jsonl); prints every run, the mean and median per
+# side, B / A of the means and the median of the per-round B / A.
 #
 #   bench/ab_train_step.sh [--rounds R] [--steps S] [--warmup W] [--remat none|block|sublayer] A B
 # A and B are each a binary, or ENV=VALUE...:binary to run it with extra environment variables, e.g.
@@ -69,4 +69,6 @@ a = [float(x) for x in sys.argv[2:2 + n]]
 b = [float(x) for x in sys.argv[2 + n:]]
 print(f"mean tokens/s  A {statistics.mean(a):.1f}  B {statistics.mean(b):.1f}  B/A {statistics.mean(b) / statistics.mean(a):.3f}"
       f"  (B faster in {sum(y > x for x, y in zip(a, b))} of {n} rounds)")
+print(f"median tokens/s  A {statistics.median(a):.1f}  B {statistics.median(b):.1f}"
+      f"  median of the per-round B/A {statistics.median(y / x for x, y in zip(a, b)):.3f}")
 EOF

@@ -71,8 +71,8 @@ const WeightShape kWeightShapes[] = {
     {"small.expert.down", 1024, 256, 256},       {"real.gdn.in_proj_qkv", 1024, 8192, 2048},
     {"real.gdn.in_proj_z", 1024, 4096, 2048},    {"real.gdn.out_proj", 1024, 2048, 4096},
     {"real.attn.q_proj", 1024, 8192, 2048},      {"real.attn.k_proj", 1024, 512, 2048},
-    {"real.attn.o_proj", 1024, 2048, 4096},      {"real.router", 1024, 512, 2048},
-    {"real.shared.gate", 1024, 512, 2048},       {"real.shared.down", 1024, 2048, 512},
+    {"real.attn.o_proj", 1024, 2048, 4096},      {"real.shared.gate", 1024, 512, 2048},
+    {"real.shared.down", 1024, 2048, 512},
     {"real.expert.gate_up", 256, 1024, 2048},    {"real.expert.down", 256, 2048, 512},
 };
 

@@ -139,9 +139,14 @@ std::shared_ptr<Prim> get_prim(const Key& k, const memory::desc* packed_b = null
     attr.set_post_ops(po);
   }
   dnnl::matmul::desc d(a, b, c);
-  dnnl::matmul::primitive_desc pd(d, attr, rt.engine);
-  if (packed_b && std::string(pd.impl_info_str()).rfind("brg", 0) != 0) {
-    rt.cache.emplace(k, nullptr);  // this shape would run the packed layout on a slow kernel: plain instead
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = dnnl::matmul::primitive_desc(d, attr, rt.engine);
+  } catch (const dnnl::error&) {
+    if (!packed_b) throw;
+  }
+  if (packed_b && (!pd || std::string(pd.impl_info_str()).rfind("brg", 0) != 0)) {
+    rt.cache.emplace(k, nullptr);  // no kernel, or a slow one, for the packed layout at this shape: plain instead
     return nullptr;
   }
   auto p = std::make_shared<Prim>(Prim{dnnl::matmul(pd), a, b, c});

@@ -62,7 +62,7 @@ namespace {
 
 // The packed forms of a sub-layer's matrix weights (in the compute dtype, as `w` holds them) for one use, packed now
 // (LayerContext::pack_weights; nothing otherwise). Routed experts are not among them: their products take the row
-// count at execution, which oneDNN runs on plain weights. Weights packing does not apply to (skinny ones) get none.
+// count at execution, which oneDNN runs on plain weights; nor are the weights packing does not apply to (skinny ones).
 template <typename T>
 std::vector<PackedWeight> pack_weights(const LayerContext& ctx, const LayerWeights& lw, const ComputeWeights<T>& w,
                                        WeightUse use) {
