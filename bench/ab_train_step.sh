@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # A/B of two hybridscan builds (or two environments) on the `small` training step, alternated run by run so that a
 # noisy, shared machine slows both alike. Each run trains WARMUP + STEPS synthetic steps and is timed over the steps
-# after the warm-up (total tokens / total time, from its metrics.jsonl); prints every run, the mean per side and
-# B / A.
+# after the warm-up (total tokens / total time, from its metrics.jsonl); prints every run, the mean and median per
+# side, B / A of the means and the median of the per-round B / A.
 #
 #   bench/ab_train_step.sh [--rounds R] [--steps S] [--warmup W] [--remat none|block|sublayer] A B
 # A and B are each a binary, or ENV=VALUE...:binary to run it with extra environment variables, e.g.
 #   bench/ab_train_step.sh /tmp/hybridscan-before build/hybridscan
 #   bench/ab_train_step.sh GLIBC_TUNABLES=glibc.malloc.hugetlb=0:build/hybridscan build/hybridscan
-# Batch 8 x 512, 2 threads, bf16 compute (BATCH, SEQ, THREADS, DTYPE override).
+# Batch 8 x 512, 2 threads, bf16 compute (BATCH, SEQ, THREADS, DTYPE override); the `small` preset, or CONFIG=a
+# config.json (e.g. bench/configs/real_width_4layer.json: the real layer widths, 4 layers, 8 experts top-2).
 set -euo pipefail
 
 rounds=4 steps=6 warmup=2 remat=none
 batch=${BATCH:-8} seq=${SEQ:-512} threads=${THREADS:-2} dtype=${DTYPE:-bf16}
-usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
+model=(--preset small)
+[ -n "${CONFIG:-}" ] && model=(--config "$CONFIG")
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=${2:?}; shift 2 ;;
@@ -39,7 +42,7 @@ run() {
   if [ "$bin" != "$spec" ]; then read -r -a envs <<<"${spec%:*}"; fi
   [ -x "$bin" ] || { echo "ab_train_step.sh: $bin is not an executable" >&2; exit 2; }
   rm -rf "$tmp/out"
-  if ! env "${envs[@]}" "$bin" train --preset small --synthetic --steps $((warmup + steps)) --batch "$batch" \
+  if ! env "${envs[@]}" "$bin" train "${model[@]}" --synthetic --steps $((warmup + steps)) --batch "$batch" \
       --seq "$seq" --threads "$threads" --compute-dtype "$dtype" --remat "$remat" --quiet --json --out "$tmp/out" \
       >/dev/null 2>"$tmp/err"; then
     echo "ab_train_step.sh: $spec failed:" >&2
@@ -66,4 +69,6 @@ a = [float(x) for x in sys.argv[2:2 + n]]
 b = [float(x) for x in sys.argv[2 + n:]]
 print(f"mean tokens/s  A {statistics.mean(a):.1f}  B {statistics.mean(b):.1f}  B/A {statistics.mean(b) / statistics.mean(a):.3f}"
       f"  (B faster in {sum(y > x for x, y in zip(a, b))} of {n} rounds)")
+print(f"median tokens/s  A {statistics.median(a):.1f}  B {statistics.median(b):.1f}"
+      f"  median of the per-round B/A {statistics.median(y / x for x, y in zip(a, b)):.3f}")
 EOF

@@ -200,3 +200,104 @@ TEST(Matmul, RowWiseProductsTakeAnyRowCountFromOnePrimitive) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// ---- Packed weights ----
+// The packed product must be the same kernel on the same numbers as the plain one: bit for bit, for both uses,
+// both dtypes, bf16 and fp32 outputs, with and without accumulation, at shapes whose K and N are not multiples of
+// oneDNN's blocks (the packed layout's padding must read as zeros), and against the double reference (bf16 inputs
+// exact there: fp32 accumulation order only, 1e-4 * sqrt(K) relative to unit-scale data).
+template <typename T, typename TC> void check_packed_bits(int64_t M, int64_t out, int64_t in) {
+  const DType dt = dtype_of<T>();
+  for (WeightUse use : {WeightUse::Forward, WeightUse::BackwardData}) {
+    const bool fwd = use == WeightUse::Forward;
+    const int64_t N = fwd ? out : in, K = fwd ? in : out;
+    if (packed_weight_bytes(dt, out, in, use) == 0) GTEST_SKIP() << "oneDNN reads these weights plain on this CPU";
+    std::mt19937 rng(static_cast<uint32_t>(M * 7 + out * 3 + in));
+    std::normal_distribution<float> nd;
+    std::vector<T> A(static_cast<size_t>(M * K)), W(static_cast<size_t>(out * in));
+    for (auto& x : A) x = T(nd(rng));
+    for (auto& x : W) x = T(nd(rng));
+    for (int acc = 0; acc < 2; ++acc) {
+      std::vector<TC> plain(static_cast<size_t>(M * N)), packed(plain.size());
+      for (size_t i = 0; i < plain.size(); ++i) plain[i] = packed[i] = TC(0.25f * static_cast<float>(i % 5));
+      matmul(A.data(), W.data(), plain.data(), M, N, K, false, fwd, acc);
+      MemoryAccountant mem;
+      PackedWeight pw(W.data(), dt, out, in, use, mem, MemCategory::WeightCasts, "test");
+      ASSERT_TRUE(pw.active());
+      EXPECT_EQ(mem.live(MemCategory::WeightCasts), packed_weight_bytes(dt, out, in, use));
+      pw.pack();
+      const int64_t before = matmul_packed_products();
+      matmul(A.data(), W.data(), packed.data(), M, N, K, false, fwd, acc);
+      EXPECT_EQ(matmul_packed_products(), before + 1) << "the packed copy was not read";
+      ASSERT_EQ(std::memcmp(plain.data(), packed.data(), plain.size() * sizeof(TC)), 0)
+          << (fwd ? "x W^T" : "dy W") << " acc " << acc << " M " << M << " out " << out << " in " << in;
+      if constexpr (std::is_same_v<TC, float>) {
+        std::vector<float> R(plain.size());
+        for (size_t i = 0; i < R.size(); ++i) R[i] = 0.25f * static_cast<float>(i % 5);
+        matmul_reference(A.data(), W.data(), R.data(), M, N, K, false, fwd, acc);
+        for (size_t i = 0; i < R.size(); ++i) ASSERT_NEAR(packed[i], R[i], 1e-4 * std::sqrt(double(K)) * 4);
+      }
+    }
+  }
+}
+
+TEST(PackedWeights, Bf16ProductsEqualThePlainOnesBitForBit) {
+  check_packed_bits<bf16, float>(77, 520, 136);
+  check_packed_bits<bf16, float>(300, 384, 256);
+  check_packed_bits<bf16, bf16>(129, 200, 72);
+}
+
+TEST(PackedWeights, F32ProductsEqualThePlainOnesBitForBit) {
+  check_packed_bits<float, float>(77, 520, 136);
+  check_packed_bits<float, float>(300, 384, 256);
+}
+
+// Skinny weights (a dimension <= 16: the GDN gates' projections, a small router) run on hybridscan's own loops and
+// get no packed copy.
+TEST(PackedWeights, SkinnyWeightsAreNotPacked) {
+  EXPECT_EQ(packed_weight_bytes(DType::BF16, 16, 256, WeightUse::Forward), 0u);
+  EXPECT_EQ(packed_weight_bytes(DType::F32, 256, 8, WeightUse::BackwardData), 0u);
+  EXPECT_THROW(packed_weight_bytes(DType::I32, 256, 256, WeightUse::Forward), std::invalid_argument);
+}
+
+// Once a PackedWeight is gone its copy is no longer read (its memory may be reused); products in layouts the copy
+// does not serve (another use, a leading dimension, row counts taken at execution) read the plain weight.
+TEST(PackedWeights, OnlyTheRegisteredUseReadsTheCopyAndOnlyWhileItLives) {
+  const int64_t M = 64, out = 96, in = 128;
+  if (packed_weight_bytes(DType::BF16, out, in, WeightUse::Forward) == 0) GTEST_SKIP() << "no packed layout here";
+  std::vector<bf16> x(M * in, bf16(1.0f)), W(out * in, bf16(0.5f)), dy(M * out, bf16(1.0f));
+  std::vector<float> y(M * out), dx(M * in);
+  MemoryAccountant mem;
+  {
+    PackedWeight pw(W.data(), DType::BF16, out, in, WeightUse::Forward, mem, MemCategory::WeightCasts, "test");
+    pw.pack();
+    int64_t n = matmul_packed_products();
+    matmul(x.data(), W.data(), y.data(), M, out, in, false, true);
+    EXPECT_EQ(matmul_packed_products(), n + 1);
+    matmul(dy.data(), W.data(), dx.data(), M, in, out, false, false);  // the other use
+    MatmulLayout any_rows;
+    any_rows.varying_rows = true;
+    matmul(x.data(), W.data(), y.data(), M, out, in, false, true, false, any_rows);
+    EXPECT_EQ(matmul_packed_products(), n + 1);
+    EXPECT_FLOAT_EQ(y[0], 0.5f * in);
+    EXPECT_FLOAT_EQ(dx[0], 0.5f * out);
+  }
+  EXPECT_EQ(mem.live(MemCategory::WeightCasts), 0u);
+  const int64_t n = matmul_packed_products();
+  matmul(x.data(), W.data(), y.data(), M, out, in, false, true);
+  EXPECT_EQ(matmul_packed_products(), n);
+}
+
+// Planning allocates the same bytes (from the same memory descriptor) and packs nothing.
+TEST(PackedWeights, PlanningAllocatesTheSameBytes) {
+  MemoryAccountant plan(true);
+  PackedWeight pw(nullptr, DType::BF16, 384, 256, WeightUse::Forward, plan, MemCategory::WeightCasts, "test");
+  EXPECT_EQ(plan.live(MemCategory::WeightCasts), packed_weight_bytes(DType::BF16, 384, 256, WeightUse::Forward));
+  const int64_t n = matmul_packed_products();
+  pw.pack();
+  EXPECT_EQ(matmul_packed_products(), n);
+}
+
+}  // namespace hs::kernels

@@ -8,6 +8,7 @@
 
 #include "kernels/embedding.h"
 #include "kernels/lm_head.h"
+#include "kernels/matmul.h"
 #include "kernels/moe.h"
 #include "kernels/norms.h"
 #include "model/layer.h"
@@ -227,6 +228,42 @@ TEST(PlanningMode, PeakEqualsMeasuredForEveryPolicy) {
       MemorySnapshot a = real.at_peak(), b = plan.at_peak();
       EXPECT_EQ(a.bytes, b.bytes) << remat_name(pol);
     }
+}
+
+// Weights packed into oneDNN's layout (StepOptions::pack_weights) change no bit of the loss or the gradients against
+// plain weights, for both policies that differ in what they keep, both weight and both compute dtypes (the same
+// kernel reads the same numbers), are read by products when on and never when off, and the plan still equals the
+// measured run with them, category by category.
+TEST(PackedWeights, SameBitsAsPlainWeightsAndPlanEqualsMeasured) {
+  ModelConfig c = tiny(4);
+  Data d = random_data(2, 40, c.vocab, 21);
+  if (kernels::packed_weight_bytes(DType::BF16, c.conv_dim(), c.hidden, kernels::WeightUse::Forward) == 0)
+    GTEST_SKIP() << "oneDNN reads plain weights on this CPU";
+  for (RematPolicy pol : {RematPolicy::None, RematPolicy::Sublayer})
+    for (DType wdt : {DType::F32, DType::BF16})
+      for (DType cdt : {DType::F32, DType::BF16}) {
+        MemoryAccountant mem;
+        ParamSet ps(c, wdt, mem, MemCategory::Parameters, false);
+        model::init_params(ps, 3);
+        std::unique_ptr<ParamSet> g_plain, g_packed, g_plan;
+        StepOptions plain{pol, cdt}, packed{pol, cdt};
+        packed.pack_weights = true;
+        const int64_t n = kernels::matmul_packed_products();
+        StepResult a = forward_backward(ps, d.batch(2, 40), plain, mem, &g_plain);
+        EXPECT_EQ(kernels::matmul_packed_products(), n);
+        MemoryAccountant real(false), plan(true);  // accountants of their own: equal peaks
+        ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
+        model::init_params(pr, 3);
+        real.reset_peak();
+        plan.reset_peak();
+        StepResult b = forward_backward(pr, d.batch(2, 40), packed, real, &g_packed);
+        forward_backward(pp, d.batch(2, 40), packed, plan, &g_plan);
+        EXPECT_GT(kernels::matmul_packed_products(), n);
+        EXPECT_EQ(a.loss, b.loss);
+        std::string where;
+        EXPECT_EQ(max_rel_diff(*g_plain, *g_packed, &where), 0.0) << where;
+        EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << remat_name(pol);
+      }
 }
 
 // Only remat none keeps the delta rule's per-chunk states for the backward (LayerContext::keep_recomputables): its

@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "kernels/matmul.h"
 #include "planner/plan.h"
 
 namespace hs::cli {
@@ -11,7 +12,7 @@ namespace {
 
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", chip, hbm,
-      piece = std::to_string(train::kDefaultGatherPieceBytes);
+      piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
   bool compare = false, json = false, generate = false, prefetch = false, fit = false, update_in_backward = false;
 };
@@ -77,6 +78,11 @@ void register_plan(CLI::App& app) {
   c->add_option("--compute-dtype", a->compute_dtype, "bf16 | fp32")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--moment-dtype", a->moment_dtype, "AdamW moments: fp32 | bf16")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  c->add_option("--packed-weights", a->packed_weights,
+                "on | off: reorder each sub-layer's weights once into oneDNN's packed layout for its products "
+                "(default: as train without --chip / --hbm, off with them: the sizes are this CPU's oneDNN layouts); it "
+                "must match train's for plan = measured")
+      ->check(CLI::IsMember({"on", "off"}));
   auto* chip = c->add_option("--chip", a->chip, "v5p | v6e | tpu7x | h100 | h200 (sets the HBM per device)");
   auto* hbm = c->add_option("--hbm", a->hbm, "HBM per device, e.g. 95GiB or 80GB");
   chip->excludes(hbm);
@@ -106,6 +112,9 @@ void register_plan(CLI::App& app) {
     r.fsdp = a->fsdp;
     r.expert_parallel = a->ep;
     r.prefetch = a->prefetch;
+    // A plan for this machine (no --chip / --hbm) packs as train does by default; an accelerator's plan does not.
+    r.pack_weights = !a->packed_weights.empty() ? a->packed_weights == "on"
+                                                : a->chip.empty() && a->hbm.empty() && kernels::weight_packing_default();
     r.batch_per_device = a->batch;
     r.seq = a->seq;
     r.weight_dtype = train::parse_dtype(a->weight_dtype);

@@ -8,6 +8,7 @@
 
 #include "cli/commands.h"
 #include "core/memory.h"
+#include "kernels/matmul.h"
 #include "mpi/mpi_collectives.h"
 #include "planner/plan.h"
 #include "train/trainer.h"
@@ -19,7 +20,7 @@ namespace {
 struct TrainArgs {
   train::TrainOptions o;
   std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", budget,
-      piece = std::to_string(train::kDefaultGatherPieceBytes);
+      piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
   int threads = 0;
   int64_t fsdp = 0;
   bool report_memory = false, json = false, quiet = false;
@@ -82,6 +83,10 @@ void register_train(CLI::App& app) {
   c->add_option("--moment-dtype", a->moment_dtype, "AdamW moments: fp32 | bf16 (stored rounded to nearest even)")
       ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  c->add_option("--packed-weights", a->packed_weights,
+                "on | off: reorder each sub-layer's weights once into oneDNN's packed layout for its products "
+                "(the same bits; default: HS_PACKED_WEIGHTS, else off)")
+      ->check(CLI::IsMember({"on", "off"}));
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
@@ -113,6 +118,7 @@ void register_train(CLI::App& app) {
   c->callback([a, c] {
     TrainArgs& x = *a;
     x.o.step.gather_piece_bytes = parse_bytes(x.piece);
+    x.o.step.pack_weights = x.packed_weights.empty() ? kernels::weight_packing_default() : x.packed_weights == "on";
     // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
     std::unique_ptr<mpi::Runtime> rt;
     mpi::Groups groups;
@@ -149,6 +155,7 @@ void register_train(CLI::App& app) {
       r.expert_parallel = x.o.step.expert_parallel;
       r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
       r.prefetch = x.o.step.prefetch;
+      r.pack_weights = x.o.step.pack_weights;
       r.gather_piece_bytes = x.o.step.gather_piece_bytes;
       r.seq = x.o.seq;
       r.weight_dtype = x.o.weight_dtype;

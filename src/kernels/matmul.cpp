@@ -5,11 +5,15 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <optional>
+#include <string>
 #include <stdexcept>
 #include <tuple>
 #include <vector>
@@ -28,7 +32,8 @@ struct Key {
   int64_t M, N, K, lda, ldb, ldc;
   bool ta, tb, acc;
   int in_dt, out_dt;
-  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, acc, in_dt, out_dt); }
+  bool packed_b = false;  // B in its packed layout (the PackedDesc of its dtype, K and N), ldb unused
+  auto tie() const { return std::tie(M, N, K, lda, ldb, ldc, ta, tb, acc, in_dt, out_dt, packed_b); }
   bool operator<(const Key& o) const { return tie() < o.tie(); }
 };
 
@@ -37,11 +42,32 @@ struct Prim {
   memory::desc a, b, c;
 };
 
+// The packed layout oneDNN picks for a B operand [K, N] of one dtype (read plain, or transposed: tb), when it
+// differs from the plain one.
+struct PackedKey {
+  int dt;
+  int64_t K, N;
+  bool tb;
+  auto tie() const { return std::tie(dt, K, N, tb); }
+  bool operator<(const PackedKey& o) const { return tie() < o.tie(); }
+};
+
+// A registered packed weight: products with B == the plain weight in this use read `data` (of layout `desc`).
+struct PackedEntry {
+  PackedKey key;
+  const void* data;
+  memory::desc desc;
+};
+
 struct Runtime {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mu;
-  std::map<Key, std::shared_ptr<Prim>> cache;
+  std::map<Key, std::shared_ptr<Prim>> cache;  // null: a packed-B primitive oneDNN only runs on a reference kernel
   int64_t created = 0;
+  std::map<PackedKey, std::optional<memory::desc>> packed_layouts;
+  std::multimap<const void*, PackedEntry> packed;  // by the plain weight's address
+  std::atomic<int64_t> n_packed{0};                // entries in `packed` (read without the lock)
+  std::atomic<int64_t> packed_products{0};
 };
 
 Runtime& runtime() {
@@ -51,7 +77,51 @@ Runtime& runtime() {
 
 memory::data_type dnnl_type(int t) { return t == 0 ? memory::data_type::f32 : memory::data_type::bf16; }
 
-std::shared_ptr<Prim> get_prim(const Key& k) {
+dnnl::stream& thread_stream() {
+  thread_local dnnl::stream s(runtime().engine);  // one per calling thread, made once
+  return s;
+}
+
+// A plain B operand [K, N]: row-major with leading dimension ldb, or (tb) the transpose of a row-major [N, K].
+memory::desc plain_b(int dt, int64_t K, int64_t N, bool tb, int64_t ldb) {
+  return tb ? memory::desc({K, N}, dnnl_type(dt), {1, ldb}) : memory::desc({K, N}, dnnl_type(dt), {ldb, 1});
+}
+
+// Products the skinny loops below take (one dimension <= kSkinny, another larger) never read a packed weight.
+constexpr int64_t kSkinny = 16;
+
+// The layout oneDNN's matmul picks for B (format_tag::any), or nothing when packing does not apply: a skinny
+// weight, a layout that is the plain one, or no brgemm kernel (then any layout falls to slower code). The layout
+// depends on the ISA, the dtype, K and N, not on the row count (checked on AVX-512 bf16; a primitive for another
+// row count that does not accept it is caught in get_prim and runs plain). Caller holds rt.mu.
+std::optional<memory::desc> packed_layout_locked(Runtime& rt, const PackedKey& pk) {
+  auto it = rt.packed_layouts.find(pk);
+  if (it != rt.packed_layouts.end()) return it->second;
+  std::optional<memory::desc> out;
+  if (std::min(pk.K, pk.N) > kSkinny) {
+    constexpr int64_t kRows = 512;
+    memory::desc a({kRows, pk.K}, dnnl_type(pk.dt), {pk.K, 1});
+    memory::desc b({pk.K, pk.N}, dnnl_type(pk.dt), memory::format_tag::any);
+    memory::desc c({kRows, pk.N}, memory::data_type::f32, {pk.N, 1});
+    dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, b, c), rt.engine);
+    const memory::desc chosen = pd.weights_desc();
+    const std::string impl = pd.impl_info_str();
+    if (impl.rfind("brg", 0) == 0 && chosen != plain_b(pk.dt, pk.K, pk.N, pk.tb, pk.tb ? pk.K : pk.N) &&
+        chosen != plain_b(pk.dt, pk.K, pk.N, !pk.tb, pk.tb ? pk.N : pk.K))
+      out = chosen;
+  }
+  rt.packed_layouts.emplace(pk, out);
+  return out;
+}
+
+// The B operand [K, N] that a use of W [out, in] reads.
+PackedKey packed_key(DType dt, int64_t out, int64_t in, WeightUse use) {
+  if (dt != DType::F32 && dt != DType::BF16) throw std::invalid_argument("packed weights are f32 or bf16");
+  const int d = dt == DType::F32 ? 0 : 1;
+  return use == WeightUse::Forward ? PackedKey{d, in, out, true} : PackedKey{d, out, in, false};
+}
+
+std::shared_ptr<Prim> get_prim(const Key& k, const memory::desc* packed_b = nullptr) {
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.mu);
   auto it = rt.cache.find(k);
@@ -60,8 +130,7 @@ std::shared_ptr<Prim> get_prim(const Key& k) {
   // with swapped strides.
   memory::desc a = k.ta ? memory::desc({k.M, k.K}, dnnl_type(k.in_dt), {1, k.lda})
                         : memory::desc({k.M, k.K}, dnnl_type(k.in_dt), {k.lda, 1});
-  memory::desc b = k.tb ? memory::desc({k.K, k.N}, dnnl_type(k.in_dt), {1, k.ldb})
-                        : memory::desc({k.K, k.N}, dnnl_type(k.in_dt), {k.ldb, 1});
+  memory::desc b = packed_b ? *packed_b : plain_b(k.in_dt, k.K, k.N, k.tb, k.ldb);
   memory::desc c({k.M, k.N}, dnnl_type(k.out_dt), {k.ldc, 1});
   dnnl::primitive_attr attr;
   if (k.acc) {
@@ -70,7 +139,16 @@ std::shared_ptr<Prim> get_prim(const Key& k) {
     attr.set_post_ops(po);
   }
   dnnl::matmul::desc d(a, b, c);
-  dnnl::matmul::primitive_desc pd(d, attr, rt.engine);
+  dnnl::matmul::primitive_desc pd;
+  try {
+    pd = dnnl::matmul::primitive_desc(d, attr, rt.engine);
+  } catch (const dnnl::error&) {
+    if (!packed_b) throw;
+  }
+  if (packed_b && (!pd || std::string(pd.impl_info_str()).rfind("brg", 0) != 0)) {
+    rt.cache.emplace(k, nullptr);  // no kernel, or a slow one, for the packed layout at this shape: plain instead
+    return nullptr;
+  }
   auto p = std::make_shared<Prim>(Prim{dnnl::matmul(pd), a, b, c});
   rt.cache.emplace(k, p);
   ++rt.created;
@@ -82,8 +160,7 @@ std::shared_ptr<Prim> get_prim(const Key& k) {
 // has one per expert) is memory-bound: oneDNN still tiles it for AMX and measured 0.4-1.4 ms for 4096x256x4 on
 // this machine, ~50x its arithmetic. These loops stream the large operand once with the small one in registers
 // or L1. Each output element is summed in a fixed order (by k, or by row p) whatever the thread count, in fp32
-// like oneDNN.
-constexpr int64_t kSkinny = 16;
+// like oneDNN. (kSkinny is defined above.)
 
 // The small operand as dense fp32 [rows, cols], read from rows `ld` elements apart.
 template <typename T> std::vector<float> dense_f32(const T* src, int64_t rows, int64_t cols, int64_t ld) {
@@ -224,9 +301,36 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
   const int64_t K_exec = K;
   if (runtime_k) k.K = kRuntime;
   if (runtime_m) k.M = kRuntime;
-  auto p = get_prim(k);
   Runtime& rt = runtime();
-  thread_local dnnl::stream s(rt.engine);  // one per calling thread, made once
+  // A registered packed copy of B (a weight in one of its uses): a fixed row count, A not transposed, B plain.
+  if (!ld.varying_rows && !ta && k.ldb == (tb ? K : N) && rt.n_packed.load(std::memory_order_acquire) > 0) {
+    std::optional<PackedEntry> hit;
+    {
+      std::lock_guard<std::mutex> lock(rt.mu);
+      const PackedKey want{in_dt, K, N, tb};
+      for (auto [i, end] = rt.packed.equal_range(B); i != end; ++i)
+        if (!(i->second.key < want) && !(want < i->second.key)) {
+          hit = i->second;
+          break;
+        }
+    }
+    if (hit) {
+      Key pk = k;
+      pk.packed_b = true;
+      pk.ldb = 0;
+      if (auto p = get_prim(pk, &hit->desc)) {
+        memory ma(p->a, rt.engine, const_cast<void*>(A));
+        memory mb(p->b, rt.engine, const_cast<void*>(hit->data));
+        memory mc(p->c, rt.engine, C);
+        p->prim.execute(thread_stream(), {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
+        thread_stream().wait();
+        rt.packed_products.fetch_add(1, std::memory_order_relaxed);
+        return;
+      }
+    }
+  }
+  auto p = get_prim(k);
+  dnnl::stream& s = thread_stream();
   memory ma(runtime_k   ? memory::desc({M, K_exec}, dnnl_type(in_dt), {1, k.lda})
             : runtime_m ? memory::desc({M, K}, dnnl_type(in_dt), {k.lda, 1})
                         : p->a,
@@ -271,6 +375,83 @@ template void matmul_reference<float, float>(const float*, const float*, float*,
                                              bool, bool, bool);
 template void matmul_reference<bf16, float>(const bf16*, const bf16*, float*, int64_t, int64_t, int64_t,
                                             bool, bool, bool);
+
+size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use) {
+  if (out <= 0 || in <= 0) return 0;
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.mu);
+  const auto layout = packed_layout_locked(rt, packed_key(dt, out, in, use));
+  return layout ? layout->get_size() : 0;
+}
+
+bool weight_packing_default() {
+  const char* env = std::getenv("HS_PACKED_WEIGHTS");
+  const std::string e = env ? env : "";
+  // Off unless asked for: on this AVX-512 (no AMX) machine it did not measure faster (README, "Weights in oneDNN's
+  // packed layout").
+  if (e == "on") return true;
+  if (e.empty() || e == "off") return false;
+  throw std::invalid_argument("HS_PACKED_WEIGHTS must be on or off, not '" + e + "'");
+}
+
+PackedWeight::PackedWeight(const void* W, DType dt, int64_t out, int64_t in, WeightUse use, MemoryAccountant& mem,
+                           MemCategory cat, std::string_view tag)
+    : W_(W), dt_(dt), out_(out), in_(in), use_(use) {
+  const size_t bytes = packed_weight_bytes(dt, out, in, use);
+  if (bytes) buf_ = mem.allocate(bytes, cat, tag);
+}
+
+PackedWeight& PackedWeight::operator=(PackedWeight&& o) noexcept {
+  if (this != &o) {
+    release();
+    W_ = o.W_;
+    dt_ = o.dt_;
+    out_ = o.out_;
+    in_ = o.in_;
+    use_ = o.use_;
+    buf_ = std::move(o.buf_);
+    registered_ = o.registered_;
+    o.registered_ = false;
+  }
+  return *this;
+}
+
+void PackedWeight::pack() {
+  if (buf_.empty() || !buf_.data() || registered_) return;  // nothing to pack, planning, or packed already
+  if (!W_) throw std::invalid_argument("PackedWeight: no weight to pack");
+  Runtime& rt = runtime();
+  const PackedKey pk = packed_key(dt_, out_, in_, use_);
+  memory::desc layout;
+  {
+    std::lock_guard<std::mutex> lock(rt.mu);
+    layout = *packed_layout_locked(rt, pk);  // present: the buffer was sized from it
+  }
+  memory src(plain_b(pk.dt, pk.K, pk.N, pk.tb, pk.tb ? pk.K : pk.N), rt.engine, const_cast<void*>(W_));
+  memory dst(layout, rt.engine, buf_.data());
+  dnnl::reorder(src, dst).execute(thread_stream(), src, dst);
+  thread_stream().wait();
+  std::lock_guard<std::mutex> lock(rt.mu);
+  rt.packed.emplace(W_, PackedEntry{pk, buf_.data(), layout});
+  rt.n_packed.fetch_add(1, std::memory_order_release);
+  registered_ = true;
+}
+
+void PackedWeight::release() {
+  if (registered_) {
+    Runtime& rt = runtime();
+    std::lock_guard<std::mutex> lock(rt.mu);
+    for (auto [i, end] = rt.packed.equal_range(W_); i != end; ++i)
+      if (i->second.data == buf_.data()) {
+        rt.packed.erase(i);
+        rt.n_packed.fetch_sub(1, std::memory_order_release);
+        break;
+      }
+    registered_ = false;
+  }
+  buf_.reset();
+}
+
+int64_t matmul_packed_products() { return runtime().packed_products.load(); }
 
 SmallRowProducts::SmallRowProducts() : previous_(t_small_rows) { t_small_rows = true; }
 SmallRowProducts::~SmallRowProducts() { t_small_rows = previous_; }

@@ -5,8 +5,10 @@
 // hybridscan's own loops instead, also accumulating in fp32, with each sum in a fixed order.
 #pragma once
 #include <cstdint>
+#include <string_view>
 
 #include "core/dtype.h"
+#include "core/memory.h"
 
 namespace hs::kernels {
 
@@ -37,6 +39,61 @@ void matmul(const bf16* A, const bf16* B, bf16* C, int64_t M, int64_t N, int64_t
 template <typename TA, typename TC>
 void matmul_reference(const TA* A, const TA* B, TC* C, int64_t M, int64_t N, int64_t K, bool trans_a,
                       bool trans_b, bool accumulate = false);
+
+// ---- Weights in oneDNN's packed layout ----------------------------------------------------------------------
+// oneDNN's brgemm matmul reads its weights operand in a blocked layout of its own choosing (on AVX-512 bf16:
+// 32x64 blocks of [K, N], pairs of K adjacent; on AMX a layout for the tile loads) and, given plain row-major
+// weights, copies them into that layout inside every call. A weight that several products read (the forward, the
+// recompute, the backward data product) can instead be reordered once into that layout: a PackedWeight. While one
+// is packed, every product whose B operand is that weight's memory in that use (same pointer, shape and dtype,
+// plain leading dimension, fixed row count) reads the packed copy; the result is the same kernel on the same
+// numbers, so the bits equal the plain product's (tests/matmul_test.cpp checks).
+//   Forward:      y = x W^T, matmul(x, W, y, T, out, in, false, true)
+//   BackwardData: dx = dy W, matmul(dy, W, dx, T, in, out, false, false)
+// (The weight gradient dW = dy^T x reads no weight.) Products that take their row count at execution
+// (MatmulLayout::varying_rows: the routed experts) run oneDNN's jit gemm, which wants plain weights, and skinny
+// products run hybridscan's own loops: neither reads a packed copy.
+enum class WeightUse : uint8_t { Forward, BackwardData };
+
+// Bytes of the packed form of W [out, in] in dtype dt (F32 or BF16) for that use, from oneDNN's memory descriptor
+// (padding included), or 0 when packing does not apply: a skinny product, or oneDNN would read W in its plain
+// layout anyway (no brgemm kernel for this CPU and dtype). Planning and running query it the same way.
+size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use);
+
+// The default of train --packed-weights (train::StepOptions::pack_weights): HS_PACKED_WEIGHTS=on|off, else off.
+// Throws for another value.
+bool weight_packing_default();
+
+// The packed copy of one weight for one use, allocated through the accountant (packed_weight_bytes of it; nothing
+// when that is 0). pack() reorders W into it once W's contents are final (a gather finished) and registers it;
+// the destructor unregisters it, so it must not outlive W's memory. Planning allocates and never packs.
+class PackedWeight {
+ public:
+  PackedWeight() = default;
+  PackedWeight(const void* W, DType dt, int64_t out, int64_t in, WeightUse use, MemoryAccountant& mem,
+               MemCategory cat, std::string_view tag);
+  PackedWeight(PackedWeight&& o) noexcept { *this = std::move(o); }
+  PackedWeight& operator=(PackedWeight&& o) noexcept;
+  PackedWeight(const PackedWeight&) = delete;
+  PackedWeight& operator=(const PackedWeight&) = delete;
+  ~PackedWeight() { release(); }
+
+  void pack();
+  bool active() const { return !buf_.empty(); }  // packing applies (a buffer was allocated)
+  size_t bytes() const { return buf_.bytes(); }
+
+ private:
+  void release();
+  const void* W_ = nullptr;
+  DType dt_ = DType::F32;
+  int64_t out_ = 0, in_ = 0;
+  WeightUse use_ = WeightUse::Forward;
+  Buffer buf_;
+  bool registered_ = false;
+};
+
+// Products that read a packed weight so far (tests check that the packed path is taken).
+int64_t matmul_packed_products();
 
 // Number of distinct primitives created so far (tests check that the cache is used).
 int64_t matmul_primitives_created();

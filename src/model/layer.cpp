@@ -60,6 +60,27 @@ ComputeWeights<T> compute_weights(const ModelConfig& c, const LayerWeights& w, M
 
 namespace {
 
+// The packed forms of a sub-layer's matrix weights (in the compute dtype, as `w` holds them) for one use, packed now
+// (LayerContext::pack_weights; nothing otherwise). Routed experts are not among them: their products take the row
+// count at execution, which oneDNN runs on plain weights; nor are the weights packing does not apply to (skinny ones).
+template <typename T>
+std::vector<PackedWeight> pack_weights(const LayerContext& ctx, const LayerWeights& lw, const ComputeWeights<T>& w,
+                                       WeightUse use) {
+  std::vector<PackedWeight> out;
+  if (!ctx.pack_weights) return out;
+  const auto specs = layer_specs(ctx.cfg, lw.kind);
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = specs[i];
+    if (!s.is_matrix || is_routed_expert(s) || s.shape.size() != 2) continue;
+    PackedWeight pw(w.ptr[i], dtype_of<T>(), s.shape[0], s.shape[1], use, ctx.mem, MemCategory::WeightCasts,
+                    (use == WeightUse::Forward ? "packed_fwd:" : "packed_bwd:") + s.name);
+    if (!pw.active()) continue;
+    pw.pack();
+    out.push_back(std::move(pw));
+  }
+  return out;
+}
+
 // Allocation helper: what is kept for backward is MemCategory::Activations, the rest Workspace.
 struct Alloc {
   MemoryAccountant& mem;
@@ -550,6 +571,7 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm);
   s.weights.wait();
   const ComputeWeights<T>& w = s.weights;
+  const std::vector<PackedWeight> packed = pack_weights(ctx, lw, w, WeightUse::Forward);
   Alloc A{mem, keep};
   {
     Buffer mix = scratch<T>(mem, N * H, "layer.mixer_out");
@@ -585,6 +607,7 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
   const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden;
   const ComputeWeights<T>& w = s.weights;
+  const std::vector<PackedWeight> packed = pack_weights(ctx, lw, w, WeightUse::BackwardData);
   const int f = ffn_offset(lw.kind);
   // Feed-forward branch: dh_mid = dh_out + d(FFN(norm(h_mid)))/dh_mid.
   Buffer dh_mid = scratch<float>(mem, N * H, "layer.dh_mid");

@@ -10,6 +10,7 @@
 #include "core/memory.h"
 #include "kernels/attention.h"
 #include "kernels/delta_rule.h"
+#include "kernels/matmul.h"
 #include "kernels/mlp.h"
 #include "kernels/moe.h"
 #include "model/config.h"
@@ -51,6 +52,10 @@ struct LayerContext {
   size_t piece_bytes = 0;
   // Expert parallelism: the expert_parallel ranks that exchange tokens (planning: a virtual group of that size).
   Collectives* ep_group = nullptr;
+  // Training: the sub-layer's matrix weights are reordered into oneDNN's packed layout (kernels::PackedWeight) for
+  // the products that read them: the forward's (x W^T) for the forward's duration, the backward's (dy W) for the
+  // backward's, each accounted as MemCategory::WeightCasts. Decoding leaves it off (its products run on gemv).
+  bool pack_weights = false;
   int64_t tokens() const { return batch * seq; }
 };
 

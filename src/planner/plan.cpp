@@ -49,6 +49,7 @@ PlanResult plan(const PlanRequest& r) {
                                 std::to_string(fsdp) + ")");
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   opt.prefetch = r.prefetch;
+  opt.pack_weights = r.pack_weights;
   opt.gather_piece_bytes = r.gather_piece_bytes;
   // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates only the replicas'
   // sums' scratch, one tensor's at a time, as the real run does.

@@ -27,6 +27,9 @@ struct PlanRequest {
   bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
   size_t gather_piece_bytes = train::kDefaultGatherPieceBytes;  // train --gather-piece-bytes (train::StepOptions)
   bool update_in_backward = false;  // train --update-in-backward: AdamW per gradient shard in the backward
+  // train --packed-weights: this CPU's oneDNN packed forms of each sub-layer's weights (sized by oneDNN's memory
+  // descriptors here, so only meaningful for a run on this machine; plan --chip leaves it off).
+  bool pack_weights = false;
 };
 
 struct PlanResult {

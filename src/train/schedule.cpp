@@ -96,6 +96,7 @@ struct Runner {
   Collectives* ep_group = nullptr;
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
   bool prefetch = false;
+  bool pack_weights = false;
   size_t piece_bytes = 0;
   GradientSink* sink = nullptr;  // StepOptions::update
 
@@ -129,7 +130,7 @@ struct Runner {
   }
   model::LayerContext ctx() const {
     return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
-            /*slots=*/nullptr, piece_bytes, ep_group};
+            /*slots=*/nullptr, piece_bytes, ep_group, pack_weights};
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }
@@ -489,6 +490,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
     r.ep = ep;
     r.ep_group = ep_group;
     r.prefetch = opt.prefetch;
+    r.pack_weights = opt.pack_weights;
     r.piece_bytes = opt.gather_piece_bytes;
     r.sink = opt.update;
     return r.forward_backward(opt.remat, grads);

@@ -67,6 +67,9 @@ struct StepOptions {
   // makes nor fills a gradient set (*grads must be empty: there is nothing to accumulate into).
   GradientSink* update = nullptr;
   Collectives* ep_group = nullptr;
+  // Each sub-layer's matrix weights reordered into oneDNN's packed layout for its products (model::LayerContext::
+  // pack_weights, train --packed-weights): the same bits, the packed forms accounted as weight casts.
+  bool pack_weights = false;
 };
 
 struct StepResult {
