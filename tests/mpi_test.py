@@ -245,6 +245,22 @@ def case_vocab(binary):
                     if peak != p["total_bytes"]:
                         failures.append(f"tiny N=2 {' '.join(extra)} {label} rank {rank}: measured {peak} B, planned "
                                         f"{p['total_bytes']} B")
+    # qwen3.5-tiny (the real vocabulary, 248,320 x 64, under a tiny body): the head is the step's peak, whole and in
+    # pieces of 4 MiB (8 pieces), usual step, --update-in-backward and --prefetch: measured equals planned.
+    MODELS["qwen3.5-tiny"] = ["--preset", "qwen3.5-tiny"]
+    for vocab in ("0", "4MiB"):
+        for extra in ([], ["--update-in-backward", "--clip", "0"], ["--prefetch"]):
+            r = train(binary, 2, "qwen3.5-tiny", ["--steps", "2", "--batch", "4", "--vocab-piece-bytes", vocab, *extra])
+            plan_extra = [a for a in extra if a not in ("--clip", "0")]
+            p = json.loads(run([binary, "plan", "--model", "qwen3.5-tiny", "--devices", "2", "--batch-per-device", "2",
+                                "--seq", "16", "--vocab-piece-bytes", vocab, "--json", *plan_extra]).stdout)
+            print(f"qwen3.5-tiny N=2 --vocab-piece-bytes {vocab} {' '.join(extra) or '-'}: peaks {r['rank_peak_bytes']} "
+                  f"planned {p['total_bytes']}")
+            for rank, peak in enumerate(r["rank_peak_bytes"]):
+                if peak != p["total_bytes"]:
+                    failures.append(f"qwen3.5-tiny {vocab} {' '.join(extra)} rank {rank}: measured {peak} B, planned "
+                                    f"{p['total_bytes']} B")
+    del MODELS["qwen3.5-tiny"]
     return failures
 
 

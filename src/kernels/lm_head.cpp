@@ -18,9 +18,10 @@ int64_t default_xent_chunk(int64_t vocab) {
 
 template <typename T>
 XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
-                        float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk) {
+                        float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk,
+                        bool plan_backward) {
   constexpr bool kF32 = std::is_same_v<T, float>;
-  const bool backward = dx != nullptr;
+  const bool backward = dx != nullptr || (mem.planning() && plan_backward);
   const int64_t c = std::max<int64_t>(1, std::min(tokens, chunk > 0 ? chunk : default_xent_chunk(vocab)));
   const auto cv = static_cast<size_t>(c * vocab);
   Buffer logits = mem.allocate_n<float>(cv, MemCategory::Workspace, "xent.logits");
@@ -86,11 +87,11 @@ XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t 
 template <typename T>
 XentResult lm_head_xent_pieced(const T* x, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
                                int64_t rows, XentPieces<T>& pieces, float grad_scale, float* dx, MemoryAccountant& mem,
-                               int64_t chunk) {
+                               int64_t chunk, bool plan_backward) {
   constexpr bool kF32 = std::is_same_v<T, float>;
   if (rows < 1) throw std::invalid_argument("lm_head_xent_pieced: a piece needs at least one row");
-  const bool backward = dx != nullptr;
   const bool P = mem.planning();
+  const bool backward = dx != nullptr || (P && plan_backward);
   rows = std::min(rows, vocab);
   const int64_t npieces = (vocab + rows - 1) / rows;
   const int64_t c = std::max<int64_t>(1, std::min(tokens, chunk > 0 ? chunk : default_xent_chunk(rows)));
@@ -188,13 +189,13 @@ XentResult lm_head_xent_pieced(const T* x, const int32_t* targets, int64_t token
 }
 
 template XentResult lm_head_xent_pieced<float>(const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                               XentPieces<float>&, float, float*, MemoryAccountant&, int64_t);
+                                               XentPieces<float>&, float, float*, MemoryAccountant&, int64_t, bool);
 template XentResult lm_head_xent_pieced<bf16>(const bf16*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                              XentPieces<bf16>&, float, float*, MemoryAccountant&, int64_t);
+                                              XentPieces<bf16>&, float, float*, MemoryAccountant&, int64_t, bool);
 
 template XentResult lm_head_xent<float>(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, float,
-                                        float*, float*, MemoryAccountant&, int64_t);
+                                        float*, float*, MemoryAccountant&, int64_t, bool);
 template XentResult lm_head_xent<bf16>(const bf16*, const bf16*, const int32_t*, int64_t, int64_t, int64_t, float,
-                                       float*, float*, MemoryAccountant&, int64_t);
+                                       float*, float*, MemoryAccountant&, int64_t, bool);
 
 }  // namespace hs::kernels

@@ -448,7 +448,7 @@ struct Runner {
         RowPieces<T> wl(*this, model::g::kLmHead, order, &dW);
         HeadPieces src(wl);
         r = kernels::lm_head_xent_pieced(ptr<T>(xf), b.targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
-                                         mem);
+                                         mem, 0, /*plan_backward=*/true);
       }
       final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
       return r;
@@ -459,7 +459,8 @@ struct Runner {
     Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
     GlobalGrad dW = global_grad(grads, model::g::kLmHead);
     kernels::XentResult r =
-        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem);
+        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
+                              /*plan_backward=*/true);
     reduce_scatter(dW, model::g::kLmHead);
     final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
     return r;
