@@ -241,7 +241,8 @@ void check_one_piece() {
   const auto targets = make_targets(N, V, 5);
   std::vector<float> dx0(N * H), dW0(V * H);
   MemoryAccountant mem;
-  const XentResult whole = lm_head_xent<T>(x.data(), W.data(), targets.data(), N, H, V, 0.5f, dx0.data(), dW0.data(), mem);
+  const XentResult whole =
+      lm_head_xent<T>(x.data(), W.data(), targets.data(), N, H, V, 0.5f, dx0.data(), dW0.data(), mem);
   for (int64_t rows : {V, V + 5}) {
     std::vector<float> dx(N * H), dW(V * H);
     WholePieces<T> src(W.data(), dW.data(), rows, H);

@@ -528,7 +528,8 @@ TEST(VocabPieces, PlanEqualsMeasuredWhereTheHeadIsThePeak) {
 // differs from the whole one by at most (2V + 4.2P + 4) u + 2u |loss_t| (u = 2^-24; derived in lm_head_test.cpp,
 // LmHeadPieces.WithinTheRoundingBoundOfTheWholeKernelAndALostPieceIsNot), so the mean loss by the mean of that. The
 // kernel bound's logit term (4 H u A_t) is left out: both paths' logits are dot products of the same length H, which
-// oneDNN does not group by the number of columns here; were that to change, this test would say so. The gradients: fp32 compute, each tensor within 1e-5 relative RMS of the whole
+// oneDNN does not group by the number of columns here; were that to change, this test would say so.
+// The gradients: fp32 compute, each tensor within 1e-5 relative RMS of the whole
 // path (the dlogits differ by a few ulp, dx and dW sum the vocabulary in another grouping; a piece lost or counted
 // twice would change a tensor at O(1)); bf16 compute, within 2^-8 (a dlogit's rounding to bf16 may flip by one bf16
 // ulp). The embedding is not cut unsharded (nothing to save), so its gradient moves only through dh.
@@ -556,9 +557,9 @@ TEST(VocabPieces, LossAndGradientsWithinTheBoundOfWholeTensors) {
           const int64_t P = (c.vocab + rows - 1) / rows;
           const double u = std::ldexp(1.0, -24);
           const double bound = (2.0 * c.vocab + 4.2 * P + 4) * u + 2 * u * ref.ce;
-          const std::string what = std::string(many ? "64 experts " : "") + std::string(dtype_name(wdt)) + " weights, " +
-                                   std::string(dtype_name(cdt)) + " compute, " + remat_name(pol) + ", " + std::to_string(P) +
-                                   " pieces";
+          const std::string what = std::string(many ? "64 experts " : "") + std::string(dtype_name(wdt)) +
+                                   " weights, " + std::string(dtype_name(cdt)) + " compute, " + remat_name(pol) +
+                                   ", " + std::to_string(P) + " pieces";
           EXPECT_EQ(r.count, ref.count) << what;
           EXPECT_LE(std::abs(r.ce - ref.ce), bound) << what;
           EXPECT_LE(std::abs(r.loss - ref.loss), bound) << what;

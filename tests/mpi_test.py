@@ -254,8 +254,8 @@ def case_vocab(binary):
             plan_extra = [a for a in extra if a not in ("--clip", "0")]
             p = json.loads(run([binary, "plan", "--model", "qwen3.5-tiny", "--devices", "2", "--batch-per-device", "2",
                                 "--seq", "16", "--vocab-piece-bytes", vocab, "--json", *plan_extra]).stdout)
-            print(f"qwen3.5-tiny N=2 --vocab-piece-bytes {vocab} {' '.join(extra) or '-'}: peaks {r['rank_peak_bytes']} "
-                  f"planned {p['total_bytes']}")
+            print(f"qwen3.5-tiny N=2 --vocab-piece-bytes {vocab} {' '.join(extra) or '-'}: "
+                  f"peaks {r['rank_peak_bytes']} planned {p['total_bytes']}")
             for rank, peak in enumerate(r["rank_peak_bytes"]):
                 if peak != p["total_bytes"]:
                     failures.append(f"qwen3.5-tiny {vocab} {' '.join(extra)} rank {rank}: measured {peak} B, planned "

@@ -175,7 +175,8 @@ XentResult lm_head_xent_pieced(const T* x, const int32_t* targets, int64_t token
           // As lm_head_xent: scale * e^(l - M) with scale = grad_scale / S, less grad_scale at the target.
           const float mx = M[t], scale = grad_scale / S[t];
           const bool here = tgt >= a && tgt < a + rk;
-          const float at_target = here ? scale * exp_vec(l[tgt - a] - mx) - grad_scale : 0.0f;  // before g overwrites l (fp32)
+          // Read before g overwrites l (fp32: in place).
+          const float at_target = here ? scale * exp_vec(l[tgt - a] - mx) - grad_scale : 0.0f;
 #pragma omp simd
           for (int64_t v = 0; v < rk; ++v) g[v] = from_f32<T>(scale * exp_vec(l[v] - mx));
           if (here) g[tgt - a] = from_f32<T>(at_target);

@@ -339,7 +339,8 @@ struct Runner {
       q.ptr = static_cast<const E*>(q.w.data());
       if (r.P) return q;
       if (r.sharded())
-        q.requests.push_back(r.comm->start_all_gather_range(sp.tensor.view(), n, a, a + len, q.w.data(), dtype_of<E>()));
+        q.requests.push_back(
+            r.comm->start_all_gather_range(sp.tensor.view(), n, a, a + len, q.w.data(), dtype_of<E>()));
       else
         convert_elements(static_cast<const char*>(sp.tensor.data()) + static_cast<size_t>(a) * dtype_size(from), from,
                          q.w.data(), dtype_of<E>(), len);
@@ -372,8 +373,8 @@ struct Runner {
         Buffer scratch = r.mem.template allocate_n<float>(static_cast<size_t>(r.comm->range_scratch_elems(len)),
                                                           MemCategory::Workspace, "vocab_piece_scatter");
         if (!r.P)
-          f.requests.push_back(
-              r.comm->start_reduce_scatter_range(ptr<float>(grad_piece), n, a, a + len, grad->shard, ptr<float>(scratch)));
+          f.requests.push_back(r.comm->start_reduce_scatter_range(ptr<float>(grad_piece), n, a, a + len, grad->shard,
+                                                                  ptr<float>(scratch)));
         f.full.push_back(std::move(grad_piece));
         f.full.push_back(std::move(scratch));
       }
@@ -403,7 +404,8 @@ struct Runner {
       RowPieces<T> table(*this, model::g::kEmbed, order, nullptr);
       for (int64_t k = 0; k < pieces; ++k) {
         const T* rows = table.weights(k);
-        if (!P) kernels::embedding_forward_rows(b.inputs, N, rows, table.first(k), table.count(k), c.vocab, H, ptr<T>(h));
+        if (!P)
+          kernels::embedding_forward_rows(b.inputs, N, rows, table.first(k), table.count(k), c.vocab, H, ptr<T>(h));
       }
       return h;
     }

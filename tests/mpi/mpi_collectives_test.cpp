@@ -105,7 +105,8 @@ TEST(MpiCollectives, RangesGatherAndReduceScatterAcrossShardBounds) {
   std::vector<float> f1(100), f2(150), acc(static_cast<size_t>(s), 0.0f);
   for (int64_t i = 0; i < 100; ++i) f1[static_cast<size_t>(i)] = contribution(c.rank(), 50 + i);
   for (int64_t i = 0; i < 150; ++i) f2[static_cast<size_t>(i)] = contribution(c.rank(), 150 + i);
-  std::vector<float> s1(static_cast<size_t>(c.range_scratch_elems(100))), s2(static_cast<size_t>(c.range_scratch_elems(150)));
+  std::vector<float> s1(static_cast<size_t>(c.range_scratch_elems(100)));
+  std::vector<float> s2(static_cast<size_t>(c.range_scratch_elems(150)));
   Collectives::Request a = c.start_reduce_scatter_range(f1.data(), n, 50, 150, acc.data(), s1.data());
   Collectives::Request b = c.start_reduce_scatter_range(f2.data(), n, 150, 300, acc.data(), s2.data());
   b.wait();
