@@ -34,9 +34,10 @@ def run(binary, *args):
                                       "--json", *args], check=True, capture_output=True, text=True).stdout)
 
 
-def plan(binary, model, chips, weights="fp32", moments="fp32", update=False):
+def plan(binary, model, chips, weights="fp32", moments="fp32", update=False, vocab_piece=None):
     return run(binary, "--model", model, "--devices", str(chips), "--weight-dtype", weights, "--moment-dtype", moments,
-               *(["--update-in-backward"] if update else []))
+               *(["--update-in-backward"] if update else []),
+               *(["--vocab-piece-bytes", str(vocab_piece)] if vocab_piece is not None else []))
 
 
 def fmt(x):
@@ -88,19 +89,24 @@ def main():
     args = ap.parse_args()
     gb = lambda b: b / 1e9
     t0 = time.time()
-    print("| model | chips | weights | MaxText published | MaxText AOT here | hybridscan before | hybridscan now "
-          "| argument | total | fits 95 GiB | total, bf16 moments | fits | temp, update in backward | total | fits |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | chips | weights | MaxText published | MaxText AOT here | hybridscan before | whole LM head "
+          "| hybridscan now | argument | total | fits 95 GiB | total, bf16 moments | fits | temp, update in backward, "
+          "whole LM head | temp, update in backward | total | fits |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     slowest = 0.0
     for (model, chips), by_weights in TABLE.items():
         for weights, (published, aot, before) in by_weights.items():
             p = plan(args.binary, model, chips, weights)
             q = plan(args.binary, model, chips, weights, "bf16")
             u = plan(args.binary, model, chips, weights, update=True)
+            pw = plan(args.binary, model, chips, weights, vocab_piece=0)
+            uw = plan(args.binary, model, chips, weights, update=True, vocab_piece=0)
             slowest = max(slowest, p["plan_seconds"], q["plan_seconds"], u["plan_seconds"])
             print(f"| {model} | {chips} | {weights} | {fmt(published)} | {fmt(aot)} | {fmt(before)} | "
+                  f"{gb(pw['temp_bytes']):.2f} | "
                   f"**{gb(p['temp_bytes']):.2f}** | {gb(p['argument_bytes']):.2f} | {gb(p['total_bytes']):.2f} | "
                   f"{'yes' if p['fits'] else 'no'} | {gb(q['total_bytes']):.2f} | {'yes' if q['fits'] else 'no'} | "
+                  f"{gb(uw['temp_bytes']):.2f} | "
                   f"{gb(u['temp_bytes']):.2f} | {gb(u['total_bytes']):.2f} | {'yes' if u['fits'] else 'no'} |")
     print(f"\n(GB of temp per device unless marked; slowest single plan {slowest:.2f} s)\n")
     for model, chips, weights in (("qwen3.5-397b-a17b", 64, "fp32"), ("qwen3.5-35b-a3b", 4, "bf16")):

@@ -2,6 +2,7 @@
 // against the reference and finite differences, thread-count independence, and the out-of-range error.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -88,6 +89,41 @@ TEST(Embedding, BackwardIndependentOfThreadCount) {
 }
 
 // An out-of-range id is reported with its value, position and the vocabulary, before anything is written.
+// The table in pieces of 1, 3 (the last one 1 row) and 4 rows and the whole vocabulary: the pieces' lookups together
+// write every row exactly as the whole lookup, and their scatter-adds give the whole table's sums to the bit (a
+// piece misplaced, skipped or visited twice would not).
+TEST(Embedding, RowPiecesGiveTheWholeTableToTheBit) {
+  const int64_t n = static_cast<int64_t>(kIds.size());
+  for (int64_t dim : {1, 37}) {
+    const auto table = cast<bf16>(randn(kVocab * dim, 3));
+    const auto dout = randn(n * dim, 4);
+    std::vector<float> out0(n * dim), dt0(kVocab * dim, 0.25f);
+    embedding_forward(kIds.data(), n, table.data(), kVocab, dim, out0.data());
+    embedding_backward(kIds.data(), n, dout.data(), kVocab, dim, dt0.data());
+    for (int64_t rows : {1, 3, 4, 10}) {
+      std::vector<float> out(n * dim, -7.0f), dt(kVocab * dim, 0.25f);
+      for (int64_t a = 0; a < kVocab; a += rows) {
+        const int64_t c = std::min(rows, kVocab - a);
+        embedding_forward_rows(kIds.data(), n, table.data() + a * dim, a, c, kVocab, dim, out.data());
+        std::vector<float> piece(dt.begin() + a * dim, dt.begin() + (a + c) * dim);
+        embedding_backward_rows(kIds.data(), n, dout.data(), a, c, kVocab, dim, piece.data());
+        std::copy(piece.begin(), piece.end(), dt.begin() + a * dim);
+      }
+      EXPECT_EQ(out, out0) << "rows " << rows;
+      EXPECT_EQ(dt, dt0) << "rows " << rows;
+    }
+    // One piece writes only its own tokens' rows.
+    std::vector<float> out(n * dim, -7.0f);
+    embedding_forward_rows(kIds.data(), n, table.data() + 3 * dim, 3, 1, kVocab, dim, out.data());
+    for (int64_t i = 0; i < n; ++i)
+      EXPECT_EQ(out[i * dim], kIds[i] == 3 ? out0[i * dim] : -7.0f) << i;
+  }
+  std::vector<int32_t> bad = {1, 10};
+  std::vector<float> out(2), d(1);
+  EXPECT_THROW(embedding_forward_rows(bad.data(), 2, out.data(), 0, 1, kVocab, 1, out.data()), std::out_of_range);
+  EXPECT_THROW(embedding_backward_rows(bad.data(), 2, out.data(), 0, 1, kVocab, 1, d.data()), std::out_of_range);
+}
+
 TEST(Embedding, OutOfRangeIdThrows) {
   const int64_t dim = 4;
   const auto table = randn(kVocab * dim, 7);

@@ -6,6 +6,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <random>
@@ -398,6 +401,234 @@ TEST(PlanFit, Qwen35OnFourAnd397bOnSixtyFourV5pChips) {
       EXPECT_TRUE(k.update_in_backward);  // none, bf16 moments: 89.35 GB
     }
   }
+}
+
+}  // namespace
+}  // namespace hs::train
+
+namespace hs::train {
+namespace {
+
+// The LM head and the embedding in vocabulary pieces (StepOptions::vocab_piece_bytes). In one process a piece cuts
+// something only where the LM head is cast (stored in another dtype than the compute dtype); sharded runs (the
+// gathers, the range reduce-scatters) are checked under mpirun (tests/mpi_test.py vocab) and by the plans below.
+// tiny's LM head is 256 x 64: 5000 bytes are 39 rows in bf16 (7 pieces, the last 22 rows), 19 in fp32 (14 pieces).
+constexpr size_t kVocabPiece = 5000;
+
+double rel_rms_diff(const TensorView& a, const TensorView& b) {
+  double num = 0, den = 0;
+  const float* x = static_cast<const float*>(a.data);
+  const float* y = static_cast<const float*>(b.data);
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+    den += double(y[i]) * y[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+// The range collectives of a group of one: a gather converts the range, a reduce-scatter adds it in place (no
+// scratch); a range outside the tensor is refused. Each rank's part of a range (the MPI backend's counts).
+TEST(VocabPieces, RangeCollectivesOfOneProcessAndRangeParts) {
+  LocalCollectives one;
+  std::vector<float> t = {0, 1, 2, 3, 4, 5, 6};
+  std::vector<bf16> out(3);
+  one.start_all_gather_range(TensorView(t.data(), DType::F32, {7}), 7, 2, 5, out.data(), DType::BF16).wait();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(to_f32(out[static_cast<size_t>(i)]), float(2 + i));
+  const std::vector<float> add = {0.5f, 0.25f};
+  one.start_reduce_scatter_range(add.data(), 7, 5, 7, t.data(), nullptr).wait();
+  EXPECT_EQ(t, (std::vector<float>{0, 1, 2, 3, 4, 5.5f, 6.25f}));
+  EXPECT_EQ(one.range_scratch_elems(100), 0);
+  EXPECT_THROW(one.start_reduce_scatter_range(add.data(), 7, 6, 8, t.data(), nullptr), std::invalid_argument);
+  // 10 elements over 3 ranks (4, 4, 2): [3, 9) is 1 of rank 0's, all 4 of rank 1's, 1 of rank 2's.
+  const int64_t want[3][2] = {{3, 1}, {4, 4}, {8, 1}};
+  for (int64_t q = 0; q < 3; ++q) {
+    const auto part = Collectives::range_part(10, 3, q, 3, 9);
+    EXPECT_EQ(part.first, want[q][0]);
+    EXPECT_EQ(part.count, want[q][1]);
+  }
+  EXPECT_EQ(Collectives::range_part(10, 3, 2, 0, 5).count, 0);
+  EXPECT_EQ(VirtualCollectives(4).range_scratch_elems(10), 8);  // 4 ranks x 2 a round
+  EXPECT_EQ(VirtualCollectives(4).range_scratch_elems(3), 4);   // at least one element a rank
+}
+
+// Measured against planned, to the byte: tiny, tiny with 64 experts and small, every remat policy, with and without
+// AdamW in the backward, fp32 and bf16 weights (fp32 weights: the LM head cast piece by piece; bf16 weights: nothing
+// to cut, the whole path), experts one a piece.
+TEST(VocabPieces, PlanEqualsMeasuredToTheByteSlow) {
+  struct M {
+    ModelConfig c;
+    const char* name;
+  };
+  const M models[] = {{moe_model("tiny", false), "tiny"}, {moe_model("tiny", true), "tiny 64 experts"},
+                      {model::preset("small"), "small"}};
+  for (const M& m : models) {
+    const ModelConfig& c = m.c;
+    const Data d = random_data(2 * 24, c.vocab, 4);
+    for (DType wdt : {DType::F32, DType::BF16})
+      for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
+        for (bool update : {false, true}) {
+          MemoryAccountant real(false), plan(true);
+          ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
+          model::init_params(pr, 1);
+          OptimizerConfig oc;
+          oc.clip = 0;
+          AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
+          InBackwardAdamW ur(or_, pr), up(op, pp);
+          StepOptions o{pol, DType::BF16};
+          o.gather_piece_bytes = c.moe() ? experts_bytes(c, 1) : 0;
+          o.vocab_piece_bytes = kVocabPiece;
+          real.reset_peak();
+          plan.reset_peak();
+          std::unique_ptr<ParamSet> g1, g2;
+          if (update) o.update = &ur;
+          forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
+          if (update) o.update = &up;
+          forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
+          const std::string what = std::string(m.name) + " " + std::string(dtype_name(wdt)) + " " + remat_name(pol) +
+                                   (update ? " update in backward" : "");
+          EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+        }
+  }
+}
+
+// qwen3.5-tiny (the real vocabulary under a tiny body): the LM head's backward is the step's peak, whole (the bf16
+// dlogits of a token chunk included: the plan missed them before, dx being null over shapes) and in pieces of 4 MiB
+// (fp32 weights: the cast piece by piece); measured equals planned to the byte, with and without AdamW in the
+// backward.
+TEST(VocabPieces, PlanEqualsMeasuredWhereTheHeadIsThePeak) {
+  const ModelConfig c = model::preset("qwen3.5-tiny");
+  const Data d = random_data(2 * 24, c.vocab, 4);
+  for (DType wdt : {DType::F32, DType::BF16})
+    for (size_t piece : {size_t{0}, size_t{4} << 20})
+      for (bool update : {false, true}) {
+        MemoryAccountant real(false), plan(true);
+        ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
+        model::init_params(pr, 1);
+        OptimizerConfig oc;
+        oc.clip = 0;
+        AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
+        InBackwardAdamW ur(or_, pr), up(op, pp);
+        StepOptions o{RematPolicy::Sublayer, DType::BF16};
+        o.vocab_piece_bytes = piece;
+        real.reset_peak();
+        plan.reset_peak();
+        std::unique_ptr<ParamSet> g1, g2;
+        if (update) o.update = &ur;
+        forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
+        if (update) o.update = &up;
+        forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
+        const std::string what = std::string(dtype_name(wdt)) + " piece " + std::to_string(piece) +
+                                 (update ? " update in backward" : "");
+        EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+      }
+}
+
+// Pieces against whole tensors in one process, where the LM head is cast: bf16 weights with fp32 compute (fp32
+// arithmetic throughout) and fp32 weights with bf16 compute. The loss: per counted token the streamed log-sum-exp
+// differs from the whole one by at most (2V + 4.2P + 4) u + 2u |loss_t| (u = 2^-24; derived in lm_head_test.cpp,
+// LmHeadPieces.WithinTheRoundingBoundOfTheWholeKernelAndALostPieceIsNot), so the mean loss by the mean of that. The
+// kernel bound's logit term (4 H u A_t) is left out: both paths' logits are dot products of the same length H, which
+// oneDNN does not group by the number of columns here; were that to change, this test would say so.
+// The gradients: fp32 compute, each tensor within 1e-5 relative RMS of the whole
+// path (the dlogits differ by a few ulp, dx and dW sum the vocabulary in another grouping; a piece lost or counted
+// twice would change a tensor at O(1)); bf16 compute, within 2^-8 (a dlogit's rounding to bf16 may flip by one bf16
+// ulp). The embedding is not cut unsharded (nothing to save), so its gradient moves only through dh.
+TEST(VocabPieces, LossAndGradientsWithinTheBoundOfWholeTensors) {
+  for (const bool many : {false, true}) {
+    const ModelConfig c = moe_model("tiny", many);
+    const Data d = random_data(2 * 24, c.vocab, 9);
+    const Batch b{d.in.data(), d.tg.data(), 2, 24};
+    for (auto [wdt, cdt] : {std::pair{DType::BF16, DType::F32}, std::pair{DType::F32, DType::BF16}}) {
+      MemoryAccountant mem;
+      ParamSet ps(c, wdt, mem, MemCategory::Parameters, false);
+      model::init_params(ps, 5);
+      for (RematPolicy pol : {RematPolicy::None, RematPolicy::Sublayer}) {
+        StepOptions whole{pol, cdt};
+        whole.vocab_piece_bytes = 0;
+        std::unique_ptr<ParamSet> g_whole;
+        const StepResult ref = forward_backward(ps, b, whole, mem, &g_whole);
+        const size_t elem = dtype_size(cdt);
+        for (size_t piece : {size_t{1}, kVocabPiece}) {
+          StepOptions o = whole;
+          o.vocab_piece_bytes = piece;
+          std::unique_ptr<ParamSet> g;
+          const StepResult r = forward_backward(ps, b, o, mem, &g);
+          const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(piece / (c.hidden * elem)));
+          const int64_t P = (c.vocab + rows - 1) / rows;
+          const double u = std::ldexp(1.0, -24);
+          const double bound = (2.0 * c.vocab + 4.2 * P + 4) * u + 2 * u * ref.ce;
+          const std::string what = std::string(many ? "64 experts " : "") + std::string(dtype_name(wdt)) +
+                                   " weights, " + std::string(dtype_name(cdt)) + " compute, " + remat_name(pol) +
+                                   ", " + std::to_string(P) + " pieces";
+          EXPECT_EQ(r.count, ref.count) << what;
+          EXPECT_LE(std::abs(r.ce - ref.ce), bound) << what;
+          EXPECT_LE(std::abs(r.loss - ref.loss), bound) << what;
+          const double tol = cdt == DType::F32 ? 1e-5 : std::ldexp(1.0, -8);
+          double worst = 0;
+          std::string worst_name;
+          for (size_t i = 0; i < g->all().size(); ++i) {
+            const double e = rel_rms_diff(g->all()[i].tensor.view(), g_whole->all()[i].tensor.view());
+            if (e > worst) {
+              worst = e;
+              worst_name = g->all()[i].name;
+            }
+          }
+          EXPECT_LE(worst, tol) << what << ": " << worst_name;
+          std::printf("%s: |d ce| %.3g (bound %.3g), worst gradient relative RMS %.3g (%s)\n", what.c_str(),
+                      std::abs(r.ce - ref.ce), bound, worst, worst_name.c_str());
+        }
+      }
+    }
+  }
+}
+
+// The loss curve of 5 training steps (bf16 weights, fp32 compute, the LM head cast piece by piece) against whole
+// tensors: each step within 1e-5 relative (the first within the bound above; the parameters then differ by what
+// AdamW makes of gradients equal to ~1e-7 relative, which the next losses show).
+TEST(VocabPieces, TrainingCurveFollowsWholeTensors) {
+  std::ostringstream log;
+  TrainOptions o = tiny_synthetic_run(5, 24);
+  o.weight_dtype = DType::BF16;
+  o.step.compute = DType::F32;
+  o.step.vocab_piece_bytes = 0;
+  const TrainSummary whole = run_training(o, log);
+  o.step.vocab_piece_bytes = kVocabPiece;
+  const TrainSummary pieces = run_training(o, log);
+  ASSERT_EQ(pieces.losses.size(), whole.losses.size());
+  for (size_t i = 0; i < whole.losses.size(); ++i)
+    EXPECT_NEAR(pieces.losses[i], whole.losses[i], 1e-5 * whole.losses[i]) << "step " << i + 1;
+}
+
+// Over a virtual group (the plan of a sharded run), on qwen3.5-tiny (the real vocabulary, 248,320 x 64, under a tiny
+// body, so the head's backward is the peak): the whole gathered LM head (bf16, 2 V H bytes) and its whole fp32
+// gradient (4 V H) give way to one piece of each and the range reduce-scatter's receive buffer (about a piece's fp32
+// size), two of each with --prefetch: with pieces of 1/8, at most 10/8 V H (20/8 prefetching) instead of 6 V H, so the
+// temp falls by more than 2 V H bytes either way (unless another peak is within that). The argument does not change,
+// and no whole-tensor buffer is among the largest at the peak.
+TEST(VocabPieces, ShardedPlanHoldsPiecesInsteadOfTheWholeTensors) {
+  planner::PlanRequest r;
+  r.model = model::preset("qwen3.5-tiny");
+  r.devices = 4;
+  r.seq = 64;
+  const double VH = double(r.model.vocab * r.model.hidden);
+  const size_t lm_bf16 = static_cast<size_t>(VH) * 2;
+  for (bool update : {false, true})
+    for (bool prefetch : {false, true}) {
+      r.update_in_backward = update;
+      r.prefetch = prefetch;
+      r.vocab_piece_bytes = 0;
+      const planner::PlanResult w = planner::plan(r);
+      r.vocab_piece_bytes = lm_bf16 / 8;
+      const planner::PlanResult p = planner::plan(r);
+      std::printf("qwen3.5-tiny / 4%s%s: temp %.2f -> %.2f MB\n", update ? ", update in backward" : "",
+                  prefetch ? ", prefetch" : "", w.temp_bytes / 1e6, p.temp_bytes / 1e6);
+      EXPECT_EQ(p.argument_bytes, w.argument_bytes);
+      EXPECT_GT(double(w.temp_bytes) - double(p.temp_bytes), 2 * VH) << update << prefetch;
+      for (const auto& b : p.peak.largest) {
+        EXPECT_NE(b.tag, "global_grad") << update << prefetch;
+        EXPECT_NE(b.tag, "gathered_weight") << update << prefetch;
+      }
+    }
 }
 
 }  // namespace

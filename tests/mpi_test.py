@@ -10,7 +10,9 @@ resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), pieces (rout
 same bits as whole layers, peaks equal to the plan), update (--update-in-backward: the usual step's losses and saved
 parameters and moments to the bit on 2 ranks and on 2 FSDP groups of 2, peaks equal to the plan), expert
 (--expert-parallel: losses, memory, checkpoints, bad input), faults (a killed rank, mismatched options, a
-world size that does not divide the batch).
+world size that does not divide the batch), vocab (the LM head and the embedding in vocabulary pieces whose
+ranges straddle the shard bound: losses within the bound of one process, peaks equal to the plan,
+--update-in-backward to the bit).
 
 The ranks run one OpenMP thread each (two ranks already fill this 2-core machine), as the plan is told
 (OMP_NUM_THREADS=1): the delta rule's backward scratch is per thread.
@@ -195,6 +197,70 @@ def case_pieces(binary):
         for rank, peak in enumerate(pieces["rank_peak_bytes"]):
             if peak != p["total_bytes"]:
                 failures.append(f"{model} pieces rank {rank}: measured {peak} B, planned {p['total_bytes']} B")
+    return failures
+
+
+def case_vocab(binary):
+    """The LM head and the embedding in vocabulary pieces (--vocab-piece-bytes 5000: tiny's 256 x 64 tensors in pieces
+    of 19 rows in fp32, 39 in bf16, so that one piece straddles the shard bound at row 128 of 2 ranks: ranges not
+    aligned to shards). Losses within the bound of one process: the rank split's (TOL) plus the streamed
+    log-sum-exp's, per token (2 V + 4.2 P + 4) u + 2 u loss (u = 2^-24, P pieces; lm_head_test.cpp derives it), which
+    is also what each step's loss may move by through the parameters of the steps before (measured far below).
+    Each rank's measured peak equals the plan to the byte, with and without --prefetch and --update-in-backward; with
+    --update-in-backward the usual step's losses and saved parameters and moments to the bit (both in pieces)."""
+    failures = []
+    piece = ["--vocab-piece-bytes", "5000"]
+    V, u = 256, 2.0 ** -24
+    runs = [(["--remat", "sublayer", "--compute-dtype", "fp32"], 19),
+            (["--remat", "block", "--compute-dtype", "fp32", "--prefetch"], 19),
+            (["--remat", "none", "--compute-dtype", "bf16", "--prefetch", "--weight-dtype", "bf16"], 39)]
+    with tempfile.TemporaryDirectory() as d:
+        for i, (extra, rows) in enumerate(runs):
+            common = ["--steps", "6", "--batch", "4", "--clip", "0", *extra]
+            one = train(binary, 1, "tiny", [*common, "--vocab-piece-bytes", "0"])["losses"]
+            many = train(binary, 2, "tiny", [*common, *piece, "--out", f"{d}/u{i}"])
+            upd = train(binary, 2, "tiny", [*common, *piece, "--update-in-backward", "--out", f"{d}/b{i}"])
+            P = (V + rows - 1) // rows
+            tol = TOL["bf16" if "bf16" in extra else "fp32"] + (2 * V + 4.2 * P + 4) * u / min(one) + 2 * u
+            w = worst_rel(many["losses"], one)
+            files = list(pathlib.Path(f"{d}/b{i}/checkpoint-6").glob("*.safetensors"))
+            same_files = bool(files) and all((pathlib.Path(f"{d}/u{i}/checkpoint-6") / f.name).read_bytes() ==
+                                             f.read_bytes() for f in files)
+            print(f"tiny N=2 {' '.join(extra)}, {P} vocabulary pieces: worst relative loss difference to one process "
+                  f"{w:.2e} (bound {tol:.2e}); --update-in-backward bit-identical {upd['losses'] == many['losses']}, "
+                  f"{len(files)} saved tensor files identical {same_files}")
+            if w > tol:
+                failures.append(f"tiny N=2 {' '.join(extra)}: {w:.2e} > {tol:.2e}")
+            if upd["losses"] != many["losses"] or not same_files:
+                failures.append(f"tiny N=2 {' '.join(extra)}: --update-in-backward in pieces changes losses or files")
+            plan_extra = [a for a in extra if a not in ("--compute-dtype", "--weight-dtype", "fp32", "bf16")]
+            dt = ["--compute-dtype", extra[extra.index("--compute-dtype") + 1]]
+            if "--weight-dtype" in extra:
+                dt += ["--weight-dtype", extra[extra.index("--weight-dtype") + 1]]
+            for label, r, more in (("usual", many, []), ("update", upd, ["--update-in-backward"])):
+                p = json.loads(run([binary, "plan", "--model", "tiny", "--devices", "2", "--batch-per-device", "2",
+                                    "--seq", "16", "--json", *plan_extra, *dt, *piece, *more]).stdout)
+                print(f"  {label}: peaks {r['rank_peak_bytes']} planned {p['total_bytes']}")
+                for rank, peak in enumerate(r["rank_peak_bytes"]):
+                    if peak != p["total_bytes"]:
+                        failures.append(f"tiny N=2 {' '.join(extra)} {label} rank {rank}: measured {peak} B, planned "
+                                        f"{p['total_bytes']} B")
+    # qwen3.5-tiny (the real vocabulary, 248,320 x 64, under a tiny body): the head is the step's peak, whole and in
+    # pieces of 4 MiB (8 pieces), usual step, --update-in-backward and --prefetch: measured equals planned.
+    MODELS["qwen3.5-tiny"] = ["--preset", "qwen3.5-tiny"]
+    for vocab in ("0", "4MiB"):
+        for extra in ([], ["--update-in-backward", "--clip", "0"], ["--prefetch"]):
+            r = train(binary, 2, "qwen3.5-tiny", ["--steps", "2", "--batch", "4", "--vocab-piece-bytes", vocab, *extra])
+            plan_extra = [a for a in extra if a not in ("--clip", "0")]
+            p = json.loads(run([binary, "plan", "--model", "qwen3.5-tiny", "--devices", "2", "--batch-per-device", "2",
+                                "--seq", "16", "--vocab-piece-bytes", vocab, "--json", *plan_extra]).stdout)
+            print(f"qwen3.5-tiny N=2 --vocab-piece-bytes {vocab} {' '.join(extra) or '-'}: "
+                  f"peaks {r['rank_peak_bytes']} planned {p['total_bytes']}")
+            for rank, peak in enumerate(r["rank_peak_bytes"]):
+                if peak != p["total_bytes"]:
+                    failures.append(f"qwen3.5-tiny {vocab} {' '.join(extra)} rank {rank}: measured {peak} B, planned "
+                                    f"{p['total_bytes']} B")
+    del MODELS["qwen3.5-tiny"]
     return failures
 
 

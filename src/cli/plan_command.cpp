@@ -12,7 +12,8 @@ namespace {
 
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", chip, hbm,
-      piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
+      piece = std::to_string(train::kDefaultGatherPieceBytes),
+      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
   bool compare = false, json = false, generate = false, prefetch = false, fit = false, update_in_backward = false;
 };
@@ -100,6 +101,9 @@ void register_plan(CLI::App& app) {
   c->add_flag("--prefetch", a->prefetch, "As train --prefetch: the next sub-layer's gathers overlap this one's compute");
   c->add_option("--gather-piece-bytes", a->piece, "As train --gather-piece-bytes (0: a whole layer's experts at once)")
       ->capture_default_str();
+  c->add_option("--vocab-piece-bytes", a->vocab_piece,
+                "As train --vocab-piece-bytes (0: the LM head and the embedding whole)")
+      ->capture_default_str();
   c->callback([a] {
     if (a->generate) {
       plan_generation(*a);
@@ -107,6 +111,7 @@ void register_plan(CLI::App& app) {
     }
     planner::PlanRequest r;
     r.gather_piece_bytes = parse_bytes(a->piece);
+    r.vocab_piece_bytes = parse_bytes(a->vocab_piece);
     r.model = model::load_config(a->model);
     r.devices = a->devices;
     r.fsdp = a->fsdp;

@@ -20,7 +20,8 @@ namespace {
 struct TrainArgs {
   train::TrainOptions o;
   std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", budget,
-      piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
+      piece = std::to_string(train::kDefaultGatherPieceBytes),
+      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
   int threads = 0;
   int64_t fsdp = 0;
   bool report_memory = false, json = false, quiet = false;
@@ -111,6 +112,11 @@ void register_train(CLI::App& app) {
                 "Routed experts are gathered and their gradients reduce-scattered in pieces of at most this size "
                 "(compute dtype; 0: a whole layer)")
       ->capture_default_str();
+  c->add_option("--vocab-piece-bytes", a->vocab_piece,
+                "The LM head and the embedding are gathered (or cast) and their gradients reduce-scattered in "
+                "vocabulary pieces of at most this size (compute dtype; 0: whole tensors); the LM head's log-sum-exp "
+                "is then streamed over the pieces")
+      ->capture_default_str();
   c->add_flag("--update-in-backward", a->o.update_in_backward,
               "Apply AdamW to each gradient shard as soon as the backward completes it (no gradient set lives across "
               "the step; the same parameters to the bit). Needs --clip 0: clipping needs the global norm before any "
@@ -119,6 +125,7 @@ void register_train(CLI::App& app) {
     TrainArgs& x = *a;
     x.o.step.gather_piece_bytes = parse_bytes(x.piece);
     x.o.step.pack_weights = x.packed_weights.empty() ? kernels::weight_packing_default() : x.packed_weights == "on";
+    x.o.step.vocab_piece_bytes = parse_bytes(x.vocab_piece);
     // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
     std::unique_ptr<mpi::Runtime> rt;
     mpi::Groups groups;
@@ -157,6 +164,7 @@ void register_train(CLI::App& app) {
       r.prefetch = x.o.step.prefetch;
       r.pack_weights = x.o.step.pack_weights;
       r.gather_piece_bytes = x.o.step.gather_piece_bytes;
+      r.vocab_piece_bytes = x.o.step.vocab_piece_bytes;
       r.seq = x.o.seq;
       r.weight_dtype = x.o.weight_dtype;
       r.compute_dtype = x.o.step.compute;

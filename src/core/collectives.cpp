@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace hs {
@@ -59,6 +60,32 @@ Collectives::Request LocalCollectives::start_reduce_scatter(float* full, int64_t
 
 Collectives::Request LocalCollectives::start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) {
   return start_reduce_scatter(full, n, dest.at(0));
+}
+
+namespace {
+void check_range(int64_t n, int64_t begin, int64_t end) {
+  if (begin < 0 || begin > end || end > n)
+    throw std::invalid_argument("collectives: range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                                ") is not within the tensor's " + std::to_string(n) + " elements");
+}
+}  // namespace
+
+Collectives::Request LocalCollectives::start_all_gather_range(const TensorView& shard, int64_t n, int64_t begin,
+                                                              int64_t end, void* out, DType to) {
+  check_range(n, begin, end);
+  const char* from = static_cast<const char*>(shard.data) + static_cast<size_t>(begin) * dtype_size(shard.dtype);
+  convert_elements(from, shard.dtype, out, to, end - begin);
+  return {};
+}
+
+Collectives::Request LocalCollectives::start_reduce_scatter_range(const float* full, int64_t n, int64_t begin,
+                                                                  int64_t end, float* shard, float*) {
+  check_range(n, begin, end);
+  float* to = shard + begin;
+  const int64_t len = end - begin;
+#pragma omp parallel for schedule(static) if (len > 65536)
+  for (int64_t i = 0; i < len; ++i) to[i] += full[i];
+  return {};
 }
 
 Collectives::Request LocalCollectives::start_all_to_all_v(const void* send, std::vector<int64_t> send_counts,

@@ -11,6 +11,7 @@
 // Sums are in rank order (rank 0 + rank 1 + ...), whatever the transport, so a run is deterministic for a given
 // group size.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -77,6 +78,36 @@ class Collectives {
                        std::move(recv_displs), elem_bytes)
         .wait();
   }
+  // Ranges of a flat sharded tensor (a big tensor in pieces whose bounds need not fall on shard bounds: the LM head
+  // and the embedding in vocabulary pieces). For 0 <= begin <= end <= n, rank q holds the elements
+  // [q * s, (q + 1) * s) of the n (s = shard_elems(n, size)); its part of the range is their intersection.
+  //
+  // out[0..end - begin) (dtype `to`) = elements [begin, end) of the tensor: each rank contributes its part (from
+  // `shard`, this rank's shard_elems(n, size) elements, converted from shard.dtype). A rank may hold none of it.
+  virtual Request start_all_gather_range(const TensorView& shard, int64_t n, int64_t begin, int64_t end, void* out,
+                                         DType to) = 0;
+  // This rank's part of the range in `shard` (its shard_elems(n, size) floats) += the sum over ranks of their
+  // full[0..end - begin) (each rank's contribution to elements [begin, end)), in rank order per element
+  // (shard + rank 0 + rank 1 + ..., as start_reduce_scatter). full is only read. scratch: the caller's
+  // range_scratch_elems(end - begin) floats (so that its memory can be accounted), used until wait().
+  virtual Request start_reduce_scatter_range(const float* full, int64_t n, int64_t begin, int64_t end, float* shard,
+                                             float* scratch) = 0;
+  // The reduce-scatter of a range receives every rank's contribution to this rank's part in rounds of
+  // max(1, len / size) elements from each rank, so its receive buffer is about the range's size whatever the part:
+  // size * max(1, len / size) floats; none for a group of one.
+  int64_t range_scratch_elems(int64_t len) const {
+    return size_ > 1 ? size_ * std::max<int64_t>(1, len / size_) : 0;
+  }
+  // Rank q's part of [begin, end): [first, first + count) of the tensor (count 0 when it holds none of it).
+  struct RangePart {
+    int64_t first = 0, count = 0;
+  };
+  static RangePart range_part(int64_t n, int64_t size, int64_t q, int64_t begin, int64_t end) {
+    const int64_t s = shard_elems(n, size);
+    const int64_t lo = std::max(begin, q * s), hi = std::min(end, (q + 1) * s);
+    return hi > lo ? RangePart{lo, hi - lo} : RangePart{std::min(std::max(begin, q * s), end), 0};
+  }
+
   void all_gather(const TensorView& shard, void* full, DType to, int64_t n) { start_all_gather(shard, full, to, n).wait(); }
   void reduce_scatter(float* full, int64_t n, float* shard) { start_reduce_scatter(full, n, shard).wait(); }
 
@@ -110,6 +141,10 @@ class LocalCollectives final : public Collectives {
   Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
   Request start_reduce_scatter(float* full, int64_t n, float* shard) override;
   Request start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) override;
+  Request start_all_gather_range(const TensorView& shard, int64_t n, int64_t begin, int64_t end, void* out,
+                                 DType to) override;
+  Request start_reduce_scatter_range(const float* full, int64_t n, int64_t begin, int64_t end, float* shard,
+                                     float* scratch) override;
   Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs,
                              void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
                              size_t elem_bytes) override;
@@ -126,6 +161,8 @@ class VirtualCollectives final : public Collectives {
   Request start_all_gather(const TensorView&, void*, DType, int64_t) override { return {}; }
   Request start_reduce_scatter(float*, int64_t, float*) override { return {}; }
   Request start_reduce_scatter_to(float*, int64_t, std::vector<float*>) override { return {}; }
+  Request start_all_gather_range(const TensorView&, int64_t, int64_t, int64_t, void*, DType) override { return {}; }
+  Request start_reduce_scatter_range(const float*, int64_t, int64_t, int64_t, float*, float*) override { return {}; }
   Request start_all_to_all_v(const void*, std::vector<int64_t>, std::vector<int64_t>, void*, std::vector<int64_t>,
                              std::vector<int64_t>, size_t) override {
     return {};

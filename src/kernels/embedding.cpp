@@ -54,6 +54,48 @@ void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_
   }
 }
 
+template <typename TW, typename TA>
+void embedding_forward_rows(const int32_t* ids, int64_t n, const TW* rows, int64_t first, int64_t count, int64_t vocab,
+                            int64_t dim, TA* out) {
+  check_ids(ids, n, vocab);
+#pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = static_cast<int64_t>(ids[i]) - first;
+    if (row < 0 || row >= count) continue;
+    const TW* src = rows + row * dim;
+    TA* dst = out + i * dim;
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) dst[c] = from_f32<TA>(to_f32(src[c]));
+  }
+}
+
+void embedding_backward_rows(const int32_t* ids, int64_t n, const float* dout, int64_t first, int64_t count,
+                             int64_t vocab, int64_t dim, float* drows) {
+  check_ids(ids, n, vocab);
+  const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < nblocks; ++blk) {
+    const int64_t c0 = blk * block, c1 = std::min(dim, c0 + block);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = static_cast<int64_t>(ids[i]) - first;
+      if (row < 0 || row >= count) continue;
+      float* dst = drows + row * dim;
+      const float* src = dout + i * dim;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
+    }
+  }
+}
+
+#define HS_EMBED_ROWS(TW, TA)                                                                                       \
+  template void embedding_forward_rows<TW, TA>(const int32_t*, int64_t, const TW*, int64_t, int64_t, int64_t, int64_t, \
+                                               TA*);
+HS_EMBED_ROWS(float, float)
+HS_EMBED_ROWS(float, bf16)
+HS_EMBED_ROWS(bf16, float)
+HS_EMBED_ROWS(bf16, bf16)
+#undef HS_EMBED_ROWS
+
 template void embedding_forward<float, float>(const int32_t*, int64_t, const float*, int64_t, int64_t, float*);
 template void embedding_forward<float, bf16>(const int32_t*, int64_t, const float*, int64_t, int64_t, bf16*);
 template void embedding_forward<bf16, float>(const int32_t*, int64_t, const bf16*, int64_t, int64_t, float*);

@@ -18,6 +18,17 @@ void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t v
 // results, no atomics). Ids are checked as in the forward.
 void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim, float* dtable);
 
+// The table in vocabulary pieces: `rows` holds table rows [first, first + count) ([count, dim]). The forward
+// writes out[i, :] only for the tokens whose id falls in the piece (the rest of out is left as it is, so the
+// pieces 0..P-1 together write every row); the backward adds dout[i, :] into drows[ids[i] - first, :] for those
+// tokens, in token order as embedding_backward, so a table's pieces get the same sums as the whole table. Every id
+// is checked against [0, vocab) as above.
+template <typename TW, typename TA>
+void embedding_forward_rows(const int32_t* ids, int64_t n, const TW* rows, int64_t first, int64_t count, int64_t vocab,
+                            int64_t dim, TA* out);
+void embedding_backward_rows(const int32_t* ids, int64_t n, const float* dout, int64_t first, int64_t count,
+                             int64_t vocab, int64_t dim, float* drows);
+
 namespace reference {
 // Instantiated for (TW, TA) in {float, bf16}^2 and (double, double).
 template <typename TW, typename TA>

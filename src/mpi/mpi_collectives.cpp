@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
@@ -226,6 +227,98 @@ Collectives::Request MpiCollectives::start_reduce_scatter_to(float* full, int64_
 #pragma omp parallel for schedule(static) if (s > 65536)
     for (int64_t i = 0; i < s; ++i)
       for (int64_t p = 0; p < ranks; ++p) dest[static_cast<size_t>(p)][i] += full[p * s + i];
+  });
+}
+
+Collectives::Request MpiCollectives::start_all_gather_range(const TensorView& shard, int64_t n, int64_t begin,
+                                                            int64_t end, void* out, DType to) {
+  if (begin < 0 || begin > end || end > n)
+    throw std::invalid_argument("all_gather_range: range outside the tensor");
+  const int64_t ranks = size(), s = shard_elems(n, ranks);
+  // MPI reads the count arrays until the operation completes: they live in the job.
+  auto v = std::make_shared<std::vector<int>>(2 * static_cast<size_t>(ranks));
+  for (int64_t q = 0; q < ranks; ++q) {
+    const RangePart part = range_part(n, ranks, q, begin, end);
+    (*v)[static_cast<size_t>(q)] = count(part.count, "all_gather_range");
+    (*v)[static_cast<size_t>(ranks + q)] = count(part.first - begin, "all_gather_range");
+  }
+  // This rank's part goes (converted) straight into its place in the range; the gather is in place.
+  const RangePart mine = range_part(n, ranks, rank(), begin, end);
+  if (mine.count > 0)
+    convert_elements(static_cast<const char*>(shard.data) + static_cast<size_t>(mine.first - rank() * s) *
+                                                                dtype_size(shard.dtype),
+                     shard.dtype, static_cast<char*>(out) + static_cast<size_t>(mine.first - begin) * dtype_size(to),
+                     to, mine.count);
+  const MPI_Datatype t = mpi_type(to);
+  return Request(start(
+      [out, v, t, ranks](MPI_Comm c, MPI_Request* r) {
+        const int* a = v->data();
+        return MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, out, a, a + ranks, t, c, r);
+      },
+      "all_gather_range"));
+}
+
+Collectives::Request MpiCollectives::start_reduce_scatter_range(const float* full, int64_t n, int64_t begin,
+                                                                int64_t end, float* shard, float* scratch) {
+  if (begin < 0 || begin > end || end > n)
+    throw std::invalid_argument("reduce_scatter_range: range outside the tensor");
+  const int64_t ranks = size(), s = shard_elems(n, ranks), len = end - begin;
+  const int64_t m = range_scratch_elems(len) / ranks;  // elements from each rank a round
+  std::vector<RangePart> parts;
+  int64_t most = 0;
+  for (int64_t q = 0; q < ranks; ++q) {
+    parts.push_back(range_part(n, ranks, q, begin, end));
+    most = std::max(most, parts.back().count);
+  }
+  const RangePart mine = parts[static_cast<size_t>(rank())];
+  float* into = shard + (mine.first - rank() * s);  // this rank's part of the range in its shard
+  const int64_t rounds = (most + m - 1) / m;
+  // Round t: every rank's elements [t m, (t + 1) m) of each rank's part. Adds round t's contributions (in the
+  // scratch at p * m for rank p) into the shard in rank order.
+  auto add = [into, scratch, m, ranks, mine](int64_t t, bool threads) {
+    const int64_t c = std::clamp<int64_t>(mine.count - t * m, 0, m);
+    float* dst = into + t * m;
+#pragma omp parallel for schedule(static) if (threads && c > 65536)
+    for (int64_t i = 0; i < c; ++i) {
+      float acc = dst[i];
+      for (int64_t p = 0; p < ranks; ++p) acc += scratch[p * m + i];
+      dst[i] = acc;
+    }
+  };
+  std::vector<std::function<void()>> waits;
+  for (int64_t t = 0; t < rounds; ++t) {
+    auto v = std::make_shared<std::vector<int>>(4 * static_cast<size_t>(ranks));
+    const int64_t recv = std::clamp<int64_t>(mine.count - t * m, 0, m);
+    for (int64_t q = 0; q < ranks; ++q) {
+      const RangePart& part = parts[static_cast<size_t>(q)];
+      const auto k = static_cast<size_t>(q), R = static_cast<size_t>(ranks);
+      (*v)[k] = count(std::clamp<int64_t>(part.count - t * m, 0, m), "reduce_scatter_range");
+      (*v)[R + k] = count(std::min(part.first - begin + t * m, len), "reduce_scatter_range");
+      (*v)[2 * R + k] = count(recv, "reduce_scatter_range");
+      (*v)[3 * R + k] = count(q * m, "reduce_scatter_range");
+    }
+    // The job of round t first sums round t - 1, which the communication thread has completed before it takes
+    // this job: the scratch is free again.
+    waits.push_back(start(
+        [full, scratch, v, ranks, t, add](MPI_Comm c, MPI_Request* r) {
+          if (t > 0) add(t - 1, false);
+          const int* a = v->data();
+          return MPI_Ialltoallv(full, a, a + ranks, MPI_FLOAT, scratch, a + 2 * ranks, a + 3 * ranks, MPI_FLOAT, c, r);
+        },
+        "reduce_scatter_range"));
+  }
+  return Request([waits = std::move(waits), add, rounds] {
+    // Every round is waited for before an error is passed on: the later rounds still use the buffers.
+    std::exception_ptr failed;
+    for (const auto& w : waits) {
+      try {
+        w();
+      } catch (...) {
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (failed) std::rethrow_exception(failed);
+    if (rounds > 0) add(rounds - 1, true);
   });
 }
 

@@ -75,6 +75,14 @@ class MpiCollectives final : public Collectives {
   Request start_all_gather(const TensorView& shard, void* full, DType to, int64_t n) override;
   Request start_reduce_scatter(float* full, int64_t n, float* shard) override;
   Request start_reduce_scatter_to(float* full, int64_t n, std::vector<float*> dest) override;
+  // MPI_Iallgatherv in place, each rank's part of the range as its count.
+  Request start_all_gather_range(const TensorView& shard, int64_t n, int64_t begin, int64_t end, void* out,
+                                 DType to) override;
+  // Rounds of MPI_Ialltoallv into the scratch (at most max(1, len / size) elements from each rank a round), each
+  // round's rank-order sum made by the communication thread before it posts the next round (the last one's in
+  // wait()), so the rounds run while the compute threads work.
+  Request start_reduce_scatter_range(const float* full, int64_t n, int64_t begin, int64_t end, float* shard,
+                                     float* scratch) override;
   Request start_all_to_all_v(const void* send, std::vector<int64_t> send_counts, std::vector<int64_t> send_displs,
                              void* recv, std::vector<int64_t> recv_counts, std::vector<int64_t> recv_displs,
                              size_t elem_bytes) override;

@@ -51,6 +51,7 @@ PlanResult plan(const PlanRequest& r) {
   opt.prefetch = r.prefetch;
   opt.pack_weights = r.pack_weights;
   opt.gather_piece_bytes = r.gather_piece_bytes;
+  opt.vocab_piece_bytes = r.vocab_piece_bytes;
   // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates only the replicas'
   // sums' scratch, one tensor's at a time, as the real run does.
   VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce

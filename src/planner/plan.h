@@ -26,6 +26,7 @@ struct PlanRequest {
   size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
   bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
   size_t gather_piece_bytes = train::kDefaultGatherPieceBytes;  // train --gather-piece-bytes (train::StepOptions)
+  size_t vocab_piece_bytes = train::kDefaultGatherPieceBytes;   // train --vocab-piece-bytes (train::StepOptions)
   bool update_in_backward = false;  // train --update-in-backward: AdamW per gradient shard in the backward
   // train --packed-weights: this CPU's oneDNN packed forms of each sub-layer's weights (sized by oneDNN's memory
   // descriptors here, so only meaningful for a run on this machine; plan --chip leaves it off).

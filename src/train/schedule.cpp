@@ -1,5 +1,6 @@
 #include "train/schedule.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <stdexcept>
@@ -98,6 +99,7 @@ struct Runner {
   bool prefetch = false;
   bool pack_weights = false;
   size_t piece_bytes = 0;
+  size_t vocab_piece_bytes = 0;  // StepOptions::vocab_piece_bytes
   GradientSink* sink = nullptr;  // StepOptions::update
 
   // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
@@ -240,7 +242,7 @@ struct Runner {
     float* ptr;
     float* shard;
   };
-  GlobalGrad global_grad(ParamSet* grads, model::g::Global which) {
+  GlobalGrad global_grad(ParamSet* grads, model::g::Global which, bool full = true) {
     const model::StackedParam& sp = params.global_param(which);
     GlobalGrad g;
     if (grads) {
@@ -251,7 +253,7 @@ struct Runner {
       g.shard = ptr<float>(g.own);
     }
     g.ptr = g.shard;
-    if (!sharded()) return g;
+    if (!sharded() || !full) return g;
     g.full = mem.allocate_n<float>(static_cast<size_t>(comm->padded_elems(hs::numel(sp.full_shape))),
                                    MemCategory::Gradients, "global_grad", true);
     g.ptr = ptr<float>(g.full);
@@ -272,8 +274,142 @@ struct Runner {
     submit(std::move(f));
   }
 
+  // The embedding or the LM head in vocabulary pieces (StepOptions::vocab_piece_bytes): when it is larger than a
+  // piece in E and a piece saves a gather (sharded) or a cast (unsharded, stored in another dtype than E).
+  template <typename E> bool in_pieces(model::g::Global which) const {
+    if (vocab_piece_bytes == 0) return false;
+    if (!sharded() && params.global_param(which).tensor.dtype() == dtype_of<E>()) return false;
+    return static_cast<size_t>(c.vocab * H) * sizeof(E) > vocab_piece_bytes;
+  }
+  template <typename E> int64_t piece_rows() const {
+    return std::clamp<int64_t>(static_cast<int64_t>(vocab_piece_bytes / (static_cast<size_t>(H) * sizeof(E))), 1,
+                               c.vocab);
+  }
+
+  // Rows [k rows, min(V, (k + 1) rows)) of a global [V, H] tensor, piece by piece: the flat range of the FSDP layout
+  // gathered with all_gather_range (sharded) or cast (unsharded), and its fp32 gradient accumulated in a piece's
+  // buffer and reduce-scattered into the shard with reduce_scatter_range (sharded; unsharded it accumulates in
+  // place). Weights are asked for in `order` (a piece asked for twice in a row is the same piece): at most one piece
+  // is held, or, prefetching, one more whose gather runs while the current piece computes. A piece's gradient goes
+  // through submit(): in flight while the next piece computes when prefetching. The last gradient piece hands the
+  // shard to the sink.
+  template <typename E> struct RowPieces {
+    struct Piece {
+      int64_t k = -1;
+      Buffer w;
+      const E* ptr = nullptr;
+      std::vector<Collectives::Request> requests;  // after the buffer: finished before it is freed
+    };
+    Runner& r;
+    model::g::Global which;
+    const model::StackedParam& sp;
+    int64_t rows, V, H, n;
+    std::vector<int64_t> order;
+    size_t pos = 0;
+    Piece cur, ahead;
+    GlobalGrad* grad = nullptr;  // backward: where the pieces' gradients go
+    Buffer grad_piece;
+    int64_t grads_left = 0;
+
+    RowPieces(Runner& run, model::g::Global w, std::vector<int64_t> visit, GlobalGrad* g)
+        : r(run), which(w), sp(run.params.global_param(w)), rows(run.template piece_rows<E>()), V(run.c.vocab),
+          H(run.H), n(run.c.vocab * run.H), order(std::move(visit)), grad(g), grads_left(pieces()) {}
+    ~RowPieces() { finish(); }
+    int64_t pieces() const { return (V + rows - 1) / rows; }
+    int64_t first(int64_t k) const { return k * rows; }
+    int64_t count(int64_t k) const { return std::min(rows, V - k * rows); }
+    static void drop(Piece& q) {
+      for (auto& x : q.requests) x.wait();
+      q = {};
+    }
+    void finish() {
+      drop(ahead);
+      drop(cur);
+    }
+    Piece start(int64_t k) {
+      Piece q;
+      q.k = k;
+      const int64_t a = first(k) * H, len = count(k) * H;
+      const DType from = sp.tensor.dtype();
+      if (!r.sharded() && from == dtype_of<E>()) {
+        q.ptr = r.P ? nullptr : static_cast<const E*>(sp.tensor.data()) + a;
+        return q;
+      }
+      q.w = r.mem.template allocate_n<E>(static_cast<size_t>(len), MemCategory::WeightCasts,
+                                         r.sharded() ? "vocab_piece" : "vocab_piece_cast");
+      q.ptr = static_cast<const E*>(q.w.data());
+      if (r.P) return q;
+      if (r.sharded())
+        q.requests.push_back(
+            r.comm->start_all_gather_range(sp.tensor.view(), n, a, a + len, q.w.data(), dtype_of<E>()));
+      else
+        convert_elements(static_cast<const char*>(sp.tensor.data()) + static_cast<size_t>(a) * dtype_size(from), from,
+                         q.w.data(), dtype_of<E>(), len);
+      return q;
+    }
+    const E* weights(int64_t k) {
+      if (k == cur.k) return cur.ptr;
+      if (pos >= order.size() || order[pos] != k) throw std::logic_error("schedule: vocabulary pieces out of order");
+      ++pos;
+      drop(cur);
+      if (ahead.k == k) cur = std::move(ahead);
+      else cur = start(k);
+      for (auto& x : cur.requests) x.wait();
+      cur.requests.clear();
+      if (r.prefetching() && pos < order.size()) ahead = start(order[pos]);
+      return cur.ptr;
+    }
+    // The fp32 gradient of piece k's rows: a zeroed buffer (sharded) or the shard's own rows.
+    float* grad_rows(int64_t k) {
+      if (!r.sharded()) return r.P ? nullptr : grad->shard + first(k) * H;
+      grad_piece = r.mem.template allocate_n<float>(static_cast<size_t>(count(k) * H), MemCategory::Gradients,
+                                                    "vocab_piece_grad", true);
+      return ptr<float>(grad_piece);
+    }
+    void grad_rows_done(int64_t k) {
+      const bool last = --grads_left == 0;
+      InFlight f;
+      if (r.sharded()) {
+        const int64_t a = first(k) * H, len = count(k) * H;
+        Buffer scratch = r.mem.template allocate_n<float>(static_cast<size_t>(r.comm->range_scratch_elems(len)),
+                                                          MemCategory::Workspace, "vocab_piece_scatter");
+        if (!r.P)
+          f.requests.push_back(r.comm->start_reduce_scatter_range(ptr<float>(grad_piece), n, a, a + len, grad->shard,
+                                                                  ptr<float>(scratch)));
+        f.full.push_back(std::move(grad_piece));
+        f.full.push_back(std::move(scratch));
+      }
+      if (last && r.sink) {
+        f.shards.push_back(std::move(grad->own));
+        f.done = [sink = r.sink, w = which, p = grad->shard] { sink->global(w, p); };
+      }
+      if (r.sharded() || (last && r.sink)) r.submit(std::move(f));
+    }
+  };
+
+  // The LM head's pieces as the kernel asks for them.
+  struct HeadPieces final : kernels::XentPieces<T> {
+    RowPieces<T>& p;
+    explicit HeadPieces(RowPieces<T>& rp) : p(rp) {}
+    const T* weights(int64_t k) override { return p.weights(k); }
+    float* grad(int64_t k) override { return p.grad_rows(k); }
+    void grad_done(int64_t k) override { p.grad_rows_done(k); }
+  };
+
   Buffer embed(MemCategory cat) {
     Buffer h = mem.allocate_n<T>(static_cast<size_t>(N * H), cat, "h.embed");
+    if (sharded() && in_pieces<T>(model::g::kEmbed)) {
+      const int64_t pieces = (c.vocab + piece_rows<T>() - 1) / piece_rows<T>();
+      std::vector<int64_t> order(static_cast<size_t>(pieces));
+      for (int64_t k = 0; k < pieces; ++k) order[static_cast<size_t>(k)] = k;
+      RowPieces<T> table(*this, model::g::kEmbed, order, nullptr);
+      for (int64_t k = 0; k < pieces; ++k) {
+        const T* rows = table.weights(k);
+        if (!P)
+          kernels::embedding_forward_rows(b.inputs, N, rows, table.first(k), table.count(k), c.vocab, H, ptr<T>(h));
+      }
+      return h;
+    }
     if (sharded()) {
       model::Converted<T> table = global_weight<T>(model::g::kEmbed);
       if (!P) kernels::embedding_forward(b.inputs, N, table.ptr, c.vocab, H, ptr<T>(h));
@@ -296,21 +432,50 @@ struct Runner {
     Buffer rstd = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
     model::Converted<float> wn = global_weight<float>(model::g::kFinalNorm);
     if (!P) kernels::rmsnorm_forward(h_last, wn.ptr, ptr<T>(xf), ptr<float>(rstd), N, H, float(c.rms_eps));
+    if (!logits && in_pieces<T>(model::g::kLmHead)) {
+      // Vocabulary pieces: the forward visits 0..P-1, the backward P-1..0 (the forward's last piece kept).
+      const int64_t rows = piece_rows<T>(), pieces = (c.vocab + rows - 1) / rows;
+      std::vector<int64_t> order;
+      for (int64_t k = 0; k < pieces; ++k) order.push_back(k);
+      if (backward)
+        for (int64_t k = pieces - 1; k-- > 0;) order.push_back(k);
+      if (!backward) {
+        RowPieces<T> wl(*this, model::g::kLmHead, order, nullptr);
+        HeadPieces src(wl);
+        return kernels::lm_head_xent_pieced(ptr<T>(xf), b.targets, N, H, c.vocab, rows, src, 0.f, nullptr, mem);
+      }
+      Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
+      GlobalGrad dW = global_grad(grads, model::g::kLmHead, /*full=*/false);
+      kernels::XentResult r;
+      {
+        RowPieces<T> wl(*this, model::g::kLmHead, order, &dW);
+        HeadPieces src(wl);
+        r = kernels::lm_head_xent_pieced(ptr<T>(xf), b.targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
+                                         mem, 0, /*plan_backward=*/true);
+      }
+      final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
+      return r;
+    }
     model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
     if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
     if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
     Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
     GlobalGrad dW = global_grad(grads, model::g::kLmHead);
     kernels::XentResult r =
-        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem);
+        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
+                              /*plan_backward=*/true);
     reduce_scatter(dW, model::g::kLmHead);
+    final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
+    return r;
+  }
+  void final_norm_backward(const T* h_last, const model::Converted<float>& wn, const Buffer& rstd, const Buffer& dxf,
+                           ParamSet* grads, float* dh_last) {
     GlobalGrad dn = global_grad(grads, model::g::kFinalNorm);
     if (!P) {
       kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H,
                                 /*accumulate=*/false);
     }
     reduce_scatter(dn, model::g::kFinalNorm);
-    return r;
   }
 
   // Router statistics of every layer summed over the batch group, in one call: [counts, prob sums, rows] per layer.
@@ -452,9 +617,22 @@ struct Runner {
         end = start;
       }
     }
-    GlobalGrad de = global_grad(grads, model::g::kEmbed);
-    if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
-    reduce_scatter(de, model::g::kEmbed);
+    if (sharded() && in_pieces<T>(model::g::kEmbed)) {
+      // In vocabulary pieces: each piece's rows scatter-added (the same sums as the whole table) and reduce-scattered.
+      GlobalGrad de = global_grad(grads, model::g::kEmbed, /*full=*/false);
+      RowPieces<T> table(*this, model::g::kEmbed, {}, &de);
+      for (int64_t k = 0; k < table.pieces(); ++k) {
+        float* rows = table.grad_rows(k);
+        if (!P)
+          kernels::embedding_backward_rows(b.inputs, N, ptr<float>(dh), table.first(k), table.count(k), c.vocab, H,
+                                           rows);
+        table.grad_rows_done(k);
+      }
+    } else {
+      GlobalGrad de = global_grad(grads, model::g::kEmbed);
+      if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
+      reduce_scatter(de, model::g::kEmbed);
+    }
     finish_in_flight();
     return r;
   }
@@ -492,6 +670,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
     r.prefetch = opt.prefetch;
     r.pack_weights = opt.pack_weights;
     r.piece_bytes = opt.gather_piece_bytes;
+    r.vocab_piece_bytes = opt.vocab_piece_bytes;
     r.sink = opt.update;
     return r.forward_backward(opt.remat, grads);
   };

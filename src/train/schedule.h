@@ -62,6 +62,14 @@ struct StepOptions {
   // Routed-expert weights are gathered (or cast), and their gradients reduce-scattered, in pieces of consecutive
   // experts of at most this many bytes in the compute dtype (model::LayerContext::piece_bytes; 0: a whole layer).
   size_t gather_piece_bytes = kDefaultGatherPieceBytes;
+  // The LM head and the embedding ([vocab, hidden] each) in vocabulary pieces of at most this many bytes in the
+  // compute dtype (rows [a, b): the flat range [a hidden, b hidden) of the FSDP layout, gathered and reduce-scattered
+  // with the range collectives), when the tensor is larger and there is something to cut: a gather (sharded), or a
+  // cast (the LM head stored in another dtype than the compute dtype). 0: whole tensors. The LM head's loss is then
+  // a log-sum-exp streamed over the pieces (kernels::lm_head_xent_pieced: the same math, other rounding); the
+  // embedding's pieces give the same bits as the whole table. A parameter of its own, not gather_piece_bytes, so
+  // that experts in pieces stay bit-identical to whole layers.
+  size_t vocab_piece_bytes = kDefaultGatherPieceBytes;
   // Non-null: every gradient goes to this sink as soon as it is complete and is freed after it (train
   // --update-in-backward: AdamW per shard in the backward, train::InBackwardAdamW). forward_backward then neither
   // makes nor fills a gradient set (*grads must be empty: there is nothing to accumulate into).

@@ -45,6 +45,7 @@ void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collec
   const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
                            "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
                            std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" +
+                           std::to_string(o.step.vocab_piece_bytes) + "|" +
                            std::to_string(o.update_in_backward) + "|" + std::to_string(o.dist->fsdp->size()) + "|" +
                            std::to_string(o.step.expert_parallel);
   uint64_t h = 1469598103934665603ull, root;

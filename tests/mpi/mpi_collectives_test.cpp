@@ -59,6 +59,67 @@ TEST(MpiCollectives, ReduceScatterAddsInRankOrder) {
   }
 }
 
+// Ranges of a flat sharded tensor whose bounds fall anywhere: inside one shard, across shard bounds, covering
+// everything, empty, shorter than the number of ranks (rounds of one element a rank), and on a rank that holds none
+// of it. The gather gives the elements (converted to bf16 too); the reduce-scatter adds in rank order (the bits of
+// shard + rank 0 + rank 1 + ...), over as many rounds as the receive buffer needs.
+TEST(MpiCollectives, RangesGatherAndReduceScatterAcrossShardBounds) {
+  Collectives& c = *g_world;
+  for (int64_t n : {7, 100, 1001}) {
+    const int64_t s = Collectives::shard_elems(n, c.size());
+    std::vector<float> shard(static_cast<size_t>(s), 0.0f);
+    for (int64_t i = 0; i < s; ++i)
+      if (c.rank() * s + i < n) shard[static_cast<size_t>(i)] = float(c.rank() * s + i) * 0.25f;
+    std::vector<std::pair<int64_t, int64_t>> ranges = {{0, n}, {0, 1}, {n - 1, n}, {n / 3, n / 3}, {1, n - 2},
+                                                       {s - 1, s + 1}, {s / 2, std::min(n, 2 * s + 3)}};
+    for (auto [b, e] : ranges) {
+      if (b > e || e > n) continue;
+      const std::string what = "n " + std::to_string(n) + " [" + std::to_string(b) + ", " + std::to_string(e) + ")";
+      std::vector<float> out(static_cast<size_t>(e - b) + 1, -1.0f);
+      c.start_all_gather_range(TensorView(shard.data(), DType::F32, {s}), n, b, e, out.data(), DType::F32).wait();
+      for (int64_t i = b; i < e; ++i) ASSERT_EQ(out[static_cast<size_t>(i - b)], float(i) * 0.25f) << what;
+      ASSERT_EQ(out.back(), -1.0f) << what << ": written past the range";
+      std::vector<bf16> out16(static_cast<size_t>(e - b) + 1);
+      c.start_all_gather_range(TensorView(shard.data(), DType::F32, {s}), n, b, e, out16.data(), DType::BF16).wait();
+      for (int64_t i = b; i < e; ++i)
+        ASSERT_EQ(to_f32(out16[static_cast<size_t>(i - b)]), to_f32(from_f32<bf16>(float(i) * 0.25f))) << what;
+
+      std::vector<float> full(static_cast<size_t>(e - b));
+      for (int64_t i = b; i < e; ++i) full[static_cast<size_t>(i - b)] = contribution(c.rank(), i);
+      const std::vector<float> sent = full;
+      std::vector<float> acc(static_cast<size_t>(s), 0.5f);
+      std::vector<float> scratch(static_cast<size_t>(c.range_scratch_elems(e - b)));
+      c.start_reduce_scatter_range(full.data(), n, b, e, acc.data(), scratch.data()).wait();
+      ASSERT_EQ(full, sent) << what << ": the contribution was changed";
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t el = c.rank() * s + i;
+        float want = 0.5f;
+        if (el >= b && el < e)
+          for (int64_t r = 0; r < c.size(); ++r) want += contribution(r, el);
+        ASSERT_EQ(acc[static_cast<size_t>(i)], want) << what << " element " << el;
+      }
+    }
+  }
+  // Two ranges in flight at once, waited for in the opposite order.
+  const int64_t n = 301, s = Collectives::shard_elems(n, c.size());
+  std::vector<float> f1(100), f2(150), acc(static_cast<size_t>(s), 0.0f);
+  for (int64_t i = 0; i < 100; ++i) f1[static_cast<size_t>(i)] = contribution(c.rank(), 50 + i);
+  for (int64_t i = 0; i < 150; ++i) f2[static_cast<size_t>(i)] = contribution(c.rank(), 150 + i);
+  std::vector<float> s1(static_cast<size_t>(c.range_scratch_elems(100)));
+  std::vector<float> s2(static_cast<size_t>(c.range_scratch_elems(150)));
+  Collectives::Request a = c.start_reduce_scatter_range(f1.data(), n, 50, 150, acc.data(), s1.data());
+  Collectives::Request b = c.start_reduce_scatter_range(f2.data(), n, 150, 300, acc.data(), s2.data());
+  b.wait();
+  a.wait();
+  for (int64_t i = 0; i < s; ++i) {
+    const int64_t el = c.rank() * s + i;
+    float want = 0.0f;
+    if (el >= 50 && el < 300)
+      for (int64_t r = 0; r < c.size(); ++r) want += contribution(r, el);
+    ASSERT_EQ(acc[static_cast<size_t>(i)], want) << "element " << el;
+  }
+}
+
 // Rank p sends (p + 1) * (q + 1) elements to rank q, taken from a send buffer at per-destination displacements that
 // are not in rank order; every element says where it came from.
 TEST(MpiCollectives, AllToAllVMovesEachBlockToItsRank) {
