@@ -205,7 +205,7 @@ def main():
     }
     out = {"config": cfg, "model_line": line, "batch": a.batch, "seq": a.seq, "threads": a.threads,
            "dtype": a.dtype, "remat": a.remat, "steps_timed": steps, "phases": rows, "overall": overall,
-           "matmul_shapes": sorted(shapes, key=lambda s: -s["seconds"])}
+           "labels": prof.get("labels", {}), "matmul_shapes": sorted(shapes, key=lambda s: -s["seconds"])}
     with open(a.out + ".json", "w") as f:
         json.dump(out, f, indent=1)
 
@@ -234,7 +234,12 @@ def main():
                f"peak at the step's shapes** ({peak * 1e-9:.0f} GFLOP/s). The step's products alone would take "
                f"{mm_peak_s * 1e3:.1f} ms at that peak ({overall['gemm_time_at_peak_share']:.0%} of the step). "
                f"Page faults: {overall['minor_faults_per_step']:.0f} minor per step.", "",
-           "Slowest products (all calls of a shape together):", "",
+           "Where each phase's time goes, by kernel (exclusive time, the ten largest outside matmul):", "",
+           "| kernel | phase | ms / step | share | calls / step |", "|---|---|---|---|---|"]
+    labels = sorted(((n, v) for n, v in prof.get("labels", {}).items() if v[0] != "matmul"), key=lambda x: -x[1][2])
+    for n, (ph, calls, sec) in labels[:10]:
+        md.append(f"| {n} | {ph} | {sec / steps * 1e3:.1f} | {sec / steps / step_s:.1%} | {calls / steps:.0f} |")
+    md += ["", "Slowest products (all calls of a shape together):", "",
            "| M x N x K (ta, tb, acc, varying) | dtypes | calls | ms / step | GFLOP/s in step | peak GFLOP/s | eff |",
            "|---|---|---|---|---|---|---|"]
     for s in out["matmul_shapes"][:12]:

@@ -6,6 +6,8 @@
 #include <omp.h>
 
 #include <chrono>
+#include <map>
+#include <string>
 #include <thread>
 
 #include "core/profile.h"
@@ -44,6 +46,9 @@ TEST(Profile, NestedScopesAreExclusiveAndAddUpToTheWallTime) {
   EXPECT_LT(sec(Phase::Matmul), 0.03 + 0.5);
   EXPECT_EQ(t.calls[static_cast<size_t>(Phase::Matmul)], 1u);
   EXPECT_EQ(t.calls[static_cast<size_t>(Phase::MoeDispatch)], 1u);
+  ASSERT_EQ(t.labels.size(), 2u);  // no labels given: each phase's own name
+  EXPECT_EQ(t.labels[0].name, "matmul");
+  EXPECT_DOUBLE_EQ(t.labels[0].seconds, sec(Phase::Matmul));
   // Every interval is charged to exactly one phase: the sum is the wall time up to rounding.
   EXPECT_NEAR(t.sum_seconds(), t.wall_seconds, 1e-9 * 8);
 }
@@ -113,6 +118,12 @@ TEST(Profile, TrainingStepPhasesAddUpAndChangeNothing) {
   EXPECT_GT(prof.profile["seconds"]["optimizer"].get<double>(), 0);
   EXPECT_GT(prof.profile["matmul_flops"].get<double>(), 0);
   EXPECT_FALSE(prof.profile["matmul_shapes"].empty());
+  // The labels split the phases: per phase, their seconds add up to the phase's.
+  std::map<std::string, double> by_phase;
+  for (const auto& [name, v] : prof.profile["labels"].items()) by_phase[v[0].get<std::string>()] += v[2].get<double>();
+  EXPECT_GT(prof.profile["labels"].size(), 10u);
+  for (const auto& [phase, sec] : prof.profile["seconds"].items())
+    if (phase != "other") EXPECT_NEAR(by_phase[phase], sec.get<double>(), 1e-9 + 1e-9 * sec.get<double>()) << phase;
 }
 
 }  // namespace

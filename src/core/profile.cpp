@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <stdexcept>
 #include <vector>
 
@@ -16,15 +17,19 @@ using Clock = std::chrono::steady_clock;
 struct State {
   Clock::time_point start, last;
   Phase cur = Phase::Other;
-  std::vector<Phase> stack;   // the phases of the open scopes below the current one
+  const char* label = nullptr;  // the current scope's label (null: its phase's name)
+  std::vector<std::pair<Phase, const char*>> stack;  // the phases and labels of the open scopes below the current one
   std::vector<char> counted;  // per open scope: whether it was recorded (opened outside a parallel region)
   std::array<double, kNumPhases> seconds{};
   std::array<uint64_t, kNumPhases> calls{};
   double flops = 0;
+  std::map<std::pair<std::string_view, Phase>, std::pair<uint64_t, double>> labels;  // calls, seconds
   std::map<MatmulShape, MatmulShapeTotals> shapes;
   rusage ru0{};
   void charge(Clock::time_point now) {
-    seconds[static_cast<size_t>(cur)] += std::chrono::duration<double>(now - last).count();
+    const double dt = std::chrono::duration<double>(now - last).count();
+    seconds[static_cast<size_t>(cur)] += dt;
+    if (cur != Phase::Other) labels[{label ? std::string_view(label) : phase_name(cur), cur}].second += dt;
     last = now;
   }
 };
@@ -32,7 +37,7 @@ struct State {
 namespace detail {
 thread_local State* t_state = nullptr;
 
-void enter(State* s, Phase p) {
+void enter(State* s, Phase p, const char* label) {
   // Inside a parallel region this thread is one of the workers: the region's time belongs to whoever opened it.
   if (omp_in_parallel()) {
     s->counted.push_back(0);
@@ -40,9 +45,11 @@ void enter(State* s, Phase p) {
   }
   s->counted.push_back(1);
   s->charge(Clock::now());
-  s->stack.push_back(s->cur);
+  s->stack.emplace_back(s->cur, s->label);
   s->cur = p;
+  s->label = label;
   ++s->calls[static_cast<size_t>(p)];
+  ++s->labels[{label ? std::string_view(label) : phase_name(p), p}].first;
 }
 void leave(State* s) {
   if (s->counted.empty()) return;  // a scope opened before the session began
@@ -50,7 +57,7 @@ void leave(State* s) {
   s->counted.pop_back();
   if (!counted) return;
   s->charge(Clock::now());
-  s->cur = s->stack.back();
+  std::tie(s->cur, s->label) = s->stack.back();
   s->stack.pop_back();
 }
 void add_flops(State* s, double f) { s->flops += f; }
@@ -108,6 +115,18 @@ void accumulate(Totals& into, const Totals& t, bool subtract) {
   into.matmul_shapes.clear();
   for (const auto& [k, v] : m)
     if (v.calls > 0) into.matmul_shapes.push_back(v);
+  std::map<std::pair<std::string, Phase>, Totals::Label> l;
+  for (const auto& x : into.labels) l[{x.name, x.phase}] = x;
+  for (const auto& x : t.labels) {
+    Totals::Label& y = l[{x.name, x.phase}];
+    y.name = x.name;
+    y.phase = x.phase;
+    y.calls = subtract ? y.calls - x.calls : y.calls + x.calls;
+    y.seconds += s * x.seconds;
+  }
+  into.labels.clear();
+  for (const auto& [k, v] : l)
+    if (v.calls > 0) into.labels.push_back(v);
 }
 
 bool enabled_by_env() {
@@ -141,6 +160,7 @@ Totals Session::totals() const {
   t.calls = s.calls;
   t.matmul_flops = s.flops;
   for (const auto& [k, v] : s.shapes) t.matmul_shapes.push_back(v);
+  for (const auto& [k, v] : s.labels) t.labels.push_back({std::string(k.first), k.second, v.first, v.second});
   t.wall_seconds = std::chrono::duration<double>(now - s.start).count();
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);

@@ -12,6 +12,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -53,13 +54,22 @@ struct Totals {
   double wall_seconds = 0;  // from the session's start to the snapshot
   long minor_faults = 0, major_faults = 0;  // the process's page faults over the session (getrusage)
   std::vector<MatmulShapeTotals> matmul_shapes;  // every distinct shape run, in shape order
+  // The same exclusive time split finer, by the label each scope gives (the kernel's name; a scope without one counts
+  // under its phase's name), in label order.
+  struct Label {
+    std::string name;
+    Phase phase;
+    uint64_t calls = 0;
+    double seconds = 0;
+  };
+  std::vector<Label> labels;
   double sum_seconds() const;
 };
 
 struct State;
 namespace detail {
 extern thread_local State* t_state;
-void enter(State* s, Phase p);
+void enter(State* s, Phase p, const char* label = nullptr);
 void leave(State* s);
 void add_flops(State* s, double f);
 void add_shape(State* s, const MatmulShape& m, double seconds);
@@ -85,13 +95,14 @@ class Session {
   State* state_;
 };
 
-// Charges the time until the next scope event on this thread to `p`.
+// Charges the time until the next scope event on this thread to `p` (and to `label`, a string literal naming the
+// kernel, for the finer split of Totals::labels).
 class Scope {
  public:
-  explicit Scope(Phase p) {
+  explicit Scope(Phase p, const char* label = nullptr) {
     if (State* s = detail::t_state) [[unlikely]] {
       s_ = s;
-      detail::enter(s, p);
+      detail::enter(s, p, label);
     }
   }
   ~Scope() {

@@ -20,7 +20,7 @@ int64_t default_xent_chunk(int64_t vocab) {
 template <typename T>
 XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
                         float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk) {
-  profile::Scope profile_scope(profile::Phase::LossHead);
+  profile::Scope profile_scope(profile::Phase::LossHead, "lm_head_xent");
   constexpr bool kF32 = std::is_same_v<T, float>;
   const bool backward = dx != nullptr;
   const int64_t c = std::max<int64_t>(1, std::min(tokens, chunk > 0 ? chunk : default_xent_chunk(vocab)));

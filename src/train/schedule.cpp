@@ -136,7 +136,7 @@ struct Runner {
   bool prefetching() const { return prefetch && sharded(); }
 
   model::ComputeWeights<T> start_weights(size_t i) {
-    profile::Scope profile_scope(sharded() ? profile::Phase::Communication : profile::Phase::Elementwise);
+    profile::Scope profile_scope(sharded() ? profile::Phase::Communication : profile::Phase::Elementwise, "layer_weight_casts");
     return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm);
   }
   // The weights of layer_forward call number next_call (of layer i), with the next call's gathers started.
@@ -155,7 +155,7 @@ struct Runner {
 
   // Finishes a reduce-scatter, hands its shards to the sink, then frees its buffers.
   static void retire(InFlight& f) {
-    profile::Scope profile_scope(profile::Phase::Communication);
+    profile::Scope profile_scope(profile::Phase::Communication, "reduce_scatter_wait");
     for (auto& q : f.requests) q.wait();
     f.requests.clear();
     if (f.done) f.done();
@@ -174,10 +174,10 @@ struct Runner {
   template <typename E> model::Converted<E> global_weight(model::g::Global which) {
     const model::StackedParam& sp = params.global_param(which);
     if (!sharded()) {
-      profile::Scope profile_scope(profile::Phase::Elementwise);  // a cast, when the dtypes differ
+      profile::Scope profile_scope(profile::Phase::Elementwise, "global_weight_cast");  // a cast, when the dtypes differ
       return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
     }
-    profile::Scope profile_scope(profile::Phase::Communication);
+    profile::Scope profile_scope(profile::Phase::Communication, "global_weight_gather");
     model::Converted<E> r;
     const int64_t n = hs::numel(sp.full_shape);
     r.owned = mem.allocate_n<E>(static_cast<size_t>(comm->padded_elems(n)), MemCategory::WeightCasts, "gathered_weight");

@@ -385,6 +385,11 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
                      x.calls, x.seconds});
       }
       j["matmul_shapes"] = v;
+      // The finer split: {label: [phase, calls, seconds]}.
+      nlohmann::json l = nlohmann::json::object();
+      for (const profile::Totals::Label& x : t.labels)
+        l[x.name] = {std::string(profile::phase_name(x.phase)), x.calls, x.seconds};
+      j["labels"] = l;
     }
     return j;
   };
