@@ -94,6 +94,10 @@ void register_train(CLI::App& app) {
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
   c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");
   c->add_flag("--quiet", a->quiet, "No progress line");
+  c->add_flag("--profile", a->o.profile,
+              "Time every step by phase (matrix products, delta rule, attention, MoE dispatch, elementwise, loss, "
+              "optimizer, communication, allocation, other): a \"profile\" object per metrics.jsonl line, a table at "
+              "the end, and \"profile\" in --json (steady-state steps). Also HS_PROFILE=1");
   c->add_option("--save-every", a->o.save_every, "Write <out>/checkpoint-<step> every N steps (always at the end with --out)");
   auto* init = c->add_option("--init", a->o.init, "Start from the weights of a checkpoint (native or Hugging Face)")->check(CLI::ExistingDirectory);
   auto* resume = c->add_option("--resume", a->o.resume, "Continue a training checkpoint exactly (options, weights, optimizer, data order)")
@@ -212,6 +216,15 @@ void register_train(CLI::App& app) {
     if (rt)
       std::printf("%lld ranks: rank 0 waited %.3f s for communication in %.3f s of steady-state steps\n",
                   (long long)world, s.comm_exposed_s, s.step_s);
+    if (!s.profile.is_null() && !x.json) {
+      const double step = s.profile["step_s"].get<double>();
+      std::printf("phase time of the steady-state steps (%.3f s; the phases add up to %.3f s):\n", step,
+                  s.profile["phase_sum_s"].get<double>());
+      for (const auto& [name, sec] : s.profile["seconds"].items())
+        std::printf("  %-14s %9.4f s %6.1f%%  %llu calls\n", name.c_str(), sec.get<double>(),
+                    step > 0 ? 100.0 * sec.get<double>() / step : 0.0,
+                    (unsigned long long)s.profile["calls"][name].get<uint64_t>());
+    }
     if (x.json) {
       nlohmann::json j = {{"steps", s.steps},
                           {"tokens_per_s", s.tokens_per_s},
@@ -232,6 +245,7 @@ void register_train(CLI::App& app) {
                           {"remat", x.remat},
                           {"weight_dtype", x.weight_dtype},
                           {"compute_dtype", x.compute_dtype}};
+      if (!s.profile.is_null()) j["profile"] = s.profile;
       std::printf("%s\n", j.dump().c_str());
     }
   });

@@ -1,5 +1,7 @@
 #include "core/memory.h"
 
+#include "core/profile.h"
+
 #include <algorithm>
 #include <cctype>
 #include <cmath>
@@ -219,6 +221,7 @@ MemoryAccountant::MemoryAccountant(bool planning, size_t largest_tracked)
 MemoryAccountant::~MemoryAccountant() = default;
 
 Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_view tag, bool zero) {
+  profile::Scope profile_scope(profile::Phase::Allocation, "allocate");
   Buffer b;
   if (!planning_ && bytes > 0) {
     size_t rounded = (bytes + 63) / 64 * 64;
@@ -253,6 +256,7 @@ Buffer MemoryAccountant::allocate(size_t bytes, MemCategory cat, std::string_vie
 }
 
 void MemoryAccountant::release(Buffer& b) {
+  profile::Scope profile_scope(profile::Phase::Allocation, "release");
   if (b.data_) {
     if (b.mapped_) mappings().give_back(b.data_, mapped_length(b.bytes_));
     else std::free(b.data_);

@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/profile.h"
+
 namespace hs::kernels {
 namespace {
 
@@ -73,6 +75,7 @@ int64_t block_size(int64_t n) { return std::max(kMinBlock, (n + kMaxBlocks - 1) 
 
 template <typename TW>
 void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
+  profile::Scope profile_scope(profile::Phase::Optimizer, "adamw_update");
   update(w, grad, m, v, n, p, step);
 }
 
@@ -92,6 +95,7 @@ double sum_squares(const float* x, int64_t n) {
 }
 
 void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step) {
+  profile::Scope profile_scope(profile::Phase::Optimizer, "adamw_update_clear_all");
   const Scalars k = scalars(p, step);
   // Pieces of at most kPiece elements within one tensor, split evenly (statically) between the threads.
   constexpr int64_t kPiece = 16384;
@@ -121,6 +125,7 @@ void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamW
 }
 
 double sum_squares_all(const std::vector<std::pair<const float*, int64_t>>& arrays) {
+  profile::Scope profile_scope(profile::Phase::Optimizer, "sum_squares_all");
   struct Block {
     const float* x;
     int64_t i0, i1;

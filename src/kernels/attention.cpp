@@ -36,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/profile.h"
 #include "kernels/simd.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
@@ -573,6 +574,7 @@ void pack_all(const T* src, const Geometry& g, int64_t heads, float* tmp_all, F 
 template <typename T>
 void gated_attention_forward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* gate,
                              T* out, AttentionSaved* saved, MemoryAccountant& mem) {
+  profile::Scope profile_scope(profile::Phase::Attention, "gated_attention_forward");
   using E = typename ComputeType<T>::type;
   const Geometry g(shape, !std::is_same_v<E, float>);
   if (saved) {
@@ -723,6 +725,7 @@ template <typename T>
 void gated_attention_backward(const AttentionShape& shape, const T* q, const T* k, const T* v, const T* gate,
                               const AttentionSaved& saved, const float* dout, float* dq, float* dk, float* dv,
                               float* dgate, MemoryAccountant& mem) {
+  profile::Scope profile_scope(profile::Phase::Attention, "gated_attention_backward");
   using E = typename ComputeType<T>::type;
   const Geometry g(shape, !std::is_same_v<E, float>);
   // Enough (batch, KV head, chunk) tasks to keep a few threads busy; a function of the shape only.

@@ -7,6 +7,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/profile.h"
 #include "kernels/vec_math.h"
 
 namespace hs::kernels {
@@ -72,6 +73,7 @@ void check_channels(int64_t blocks, int64_t channels) {
 template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>& y, int64_t batch, int64_t seq,
                               int64_t channels, int64_t width) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_forward");
   check_width(width);
   check_channels(y.channels(), channels);
   const int64_t block = channel_block(channels), ncb = (channels + block - 1) / block;
@@ -106,6 +108,7 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
 template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
                               int64_t width) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_forward");
   causal_conv_silu_forward(x, w, ColumnBlocks<T>(y, channels), batch, seq, channels, width);
 }
 
@@ -116,6 +119,7 @@ void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, i
 template <typename T, typename D>
 void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<const float>& dy, D* dx, float* dw,
                                int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_backward");
   check_width(width);
   check_channels(dy.channels(), channels);
   if (!std::is_same_v<D, float> && accumulate_dx)
@@ -179,6 +183,7 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
 template <typename T>
 void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
                                int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_backward");
   causal_conv_silu_backward(x, w, ColumnBlocks<const float>(dy, channels), dx, dw, batch, seq, channels, width,
                             accumulate_dx);
 }

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "core/profile.h"
 #include "kernels/simd.h"
 #include "kernels/vec_math.h"
 
@@ -835,6 +836,7 @@ void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, MemoryAcco
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem, bool keep_chunk_states) {
+  profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_forward");
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks();
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
@@ -862,6 +864,7 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
 template <typename T>
 void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                                const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem) {
+  profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_forward_cached");
   check_shape(s);
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
   for_each_head(s, dkp, dvp, mem, [&](const HeadView& hv, int64_t, ForwardScratch& w) {
@@ -875,6 +878,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
                          const float* /*g: read back from saved.gcum*/, const DeltaRuleSaved& saved, const float* d_o,
                          float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem,
                          bool accumulate) {
+  profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_backward");
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks(), r = s.ratio();
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/profile.h"
+
 namespace hs::kernels {
 namespace {
 
@@ -29,6 +31,7 @@ int64_t column_block(int64_t dim) {
 
 template <typename TW, typename TA>
 void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t vocab, int64_t dim, TA* out) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_forward");
   check_ids(ids, n, vocab);
 #pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
@@ -40,6 +43,7 @@ void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t v
 }
 
 void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim, float* dtable) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_backward");
   check_ids(ids, n, vocab);
   const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
 #pragma omp parallel for schedule(static)

@@ -1,10 +1,13 @@
 #include "kernels/gdn_gates.h"
 
+#include "core/profile.h"
+
 namespace hs::kernels {
 
 template <typename T>
 void gdn_gates_forward(const T* b, const T* a, const float* A_log, const float* dt_bias, float* beta, float* g,
                        int64_t rows, int64_t heads) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "gdn_gates_forward");
 #pragma omp parallel for schedule(static) if (rows * heads >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = r * heads;
@@ -21,6 +24,7 @@ template <typename T>
 void gdn_gates_backward(const T* b, const T* a, const float* A_log, const float* dt_bias, const float* dbeta,
                         const float* dg, float* db, float* da, float* dA_log, float* ddt_bias, int64_t rows,
                         int64_t heads) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "gdn_gates_backward");
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = r * heads;

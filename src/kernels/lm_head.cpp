@@ -6,6 +6,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/profile.h"
 #include "kernels/matmul.h"
 #include "kernels/vec_math.h"
 
@@ -20,6 +21,7 @@ template <typename T>
 XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
                         float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk,
                         bool plan_backward) {
+  profile::Scope profile_scope(profile::Phase::LossHead, "lm_head_xent");
   constexpr bool kF32 = std::is_same_v<T, float>;
   const bool backward = dx != nullptr || (mem.planning() && plan_backward);
   const int64_t c = std::max<int64_t>(1, std::min(tokens, chunk > 0 ? chunk : default_xent_chunk(vocab)));
@@ -88,6 +90,7 @@ template <typename T>
 XentResult lm_head_xent_pieced(const T* x, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
                                int64_t rows, XentPieces<T>& pieces, float grad_scale, float* dx, MemoryAccountant& mem,
                                int64_t chunk, bool plan_backward) {
+  profile::Scope profile_scope(profile::Phase::LossHead, "lm_head_xent_pieced");
   constexpr bool kF32 = std::is_same_v<T, float>;
   if (rows < 1) throw std::invalid_argument("lm_head_xent_pieced: a piece needs at least one row");
   const bool P = mem.planning();

@@ -1,5 +1,6 @@
 #include "kernels/matmul.h"
 
+#include "core/profile.h"
 #include "kernels/gemv.h"
 
 #include <omp.h>
@@ -269,6 +270,7 @@ bool run_skinny(const void* Av, const void* Bv, void* Cv, int64_t M, int64_t N, 
 
 void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool acc,
          MatmulLayout ld, int in_dt, int out_dt) {
+  profile::MatmulScope profile_scope({M, N, K, ta, tb, acc, ld.varying_rows, in_dt, out_dt});
   if (M <= 0 || N <= 0) return;
   if (K <= 0) {
     if (!acc) throw std::invalid_argument("matmul with K = 0 and no accumulation");

@@ -4,6 +4,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "core/profile.h"
 #include "kernels/common.h"
 #include "kernels/matmul.h"
 #include "kernels/simd.h"
@@ -175,6 +176,7 @@ template <typename T>
 void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                           const T* w_down, const SwigluSaved& saved, const T* dyt, float* dx, float* dw_gate,
                           float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot, bool accumulate_dx) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "swiglu_backward_from");
   const auto n_ti = static_cast<size_t>(tokens * inter);
   Buffer act = mem.allocate_n<T>(n_ti, MemCategory::Workspace, "swiglu.act");
   Buffer dact = mem.allocate_n<float>(n_ti, MemCategory::Workspace, "swiglu.dact");
@@ -207,6 +209,7 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
 template <typename T>
 void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                     const T* w_down, T* y, SwigluSaved* saved, MemoryAccountant& mem) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "swiglu_forward");
   Buffer gate_up = mem.allocate_n<T>(static_cast<size_t>(tokens * 2 * inter),
                                      saved ? MemCategory::Activations : MemCategory::Workspace, "swiglu.gate_up");
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(tokens * inter), MemCategory::Workspace, "swiglu.act");
@@ -225,6 +228,7 @@ template <typename T>
 void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
                      const T* w_down, const SwigluSaved& saved, const float* dy, float* dx, float* dw_gate,
                      float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot, bool accumulate_dx) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "swiglu_backward");
   const auto n_th = static_cast<size_t>(tokens * hidden);
   // The products run in T, so a bf16 model multiplies bf16 gradients (as PyTorch autograd does).
   Buffer dy_cast;

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/profile.h"
 #include "kernels/common.h"
 #include "kernels/matmul.h"
 
@@ -326,6 +327,7 @@ Collectives::Request ep_exchange(Collectives& ex, const EpLayout& L, const void*
 template <typename T>
 RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T* y, MoeSaved* saved,
                         MemoryAccountant& mem) {
+  profile::Scope profile_scope(profile::Phase::MoeDispatch, "moe_forward");
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nk = static_cast<size_t>(N * k);
@@ -499,6 +501,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 template <typename T>
 void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const MoeSaved& sv, const float* dy,
                   const float* aux_dprob, float* dx, const MoeGrads& g, MemoryAccountant& mem, bool accumulate_dx) {
+  profile::Scope profile_scope(profile::Phase::MoeDispatch, "moe_backward");
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nh = static_cast<size_t>(N * H);

@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/profile.h"
 #include "kernels/vec_math.h"
 
 namespace hs::kernels {
@@ -54,6 +55,7 @@ inline const float* dx_base(const float* dxr, bool accumulate, const float* resi
 
 template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rmsnorm_forward");
   const float inv_dim = 1.0f / static_cast<float>(dim);
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
@@ -70,6 +72,7 @@ void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
                       int64_t rows, int64_t dim, bool accumulate, const float* residual, T* dx_t) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rmsnorm_backward");
   check_dx_init(accumulate, residual, "rmsnorm_backward");
   const float inv_dim = 1.0f / static_cast<float>(dim);
   rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
@@ -108,6 +111,7 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
 template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                            float eps) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "gated_rmsnorm_forward");
   const float inv_dim = 1.0f / static_cast<float>(dim);
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
@@ -126,6 +130,7 @@ void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* 
 template <typename T, typename DZ>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
                             DZ* dz, float* dw, int64_t rows, int64_t dim, bool accumulate) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "gated_rmsnorm_backward");
   if (!std::is_same_v<DZ, float> && accumulate)
     throw std::invalid_argument("gated_rmsnorm_backward: a dz in the storage type is written, not accumulated");
   const float inv_dim = 1.0f / static_cast<float>(dim);
@@ -169,6 +174,7 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
 
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_forward");
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;
@@ -185,6 +191,7 @@ void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, fl
 template <typename T>
 void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim,
                      float scale, bool accumulate) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_backward");
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * dim;

@@ -4,6 +4,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "core/profile.h"
+
 namespace hs::kernels {
 namespace {
 
@@ -61,11 +63,13 @@ void rotate(T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64
 template <typename T>
 void rope_forward(T* x, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
                   int64_t rotary_dim, float theta) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rope_forward");
   rotate(x, positions, tokens, heads, head_dim, rotary_dim, theta, 1.0f);
 }
 
 void rope_backward(float* dx, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
                    int64_t rotary_dim, float theta) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rope_backward");
   rotate(dx, positions, tokens, heads, head_dim, rotary_dim, theta, -1.0f);
 }
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/profile.h"
 #include "kernels/conv.h"
 #include "kernels/decode.h"
 #include "kernels/gdn_gates.h"
@@ -265,6 +266,8 @@ class PiecedExperts final : public ExpertStream<T> {
   }
 
   void advance(int64_t piece) {
+    // Expert weights cast (or, sharded, gathered) piece by piece.
+    profile::Scope profile_scope(sharded_ ? profile::Phase::Communication : profile::Phase::Elementwise, "expert_weight_pieces");
     if (piece != index_ + 1) throw std::logic_error("moe: experts visited out of order");
     if (index_ >= 0) scatter(cur_);
     cur_ = index_ >= 0 && sharded_ ? std::move(ahead_) : start_weights(piece);
@@ -301,6 +304,7 @@ float* G(const LayerWeights& g, size_t i) { return static_cast<float*>(g[i].data
 // [N, heads, 2*hd] (per head: hd query rows then hd gate rows) <-> q [N, heads, hd], gate [N, heads, hd].
 template <typename S, typename D>
 void split_query_gate(const S* qg, D* q, D* gate, int64_t N, int64_t heads, int64_t hd) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "split_query_gate");
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < heads; ++h)
@@ -310,6 +314,7 @@ void split_query_gate(const S* qg, D* q, D* gate, int64_t N, int64_t heads, int6
       }
 }
 void merge_query_gate(const float* dq, const float* dgate, float* dqg, int64_t N, int64_t heads, int64_t hd) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "merge_query_gate");
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < heads; ++h)
@@ -569,7 +574,10 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   LayerSaved<T> local;
   LayerSaved<T>& s = keep ? *saved : local;
   s.weights = weights ? std::move(*weights) : start_compute_weights<T>(c, lw, mem, ctx.comm);
-  s.weights.wait();
+  {
+    profile::Scope profile_scope(profile::Phase::Communication, "wait_weights");
+    s.weights.wait();
+  }
   const ComputeWeights<T>& w = s.weights;
   const std::vector<PackedWeight> packed = pack_weights(ctx, lw, w, WeightUse::Forward);
   Alloc A{mem, keep};

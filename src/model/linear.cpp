@@ -1,5 +1,6 @@
 #include "model/linear.h"
 
+#include "core/profile.h"
 #include "kernels/matmul.h"
 
 namespace hs::model {
@@ -30,11 +31,13 @@ void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* 
 }
 
 template <typename T> void add(const T* a, const T* b, T* y, int64_t n) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "residual_add");
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) y[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
 }
 
 template <typename S, typename D> void cast(const S* src, D* dst, int64_t n) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "cast");
 #pragma omp parallel for schedule(static) if (n > 65536)
   for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<D>(to_f32(src[i]));
 }

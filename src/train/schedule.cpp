@@ -5,6 +5,7 @@
 #include <functional>
 #include <stdexcept>
 
+#include "core/profile.h"
 #include "kernels/embedding.h"
 #include "kernels/lm_head.h"
 #include "kernels/matmul.h"
@@ -138,6 +139,7 @@ struct Runner {
   bool prefetching() const { return prefetch && sharded(); }
 
   model::ComputeWeights<T> start_weights(size_t i) {
+    profile::Scope profile_scope(sharded() ? profile::Phase::Communication : profile::Phase::Elementwise, "layer_weight_casts");
     return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm);
   }
   // The weights of layer_forward call number next_call (of layer i), with the next call's gathers started.
@@ -156,6 +158,7 @@ struct Runner {
 
   // Finishes a reduce-scatter, hands its shards to the sink, then frees its buffers.
   static void retire(InFlight& f) {
+    profile::Scope profile_scope(profile::Phase::Communication, "reduce_scatter_wait");
     for (auto& q : f.requests) q.wait();
     f.requests.clear();
     if (f.done) f.done();
@@ -173,7 +176,11 @@ struct Runner {
   // the storage dtype differs, else used in place.
   template <typename E> model::Converted<E> global_weight(model::g::Global which) {
     const model::StackedParam& sp = params.global_param(which);
-    if (!sharded()) return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
+    if (!sharded()) {
+      profile::Scope profile_scope(profile::Phase::Elementwise, "global_weight_cast");  // a cast, when the dtypes differ
+      return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
+    }
+    profile::Scope profile_scope(profile::Phase::Communication, "global_weight_gather");
     model::Converted<E> r;
     const int64_t n = hs::numel(sp.full_shape);
     r.owned = mem.allocate_n<E>(static_cast<size_t>(comm->padded_elems(n)), MemCategory::WeightCasts, "gathered_weight");
@@ -354,7 +361,10 @@ struct Runner {
       drop(cur);
       if (ahead.k == k) cur = std::move(ahead);
       else cur = start(k);
-      for (auto& x : cur.requests) x.wait();
+      {
+        profile::Scope profile_scope(profile::Phase::Communication, "vocab_piece_gather");
+        for (auto& x : cur.requests) x.wait();
+      }
       cur.requests.clear();
       if (r.prefetching() && pos < order.size()) ahead = start(order[pos]);
       return cur.ptr;

@@ -9,9 +9,11 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 
 #include "checkpoint/convert.h"
+#include "core/profile.h"
 #include "model/params.h"
 #include "train/data.h"
 
@@ -362,12 +364,44 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
                 : 0;
   };
   double first_step_comm = 0;
+  const bool profiling = o.profile || profile::enabled_by_env();
+  profile::Totals prof_sum, prof_first;
+  auto profile_json = [](const profile::Totals& t, double step_s, bool shapes) {
+    nlohmann::json sec = nlohmann::json::object(), calls = nlohmann::json::object();
+    for (size_t i = 0; i < profile::kNumPhases; ++i) {
+      const std::string name(profile::phase_name(static_cast<profile::Phase>(i)));
+      sec[name] = t.seconds[i];
+      calls[name] = t.calls[i];
+    }
+    nlohmann::json j{{"seconds", sec},         {"calls", calls},
+                     {"phase_sum_s", t.sum_seconds()}, {"step_s", step_s},
+                     {"matmul_flops", t.matmul_flops}, {"minor_faults", t.minor_faults},
+                     {"major_faults", t.major_faults}};
+    if (shapes) {
+      // [M, N, K, trans_a, trans_b, accumulate, varying_rows, in dtype, out dtype (0 fp32, 1 bf16), calls, seconds]
+      nlohmann::json v = nlohmann::json::array();
+      for (const profile::MatmulShapeTotals& x : t.matmul_shapes) {
+        const profile::MatmulShape& m = x.shape;
+        v.push_back({m.M, m.N, m.K, m.trans_a, m.trans_b, m.accumulate, m.varying_rows, m.in_dtype, m.out_dtype,
+                     x.calls, x.seconds});
+      }
+      j["matmul_shapes"] = v;
+      // The finer split: {label: [phase, calls, seconds]}.
+      nlohmann::json l = nlohmann::json::object();
+      for (const profile::Totals::Label& x : t.labels)
+        l[x.name] = {std::string(profile::phase_name(x.phase)), x.calls, x.seconds};
+      j["labels"] = l;
+    }
+    return j;
+  };
   for (int64_t step = first_step; step < last_step; ++step) {
     TokenBatch tb = o.synthetic ? synthetic_batch(cfg.vocab, o.batch, o.seq, o.seed, step)
                                 : sample_batch(corpus.train, o.batch, o.seq, o.seed, step);
     if (dist) tb = rows_of(tb, rank * (o.batch / world), o.batch / world);
     Buffer batch_mem = mem.allocate(2 * tb.inputs.size() * sizeof(int32_t), MemCategory::Batch, "batch");
     mem.reset_peak();
+    std::optional<profile::Session> prof;
+    if (profiling) prof.emplace();
     const auto t0 = Clock::now();
     const double c0 = comm_seconds();
     Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
@@ -386,6 +420,13 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
       gnorm = opt.step(params, *grads, dist ? dist->fsdp : nullptr);  // leaves grads zeroed
     }
     const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    profile::Totals pt;
+    if (prof) {
+      pt = prof->totals();
+      prof.reset();
+      profile::accumulate(prof_sum, pt);
+      if (step == first_step) prof_first = pt;
+    }
     const double comm_dt = comm_seconds() - c0;
     sum.comm_exposed_s += comm_dt;
     if (step == first_step) first_step_comm = comm_dt;
@@ -404,6 +445,7 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
                         {"grad_norm", gnorm}, {"tokens_per_s", double(o.batch * o.seq) / dt},
                         {"peak_bytes", peak.total()}};
     if (dist) m["comm_exposed_s"] = comm_dt;
+    if (profiling) m["profile"] = profile_json(pt, dt, false);
     const bool do_eval = !o.synthetic && o.eval_every > 0 && ((step + 1) % o.eval_every == 0 || step + 1 == o.steps);
     if (do_eval) {
       EvalResult e = evaluate_tokens(params, corpus.heldout, o.seq, o.batch, o.step.compute, mem, o.eval_batches,
@@ -439,6 +481,10 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
                              : (step_seconds > 0 ? double(sum.tokens) / step_seconds : 0);
   sum.step_s = run > 1 ? step_seconds - first_step_seconds : step_seconds;
   if (run > 1) sum.comm_exposed_s -= first_step_comm;
+  if (profiling) {
+    if (run > 1) profile::accumulate(prof_sum, prof_first, /*subtract=*/true);
+    sum.profile = profile_json(prof_sum, sum.step_s, true);
+  }
   sum.peak_bytes = sum.peak.total();
   sum.argument_bytes = sum.peak.argument();
   sum.temp_bytes = sum.peak.temp();

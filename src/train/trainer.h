@@ -40,6 +40,9 @@ struct TrainOptions {
   // AdamW applied to each gradient shard as soon as the backward completes it (InBackwardAdamW): no gradient set
   // lives across the step. Needs opt.clip == 0 (refused otherwise); the same parameters to the bit as the usual step.
   bool update_in_backward = false;
+  // Phase timing (core/profile.h) of every step: a "profile" object in each metrics.jsonl line and, summed over the
+  // steady-state steps, TrainSummary::profile. Also switched on by HS_PROFILE=1.
+  bool profile = false;
   DType weight_dtype = DType::F32;
   std::string out;              // output directory: metrics.jsonl, loss.svg, checkpoints
   int64_t eval_every = 50, eval_batches = 8;
@@ -68,6 +71,9 @@ struct TrainSummary {
   std::vector<double> losses;   // per step run here
   double comm_exposed_s = 0;    // steady-state steps: seconds this rank waited for communication
   double step_s = 0;            // steady-state steps: seconds
+  // With TrainOptions::profile: seconds and calls per phase, matmul FLOPs, page faults and the steps' own wall time,
+  // summed over the steady-state steps (all steps when only one ran); null otherwise.
+  nlohmann::json profile;
 };
 
 TrainSummary run_training(const TrainOptions& o, std::ostream& log);
