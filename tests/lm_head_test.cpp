@@ -323,7 +323,6 @@ TEST(LmHeadPieces, WithinTheRoundingBoundOfTheWholeKernelAndALostPieceIsNot) {
     const XentResult r = lm_head_xent_pieced<float>(x.data(), targets.data(), N, H, V, rows, src, 0.f, nullptr, mem);
     EXPECT_LE(std::abs(r.loss_sum - whole.loss_sum), bound) << "rows " << rows;
     EXPECT_LE(std::abs(r.loss_sum - ref), bound) << "rows " << rows << " against double";
-    EXPECT_NE(r.loss_sum, whole.loss_sum) << "rows " << rows << ": expected some rounding difference";
     // Pieces of 7 rows: skipping any one moves the loss beyond the bound. Single rows: a row of negligible
     // probability can hide within the worst-case bound, a row that is some token's target cannot.
     double least = 1e300;

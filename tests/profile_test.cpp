@@ -122,8 +122,11 @@ TEST(Profile, TrainingStepPhasesAddUpAndChangeNothing) {
   std::map<std::string, double> by_phase;
   for (const auto& [name, v] : prof.profile["labels"].items()) by_phase[v[0].get<std::string>()] += v[2].get<double>();
   EXPECT_GT(prof.profile["labels"].size(), 10u);
-  for (const auto& [phase, sec] : prof.profile["seconds"].items())
-    if (phase != "other") EXPECT_NEAR(by_phase[phase], sec.get<double>(), 1e-9 + 1e-9 * sec.get<double>()) << phase;
+  for (const auto& [phase, sec] : prof.profile["seconds"].items()) {
+    if (phase != "other") {
+      EXPECT_NEAR(by_phase[phase], sec.get<double>(), 1e-9 + 1e-9 * sec.get<double>()) << phase;
+    }
+  }
 }
 
 }  // namespace

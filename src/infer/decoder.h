@@ -25,6 +25,9 @@ class Decoder {
   // layer pass (longer prompts are fed in pieces).
   Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
           int64_t piece = 512);
+  // The fused step keeps references into the caches: a Decoder stays where it was made.
+  Decoder(const Decoder&) = delete;
+  Decoder& operator=(const Decoder&) = delete;
 
   int64_t slots() const { return slots_; }
   int64_t capacity() const { return capacity_; }
@@ -40,7 +43,8 @@ class Decoder {
   void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false);
   // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V]. Up to kGemvMaxRows
   // slots at a time run as one fused step (infer/fused_step.h) when the weights allow it, more in groups of that size;
-  // the logits are bit-identical to the layered path's either way.
+  // up to kGemvMaxRows slots the logits are bit-identical to the layered path's either way (past it the layered
+  // path's products are oneDNN's, the fused path's groups gemv's: equal within rounding, not to the bit).
   void step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits);
   // Whether step() runs fused (when the weights allow it; default on unless HS_DECODE_FUSED=0). Tests and the
   // bench compare both paths.

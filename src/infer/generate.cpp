@@ -56,8 +56,15 @@ int32_t sample_token(const float* logits, int64_t vocab, const Sampling& s, std:
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
   const int64_t K = s.top_k > 0 ? std::min(s.top_k, vocab) : vocab;
-  float top = logits[0];
-  for (int64_t i = 1; i < vocab; ++i) top = std::max(top, logits[i]);
+  // Logits that are not finite (a diverged model): NaN ids never weigh; when the largest logit is +inf or every one
+  // is -inf (or NaN) there is no distribution to draw from, and the most likely id (the lowest holding the largest
+  // logit, id 0 when all are NaN) is the answer.
+  int64_t best = -1;
+  for (int64_t i = 0; i < vocab; ++i)
+    if (!std::isnan(logits[i]) && (best < 0 || logits[i] > logits[best])) best = i;
+  if (best < 0) return 0;
+  const float top = logits[best];
+  if (!std::isfinite(top)) return static_cast<int32_t>(best);
   const double mx = top, inv_t = 1.0 / s.temperature;
   const double floor = std::log(0x1p-54);
   scratch.resize(static_cast<size_t>(2 * vocab));  // the upper half: the radix sort's buffer

@@ -271,8 +271,12 @@ Collectives::Request MpiCollectives::start_reduce_scatter_range(const float* ful
     most = std::max(most, parts.back().count);
   }
   const RangePart mine = parts[static_cast<size_t>(rank())];
-  float* into = shard + (mine.first - rank() * s);  // this rank's part of the range in its shard
+  // This rank's part of the range in its shard (nothing is written when it holds none of the range).
+  float* into = mine.count > 0 ? shard + (mine.first - rank() * s) : shard;
   const int64_t rounds = (most + m - 1) / m;
+  // MPI's int counts, checked before any round is posted (a throw after would leave rounds writing freed buffers).
+  count(len, "reduce_scatter_range");
+  count(ranks * m, "reduce_scatter_range");
   // Round t: every rank's elements [t m, (t + 1) m) of each rank's part. Adds round t's contributions (in the
   // scratch at p * m for rank p) into the shard in rank order.
   auto add = [into, scratch, m, ranks, mine](int64_t t, bool threads) {
