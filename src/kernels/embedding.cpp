@@ -31,36 +31,17 @@ int64_t column_block(int64_t dim) {
 
 template <typename TW, typename TA>
 void embedding_forward(const int32_t* ids, int64_t n, const TW* table, int64_t vocab, int64_t dim, TA* out) {
-  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_forward");
-  check_ids(ids, n, vocab);
-#pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
-  for (int64_t i = 0; i < n; ++i) {
-    const TW* src = table + static_cast<int64_t>(ids[i]) * dim;
-    TA* dst = out + i * dim;
-#pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) dst[c] = from_f32<TA>(to_f32(src[c]));
-  }
+  embedding_forward_rows(ids, n, table, 0, vocab, vocab, dim, out);  // every row is in the one piece
 }
 
 void embedding_backward(const int32_t* ids, int64_t n, const float* dout, int64_t vocab, int64_t dim, float* dtable) {
-  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_backward");
-  check_ids(ids, n, vocab);
-  const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
-#pragma omp parallel for schedule(static)
-  for (int64_t blk = 0; blk < nblocks; ++blk) {
-    const int64_t c0 = blk * block, c1 = std::min(dim, c0 + block);
-    for (int64_t i = 0; i < n; ++i) {
-      float* dst = dtable + static_cast<int64_t>(ids[i]) * dim;
-      const float* src = dout + i * dim;
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) dst[c] += src[c];
-    }
-  }
+  embedding_backward_rows(ids, n, dout, 0, vocab, vocab, dim, dtable);
 }
 
 template <typename TW, typename TA>
 void embedding_forward_rows(const int32_t* ids, int64_t n, const TW* rows, int64_t first, int64_t count, int64_t vocab,
                             int64_t dim, TA* out) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_forward");
   check_ids(ids, n, vocab);
 #pragma omp parallel for schedule(static) if (n * dim >= kParallelMinWork)
   for (int64_t i = 0; i < n; ++i) {
@@ -75,6 +56,7 @@ void embedding_forward_rows(const int32_t* ids, int64_t n, const TW* rows, int64
 
 void embedding_backward_rows(const int32_t* ids, int64_t n, const float* dout, int64_t first, int64_t count,
                              int64_t vocab, int64_t dim, float* drows) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "embedding_backward");
   check_ids(ids, n, vocab);
   const int64_t block = column_block(dim), nblocks = (dim + block - 1) / block;
 #pragma omp parallel for schedule(static)
