@@ -583,8 +583,11 @@ TEST(VocabPieces, LossAndGradientsWithinTheBoundOfWholeTensors) {
 }
 
 // The loss curve of 5 training steps (bf16 weights, fp32 compute, the LM head cast piece by piece) against whole
-// tensors: each step within 1e-5 relative (the first within the bound above; the parameters then differ by what
-// AdamW makes of gradients equal to ~1e-7 relative, which the next losses show).
+// tensors: the first step within 1e-5 relative (the bound above), the later ones within 1e-4: the parameters then
+// differ by what AdamW makes of gradients equal to ~1e-7 relative, and with bf16 weights such a difference can move an
+// update across a rounding boundary, i.e. a weight by one bf16 ulp (2^-8 relative). Measured 4e-8 relative in
+// Release and 1.01e-5 at step 5 in the sanitizer build (different code generation); a skipped piece moves the loss by
+// >= 0.12 (LmHeadPieces), some 200 times this bound at a loss of 5.5.
 TEST(VocabPieces, TrainingCurveFollowsWholeTensors) {
   std::ostringstream log;
   TrainOptions o = tiny_synthetic_run(5, 24);
@@ -596,7 +599,7 @@ TEST(VocabPieces, TrainingCurveFollowsWholeTensors) {
   const TrainSummary pieces = run_training(o, log);
   ASSERT_EQ(pieces.losses.size(), whole.losses.size());
   for (size_t i = 0; i < whole.losses.size(); ++i)
-    EXPECT_NEAR(pieces.losses[i], whole.losses[i], 1e-5 * whole.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(pieces.losses[i], whole.losses[i], (i == 0 ? 1e-5 : 1e-4) * whole.losses[i]) << "step " << i + 1;
 }
 
 // Over a virtual group (the plan of a sharded run), on qwen3.5-tiny (the real vocabulary, 248,320 x 64, under a tiny

@@ -36,6 +36,7 @@ struct State {
 
 namespace detail {
 thread_local State* t_state = nullptr;
+State* current() { return t_state; }
 
 void enter(State* s, Phase p, const char* label) {
   // Inside a parallel region this thread is one of the workers: the region's time belongs to whoever opened it.
