@@ -451,6 +451,27 @@ TEST(VocabPieces, RangeCollectivesOfOneProcessAndRangeParts) {
   EXPECT_EQ(VirtualCollectives(4).range_scratch_elems(3), 4);   // at least one element a rank
 }
 
+// One step measured (real buffers) and planned (over shapes) with the same options, AdamW in the backward when
+// `update`: the peaks must be equal to the byte.
+void expect_plan_equals_measured(const ModelConfig& c, DType wdt, StepOptions o, bool update, const std::string& what) {
+  const Data d = random_data(2 * 24, c.vocab, 4);
+  MemoryAccountant real(false), plan(true);
+  ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
+  model::init_params(pr, 1);
+  OptimizerConfig oc;
+  oc.clip = 0;
+  AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
+  InBackwardAdamW ur(or_, pr), up(op, pp);
+  real.reset_peak();
+  plan.reset_peak();
+  std::unique_ptr<ParamSet> g1, g2;
+  if (update) o.update = &ur;
+  forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
+  if (update) o.update = &up;
+  forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
+  EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+}
+
 // Measured against planned, to the byte: tiny, tiny with 64 experts and small, every remat policy, with and without
 // AdamW in the backward, fp32 and bf16 weights (fp32 weights: the LM head cast piece by piece; bf16 weights: nothing
 // to cut, the whole path), experts one a piece.
@@ -463,30 +484,15 @@ TEST(VocabPieces, PlanEqualsMeasuredToTheByteSlow) {
                       {model::preset("small"), "small"}};
   for (const M& m : models) {
     const ModelConfig& c = m.c;
-    const Data d = random_data(2 * 24, c.vocab, 4);
     for (DType wdt : {DType::F32, DType::BF16})
       for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
         for (bool update : {false, true}) {
-          MemoryAccountant real(false), plan(true);
-          ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
-          model::init_params(pr, 1);
-          OptimizerConfig oc;
-          oc.clip = 0;
-          AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
-          InBackwardAdamW ur(or_, pr), up(op, pp);
           StepOptions o{pol, DType::BF16};
           o.gather_piece_bytes = c.moe() ? experts_bytes(c, 1) : 0;
           o.vocab_piece_bytes = kVocabPiece;
-          real.reset_peak();
-          plan.reset_peak();
-          std::unique_ptr<ParamSet> g1, g2;
-          if (update) o.update = &ur;
-          forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
-          if (update) o.update = &up;
-          forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
-          const std::string what = std::string(m.name) + " " + std::string(dtype_name(wdt)) + " " + remat_name(pol) +
-                                   (update ? " update in backward" : "");
-          EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+          expect_plan_equals_measured(c, wdt, o, update,
+                                      std::string(m.name) + " " + std::string(dtype_name(wdt)) + " " +
+                                          remat_name(pol) + (update ? " update in backward" : ""));
         }
   }
 }
@@ -497,29 +503,14 @@ TEST(VocabPieces, PlanEqualsMeasuredToTheByteSlow) {
 // backward.
 TEST(VocabPieces, PlanEqualsMeasuredWhereTheHeadIsThePeak) {
   const ModelConfig c = model::preset("qwen3.5-tiny");
-  const Data d = random_data(2 * 24, c.vocab, 4);
   for (DType wdt : {DType::F32, DType::BF16})
     for (size_t piece : {size_t{0}, size_t{4} << 20})
       for (bool update : {false, true}) {
-        MemoryAccountant real(false), plan(true);
-        ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
-        model::init_params(pr, 1);
-        OptimizerConfig oc;
-        oc.clip = 0;
-        AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
-        InBackwardAdamW ur(or_, pr), up(op, pp);
         StepOptions o{RematPolicy::Sublayer, DType::BF16};
         o.vocab_piece_bytes = piece;
-        real.reset_peak();
-        plan.reset_peak();
-        std::unique_ptr<ParamSet> g1, g2;
-        if (update) o.update = &ur;
-        forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
-        if (update) o.update = &up;
-        forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
-        const std::string what = std::string(dtype_name(wdt)) + " piece " + std::to_string(piece) +
-                                 (update ? " update in backward" : "");
-        EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+        expect_plan_equals_measured(c, wdt, o, update,
+                                    std::string(dtype_name(wdt)) + " piece " + std::to_string(piece) +
+                                        (update ? " update in backward" : ""));
       }
 }
 
