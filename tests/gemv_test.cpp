@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "kernels/gemv.h"
@@ -95,6 +96,36 @@ TEST(Gemv, BitIdenticalAcrossThreadsAndRowCounts) {
     for (int64_t m = 0; m < M; ++m) gemv(x.data() + m * K, W.data(), alone.data() + m * N, 1, N, K, 0, 0, isa);
     EXPECT_EQ(one, two) << gemv_isa_name(isa);
     EXPECT_EQ(one, alone) << gemv_isa_name(isa);
+  }
+}
+
+// Software prefetch (gemv_prefetch_blocks) changes no value: every distance, every path, every blocking (M = 1, 3,
+// 8), fp32 and bf16 weights, a last block shorter than the others (N = 301). The default prefetches 2 blocks ahead
+// below 8 rows in flight and not at 8.
+TEST(Gemv, PrefetchChangesNoBit) {
+  const int64_t N = 301, K = 1000;
+  const std::vector<float> xf = test::randn(8 * K, 7), Wf = test::randn(N * K, 8);
+  const std::vector<bf16> xb = test::cast<bf16>(xf), Wb = test::cast<bf16>(Wf);
+  for (GemvIsa isa : paths())
+    for (int64_t M : {1, 3, 8}) {
+      std::vector<float> want32(M * N), want16(M * N);
+      set_gemv_prefetch_blocks(0);
+      gemv(xf.data(), Wf.data(), want32.data(), M, N, K, 0, 0, isa);
+      gemv(xb.data(), Wb.data(), want16.data(), M, N, K, 0, 0, isa);
+      for (int pf : {1, 2, 4, 100, -1}) {
+        set_gemv_prefetch_blocks(pf);
+        std::vector<float> y32(M * N), y16(M * N);
+        gemv(xf.data(), Wf.data(), y32.data(), M, N, K, 0, 0, isa);
+        gemv(xb.data(), Wb.data(), y16.data(), M, N, K, 0, 0, isa);
+        EXPECT_EQ(y32, want32) << gemv_isa_name(isa) << " M " << M << " prefetch " << pf;
+        EXPECT_EQ(y16, want16) << gemv_isa_name(isa) << " M " << M << " prefetch " << pf;
+      }
+    }
+  set_gemv_prefetch_blocks(-1);
+  const bool avx512 = gemv_isa() == GemvIsa::Avx512 || gemv_isa() == GemvIsa::Avx512Bf16;
+  if (!std::getenv("HS_GEMV_PREFETCH")) {
+    EXPECT_EQ(gemv_prefetch_blocks(1, gemv_isa()), avx512 ? 0 : 2);
+    EXPECT_EQ(gemv_prefetch_blocks(8, gemv_isa()), 2);
   }
 }
 

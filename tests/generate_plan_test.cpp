@@ -68,7 +68,7 @@ TEST(GeneratePlan, CommandLineFiguresAgree) {
     const size_t end = s.find_last_not_of('\n'), start = s.rfind('\n', end);
     return nlohmann::json::parse(s.substr(start == std::string::npos ? 0 : start + 1, end - start));
   };
-  const auto g = run("generate --checkpoint " + ck + " --prompt " + prompt + " --max-new-tokens 5 --json");
+  const auto g = run("generate --checkpoint " + ck + " --prompt " + prompt + " --max-new-tokens 5 --json --weights-memory map");
   const auto p = run("plan --generate --model " + ck + "/config.json --context 1104 --batch 1 --weight-dtype fp32 --json");
   // Weights used in place from the mapped files are outside the accountant (transformers saved this checkpoint's
   // experts one tensor each, which are fused in memory, so part is copied); the plan counts them all.
@@ -79,6 +79,14 @@ TEST(GeneratePlan, CommandLineFiguresAgree) {
   EXPECT_LT(shorter["accounted_peak_bytes"].get<size_t>(), p["total_bytes"].get<size_t>());
   EXPECT_EQ(g["kv_cache_bytes"], p["kv_cache_bytes"]);
   EXPECT_EQ(g["recurrent_state_bytes"], p["recurrent_state_bytes"]);
+  // --weights-memory copy: every weight but the embedding table in the accountant; the sum is the plan's again, and
+  // the tokens are the same.
+  const auto c = run("generate --checkpoint " + ck + " --prompt " + prompt + " --max-new-tokens 5 --json --weights-memory copy");
+  EXPECT_EQ(c["weights_memory"], "copy");
+  EXPECT_LT(c["weights_mapped_bytes"].get<size_t>(), g["weights_mapped_bytes"].get<size_t>());
+  EXPECT_EQ(c["accounted_peak_bytes"].get<size_t>() + c["weights_mapped_bytes"].get<size_t>(),
+            p["total_bytes"].get<size_t>());
+  EXPECT_EQ(c["tokens"], g["tokens"]);
 }
 
 }  // namespace

@@ -200,5 +200,64 @@ TEST(InferenceWeights, HuggingFaceCheckpointsKeepTheirStoredDtype) {
   EXPECT_EQ(other.live_total(), b->copied_bytes);
 }
 
+// --weights-memory copy: every tensor but the embedding read once into the accountant (Parameters) in the dtype asked
+// for, bit for bit what the files hold, and the same generation; native, Hugging Face single file and
+// sharded, and Qwen3-Next (whose reordered stacks are assembled as in map mode).
+TEST(InferenceWeights, CopyModeHoldsEveryTensorInMemory) {
+  for (const char* fixture : {"qwen3_5_L7", "qwen3_next_L5"}) {
+    HfExport x(fixture);
+    for (const char* sub : {"native", "hf", "hf-sharded"}) {
+      SCOPED_TRACE(std::string(fixture) + " " + sub);
+      const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(x.dir / sub);
+      MemoryAccountant mem;
+      auto w = load_weights(d, std::nullopt, mem, WeightsMemory::Copy);
+      EXPECT_EQ(w->memory, WeightsMemory::Copy);
+      EXPECT_FALSE(w->mapped);
+      // The embedding table stays in place (a row a step); every other byte is in the accountant.
+      const size_t embed = x.ps->global(model::g::kEmbed).nbytes();
+      EXPECT_EQ(w->mapped_bytes, embed);
+      EXPECT_EQ(w->copied_bytes, x.ps->nbytes() - embed);
+      EXPECT_EQ(mem.live_total(), w->copied_bytes);
+      ASSERT_NE(w->reader, nullptr);
+      EXPECT_TRUE(inside(file_tensors(*w->reader), w->params->global(model::g::kEmbed)));
+      EXPECT_FALSE(inside(file_tensors(*w->reader), w->params->global(model::g::kLmHead)));
+      for (const auto& sp : x.ps->all()) {
+        const model::StackedParam* c = w->params->find(sp.name);
+        ASSERT_NE(c, nullptr) << sp.name;
+        ASSERT_EQ(c->dtype, sp.dtype) << sp.name;
+        ASSERT_EQ(c->tensor.nbytes(), sp.tensor.nbytes()) << sp.name;
+        EXPECT_EQ(std::memcmp(c->tensor.data(), sp.tensor.data(), sp.tensor.nbytes()), 0) << sp.name;
+      }
+      EXPECT_EQ(generate(*w->params, x.prompts, x.opt, mem).tokens, x.want);
+      // Converted at load (--weight-dtype fp32): the same tensors as map mode converts, and the rest copied too.
+      MemoryAccountant other;
+      auto f = load_weights(d, DType::F32, other, WeightsMemory::Copy);
+      EXPECT_EQ(f->mapped_bytes, 0u);  // the bf16 embedding converted too
+      EXPECT_EQ(other.live_total(), f->params->nbytes());
+    }
+  }
+}
+
+TEST(InferenceWeights, WeightsMemoryChoices) {
+  EXPECT_EQ(parse_weights_memory("map"), WeightsMemory::Map);
+  EXPECT_EQ(parse_weights_memory("copy"), WeightsMemory::Copy);
+  EXPECT_EQ(parse_weights_memory("auto"), WeightsMemory::Auto);
+  EXPECT_THROW(parse_weights_memory("huge"), std::invalid_argument);
+  const uint64_t GiB = uint64_t{1} << 30;
+  EXPECT_TRUE(auto_copies(3 * GiB, 8 * GiB));    // 3 + 1 <= 8 / 2
+  EXPECT_FALSE(auto_copies(3 * GiB + 1, 8 * GiB));
+  EXPECT_FALSE(auto_copies(70 * GiB, 120 * GiB));  // a 35B bf16 model on 128 GiB: map
+  EXPECT_FALSE(auto_copies(1, 0));                 // unknown: map
+  EXPECT_GT(available_memory_bytes(), 0u);         // Linux: /proc/meminfo
+  // Auto resolves to one of the two.
+  const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(kParity + "qwen3_5_L7");
+  MemoryAccountant mem;
+  auto w = load_weights(d, std::nullopt, mem, WeightsMemory::Auto);
+  EXPECT_NE(w->memory, WeightsMemory::Auto);
+  if (available_memory_bytes() > 4 * GiB) {
+    EXPECT_EQ(w->memory, WeightsMemory::Copy);  // a fixture of kilobytes
+  }
+}
+
 }  // namespace
 }  // namespace hs::infer

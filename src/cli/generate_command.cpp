@@ -23,7 +23,7 @@ namespace hs::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, prompts_file, weight_dtype;
+  std::string checkpoint, prompt, prompts_file, weight_dtype, weights_memory = "auto";
   std::vector<std::string> prompt_ids;  // one prompt each
   int64_t max_new_tokens = 128, top_k = 0;
   int threads = 0;
@@ -145,8 +145,12 @@ void run_generate(const GenerateArgs& a) {
   // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
   std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
-      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem);
+      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem,
+      infer::parse_weights_memory(a.weights_memory));
   for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
+  if (weights->memory == infer::WeightsMemory::Copy)
+    std::fprintf(stderr, "generate: weights copied into memory (--weights-memory %s): %s\n", a.weights_memory.c_str(),
+                 format_bytes(double(weights->copied_bytes)).c_str());
   const model::ParamSet& params = *weights->params;
   const DType wdt = params.global(model::g::kLmHead).dtype;
   opt.compute = wdt;
@@ -207,6 +211,7 @@ void run_generate(const GenerateArgs& a) {
                                         {"recurrent_state_bytes", r.recurrent_state_bytes},
                                         {"accounted_peak_bytes", r.peak_bytes},
                                         {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped},
+                                        {"weights_memory", infer::weights_memory_name(weights->memory)},
                                         {"weights_mapped_bytes", weights->mapped_bytes},
                                         {"weights_copied_bytes", weights->copied_bytes}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
@@ -231,6 +236,13 @@ void register_generate(CLI::App& app) {
   c->add_option("--stop", a->stop, "End a sequence when its text holds this string (repeatable)");
   c->add_option("--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)")
       ->check(CLI::IsMember({"fp32", "bf16"}));
+  c->add_option("--weights-memory", a->weights_memory,
+                "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
+                "cache, 4 KiB pages, outside the accountant), copy (read once into huge-page memory of the engine's "
+                "own, in the same dtype: faster decode, the files' pages are dropped), auto (copy when the weights "
+                "plus 1 GiB take at most half of the available memory, else map)")
+      ->check(CLI::IsMember({"map", "copy", "auto"}))
+      ->capture_default_str();
   c->add_flag("--chat", a->chat, "Wrap the prompt in the Qwen chat format");
   c->add_flag("--ignore-eos", a->ignore_eos,
               "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");

@@ -1,11 +1,45 @@
 #include "infer/weights.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <stdexcept>
 
 namespace hs::infer {
+
+const char* weights_memory_name(WeightsMemory m) {
+  switch (m) {
+    case WeightsMemory::Copy: return "copy";
+    case WeightsMemory::Auto: return "auto";
+    default: return "map";
+  }
+}
+
+WeightsMemory parse_weights_memory(const std::string& s) {
+  for (WeightsMemory m : {WeightsMemory::Map, WeightsMemory::Copy, WeightsMemory::Auto})
+    if (s == weights_memory_name(m)) return m;
+  throw std::invalid_argument("weights memory '" + s + "': use map, copy or auto");
+}
+
+uint64_t available_memory_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  while (f >> key) {
+    if (key == "MemAvailable:" && (f >> kib)) return kib * 1024;
+    f.ignore(1 << 10, '\n');
+  }
+  return 0;
+}
+
+bool auto_copies(uint64_t weight_bytes, uint64_t available_bytes) {
+  return available_bytes > 0 && weight_bytes + (uint64_t{1} << 30) <= available_bytes / 2;
+}
 
 DType stored_weight_dtype(const checkpoint::CheckpointDir& d) {
   checkpoint::CheckpointReader r(d.path);
@@ -55,10 +89,18 @@ std::string place_layers(const checkpoint::CheckpointReader& r, const model::Sta
   return "";
 }
 
+// Drops the pages of a span of a read-only file mapping from this process (the whole pages inside it).
+void drop_pages(const void* p, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
+}
+
 }  // namespace
 
 std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& d, std::optional<DType> dtype,
-                                               MemoryAccountant& mem) {
+                                               MemoryAccountant& mem, WeightsMemory how) {
   auto w = std::make_unique<InferenceWeights>();
   const DType want = dtype ? *dtype : stored_weight_dtype(d);
   auto reader = std::make_unique<checkpoint::CheckpointReader>(d.path);
@@ -68,12 +110,32 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
     if (!reader->contains(t.name)) continue;  // load_parameters below names it
     for (const checkpoint::ElementRun& run : t.runs) spans.at(run.stacked).push_back({&t, &run});
   }
+  if (how == WeightsMemory::Auto)
+    how = auto_copies(params->nbytes(), available_memory_bytes()) ? WeightsMemory::Copy : WeightsMemory::Map;
+  w->memory = how;
   std::vector<bool> copy(params->all().size(), false);
   std::map<std::string, std::vector<std::string>> why_copied;  // reason -> tensors
   for (size_t i = 0; i < params->all().size(); ++i) {
     model::StackedParam& sp = params->all()[i];
     std::vector<void*> at;
     const std::string why = place_layers(*reader, sp, spans[i], at);
+    if (why.empty() && how == WeightsMemory::Copy && i != static_cast<size_t>(model::g::kEmbed)) {
+      // In the dtype asked for already, each layer one span: a byte copy in pieces, each piece's file pages dropped
+      // after it (the resident set grows by the copy only). The embedding table stays mapped: a step reads one row
+      // of it per sequence, and a copy would only add its whole size to the resident set.
+      sp.tensor = Tensor::empty(mem, MemCategory::Parameters, sp.dtype, sp.full_shape, sp.name);
+      const size_t layer_bytes = static_cast<size_t>(numel(sp.spec.shape)) * dtype_size(sp.dtype);
+      constexpr size_t kPiece = size_t{64} << 20;
+      auto* dst = static_cast<std::byte*>(sp.tensor.view().data);
+      for (size_t j = 0; j < at.size(); ++j)
+        for (size_t o = 0; o < layer_bytes; o += kPiece) {
+          const size_t n = std::min(kPiece, layer_bytes - o);
+          std::memcpy(dst + j * layer_bytes + o, static_cast<const std::byte*>(at[j]) + o, n);
+          drop_pages(static_cast<const std::byte*>(at[j]) + o, n);
+        }
+      w->copied_bytes += sp.tensor.nbytes();
+      continue;
+    }
     if (!why.empty()) {
       copy[i] = true;
       sp.tensor = Tensor::empty(mem, MemCategory::Parameters, sp.dtype, sp.full_shape, sp.name);
@@ -98,6 +160,7 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
     w->notes.push_back("copied, not mapped (" + why + "): " + list);
   }
   w->mapped = w->copied_bytes == 0;
+  if (w->mapped_bytes == 0) reader.reset();  // nothing points into the files: unmap them
   w->reader = std::move(reader);
   w->params = std::move(params);
   return w;

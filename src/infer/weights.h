@@ -7,6 +7,14 @@
 // asked (--weight-dtype, or A_log / dt_bias, which the engine keeps in fp32, stored in bf16), a layer assembled from
 // several file tensors or rows (Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba, its per-expert gate_proj /
 // up_proj / down_proj fused into [E, 2I, H] / [E, H, I]), or a misaligned span. notes names each copied tensor and why.
+//
+// WeightsMemory::Copy reads every tensor but the embedding table once into anonymous memory of the engine's own
+// (MemCategory::Parameters, 2 MiB-aligned buffers advised MADV_HUGEPAGE: core/memory.cpp), still in the dtype asked
+// for (bf16 stays bf16), dropping the file pages as it goes: resident memory is still about the weights plus the
+// caches, the streamed ones now in the accountant. The embedding stays mapped where it can (a step reads a row of it
+// per sequence: nothing to stream, and a copy would add all of it to the resident set). Decode streams its weights faster from huge pages: the LM head's product (248320 x 2048 bf16, 2
+// threads) ran 10-18% faster than from the file mapping's 4 KiB page-cache pages, a plain read 35-45% faster
+// (bench/weight_pages_bench.cpp). Auto copies when the weights fit comfortably in the memory available now.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -20,6 +28,16 @@
 
 namespace hs::infer {
 
+enum class WeightsMemory { Map, Copy, Auto };
+const char* weights_memory_name(WeightsMemory m);
+// "map" | "copy" | "auto"; throws std::invalid_argument otherwise.
+WeightsMemory parse_weights_memory(const std::string& s);
+// This machine's available memory (MemAvailable of /proc/meminfo), 0 when unknown.
+uint64_t available_memory_bytes();
+// Auto's choice: copy when the weights plus a 1 GiB margin take at most half of the available memory (the rest stays
+// for the caches, the workspace, the page cache and other processes); map when the available memory is unknown.
+bool auto_copies(uint64_t weight_bytes, uint64_t available_bytes);
+
 struct InferenceWeights {
   MemoryAccountant shapes{/*planning=*/true};  // the ParamSet's bookkeeping for the mapped tensors (no memory)
   std::unique_ptr<checkpoint::CheckpointReader> reader;  // keeps the mapping alive
@@ -27,14 +45,16 @@ struct InferenceWeights {
   bool mapped = false;           // every tensor in place (nothing copied)
   uint64_t mapped_bytes = 0;     // bytes used in place from the files
   uint64_t copied_bytes = 0;     // bytes loaded into memory (in the accountant, MemCategory::Parameters)
+  WeightsMemory memory = WeightsMemory::Map;  // as resolved: Map (in place where possible) or Copy (all copied)
   std::vector<std::string> notes;  // why tensors were copied, skipped tensors
 };
 
 // The dtype of the checkpoint's matrices as stored (the embedding's): F32 or BF16.
 DType stored_weight_dtype(const checkpoint::CheckpointDir& d);
 
-// dtype: the weights' dtype in memory (nullopt: as stored). Throws what open/load throw for a corrupt checkpoint.
+// dtype: the weights' dtype in memory (nullopt: as stored); how: where they live (Map: in place where possible, Copy:
+// all in memory, Auto: auto_copies). Throws what open/load throw for a corrupt checkpoint.
 std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& d, std::optional<DType> dtype,
-                                               MemoryAccountant& mem);
+                                               MemoryAccountant& mem, WeightsMemory how = WeightsMemory::Map);
 
 }  // namespace hs::infer

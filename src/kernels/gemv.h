@@ -40,6 +40,13 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
 // rows [n0, n1) of y = x W^T on the calling thread alone, no OpenMP. n0 and n1 must be multiples of
 // gemv_row_align(M, isa) (n1 may also be N). Every element has the bits gemv gives it, whatever the split.
 int64_t gemv_row_align(int64_t M, GemvIsa isa);
+
+// Software prefetch: while a block of weight rows streams, the block `n` blocks later (within the same call's range)
+// is prefetched line by line (0: none, the hardware prefetchers alone). By default (-1) 2 ahead where a block has
+// fewer than 8 weight rows in flight (M > 1 on the AVX-512 paths, every M elsewhere), none at 8; HS_GEMV_PREFETCH=n
+// or the setter (for benchmarks) fixes n for every M. Results do not depend on it (a prefetch changes no value).
+int gemv_prefetch_blocks(int64_t M, GemvIsa isa);
+void set_gemv_prefetch_blocks(int n);
 template <typename T, typename TY>
 void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
                int64_t n1, GemvIsa isa);
