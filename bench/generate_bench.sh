@@ -127,12 +127,12 @@ for m in $MODELS; do
       # Both engines map their weight files: read them into the page cache first, so that neither engine's prefill
       # pays for the disk (llama-bench also runs an untimed warm-up pass).
       cat "$HF"/*.safetensors "$GGUF" > /dev/null
-      # hybridscan: the Hugging Face directory as it is (memory-mapped bf16)
+      # hybridscan: the Hugging Face directory as it is (bf16; --weights-memory auto: copied into huge pages when they fit)
       args=()
       while IFS= read -r line; do args+=(--prompt-ids "$line"); done < <(head -n "$b" "$PROMPTS")
       j=$("$HS" generate --checkpoint "$HF" "${args[@]}" --max-new-tokens "$NEW" --ignore-eos --threads "$THREADS" \
           --json 2>"$OUT/hybridscan.stderr" | tail -n 1)
-      record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='hybridscan', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['prefill_tokens_per_s'], decode_tokens_per_s=j['decode_tokens_per_s'], peak_rss_bytes=j['peak_rss_bytes'], weights_mapped_bytes=j.get('weights_mapped_bytes'), weights_copied_bytes=j.get('weights_copied_bytes'), tokens=j['tokens'][0][:32])))" "$j")"
+      record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='hybridscan', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['prefill_tokens_per_s'], decode_tokens_per_s=j['decode_tokens_per_s'], peak_rss_bytes=j['peak_rss_bytes'], weights_mapped_bytes=j.get('weights_mapped_bytes'), weights_copied_bytes=j.get('weights_copied_bytes'), weights_memory=j.get('weights_memory'), tokens=j['tokens'][0][:32])))" "$j")"
       # llama.cpp
       if [[ $b == 1 ]]; then
         pp=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p "$PLEN" -n 0 -t "$THREADS" -r 1 -o json 2>/dev/null)

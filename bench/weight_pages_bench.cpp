@@ -1,15 +1,18 @@
 // Where decode's big products lose bandwidth: one LM-head-sized bf16 product (x[1|8, K] W^T, W [N, K]) read from
-// memory of each kind the decoder could hold its weights in, against a plain read of the same memory in the same run:
+// memory of each kind the decoder could hold its weights in, against a plain read of the same memory:
 //   file        the checkpoint's way: a read-only private mapping of the file (page cache, 4 KiB pages)
-//   file+pop    the same with MAP_POPULATE (page tables filled at map time; what llama.cpp's mmap does)
+//   file+pop    the same with MAP_POPULATE (page tables filled at map time)
 //   file+seq    the same with MADV_SEQUENTIAL;  file+huge: MADV_HUGEPAGE (file THP, where the kernel has it)
 //   anon4k      an anonymous copy with MADV_NOHUGEPAGE (4 KiB pages, no page cache)
 //   anonhuge    an anonymous 2 MiB-aligned copy with MADV_HUGEPAGE (core/memory.cpp's buffers; the AnonHugePages
 //               the kernel actually gave are printed)
-// For each: read GB/s (a 64-bit sum of W, contiguous halves per thread), and the gemv's weight GB/s
-// (kernels::gemv at M = 1 and 8, the threads as the fused decode step splits an LM head: dynamic chunks of 1 MiB).
-// Not a test; on a shared machine only same-run ratios mean anything.
-//   build/bench/weight_pages_bench [--file PATH] [--n 248320] [--k 2048] [--reps 5]
+// For each: read GB/s (a 64-bit sum, contiguous halves per thread) and the gemv's weight GB/s (kernels::gemv_rows
+// at M = 1 and 8 with software-prefetch distances 0, 1, 2, 4, the threads splitting W as the fused decode step splits
+// an LM head: chunks of 1 MiB taken as they come free). Every variant runs once per round, rounds interleaved, best
+// pass kept; GB/s by wall time and by the threads' mean CPU time (a descheduled thread's wait is in the wall time
+// only). Not a test; on a shared machine only same-run ratios mean anything.
+//   build/bench/weight_pages_bench [--file PATH] [--n 248320] [--k 2048] [--reps 5] [--memory anonhuge]
+// (the weight file, N x K bf16, is written once at PATH, default /tmp/hs_weight_pages.bin)
 #include <fcntl.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -110,14 +113,16 @@ int main(int argc, char** argv) {
   std::string path = "/tmp/hs_weight_pages.bin";
   int64_t N = 248320, K = 2048;
   int reps = 5;
+  std::string only;  // --memory NAME: that kind alone
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
     if (a == "--file") path = argv[i + 1];
     else if (a == "--n") N = std::atoll(argv[i + 1]);
     else if (a == "--k") K = std::atoll(argv[i + 1]);
     else if (a == "--reps") reps = std::atoi(argv[i + 1]);
+    else if (a == "--memory") only = argv[i + 1];
     else {
-      std::fprintf(stderr, "usage: %s [--file PATH] [--n N] [--k K] [--reps R]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--file PATH] [--n N] [--k K] [--reps R] [--memory NAME]\n", argv[0]);
       return 2;
     }
   }
@@ -185,6 +190,13 @@ int main(int argc, char** argv) {
               bytes / 1048576.0);
   mems.push_back({"anon4k", static_cast<const std::byte*>(anon4)});
   mems.push_back({"anonhuge", huge});
+  if (!only.empty()) {
+    std::erase_if(mems, [&](const Memory& m) { return m.name != only; });
+    if (mems.empty()) {
+      std::fprintf(stderr, "--memory: file, file+pop, file+seq, file+huge, anon4k or anonhuge\n");
+      return 2;
+    }
+  }
 
   std::vector<int> prefetch = {0, 1, 2, 4};
   std::vector<int64_t> batch = {1, 8};

@@ -238,8 +238,9 @@ void register_generate(CLI::App& app) {
       ->check(CLI::IsMember({"fp32", "bf16"}));
   c->add_option("--weights-memory", a->weights_memory,
                 "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
-                "cache, 4 KiB pages, outside the accountant), copy (read once into huge-page memory of the engine's "
-                "own, in the same dtype: faster decode, the files' pages are dropped), auto (copy when the weights "
+                "cache, 4 KiB pages, outside the accountant), copy (all but the embedding table read once into "
+                "huge-page memory of the engine's own, in the same dtype: faster decode, the files' pages are "
+                "dropped), auto (copy when the weights "
                 "plus 1 GiB take at most half of the available memory, else map)")
       ->check(CLI::IsMember({"map", "copy", "auto"}))
       ->capture_default_str();
