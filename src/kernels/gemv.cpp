@@ -44,7 +44,7 @@ template <typename TX, typename TW> struct Block {
 // blocking. Measured on the 2-core EPYC, LM-head product 248320 x 2048 bf16, same interleaved run
 // (bench/weight_pages_bench.cpp): with 2 weight rows in flight (M > 4) prefetching the block 2 ahead streamed 17-19
 // GB/s against 14.5 without; with 8 rows in flight (M = 1) the hardware prefetchers keep up (1 ahead: 0.92-0.97x,
-// 2 or 4 ahead: 0.97-1.0x), so none there.
+// 2 or 4 ahead: 0.97-1.0x), so none there. Not measured at 4 x 4 blocks (M 2-4, and every M on AVX2): none by default.
 std::atomic<int>& prefetch_setting() {
   static std::atomic<int> n = [] {
     const char* e = std::getenv("HS_GEMV_PREFETCH");
@@ -54,7 +54,7 @@ std::atomic<int>& prefetch_setting() {
 }
 int prefetch_blocks(int R) {
   const int n = prefetch_setting().load(std::memory_order_relaxed);
-  return n >= 0 ? n : R == kRowsPerBlock ? 0 : 2;
+  return n >= 0 ? n : R == 2 ? 2 : 0;  // only where measured to help: 2 x 8 blocks
 }
 
 // ---- scalar -------------------------------------------------------------------------------------------------------
@@ -223,6 +223,7 @@ void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, i
       b.x = x + m0 * ldx;
       float s[kXRows][kRowsPerBlock];
       dispatch_block(isa, mb, R, b, s);
+      b.pf[0] = nullptr;  // the next pass over x rows reads the block from cache: prefetched once is enough
       for (int m = 0; m < mb; ++m)
         for (int64_t r = 0; r < nr; ++r) y[(m0 + m) * ldy + n0 + r] = from_f32<TY>(s[m][r]);
     }
