@@ -18,6 +18,9 @@
 # sdist (`pip download --no-deps --no-binary :all:`) and building it there once; PYTHON (default .venv/bin/python,
 # with torch and transformers: scripts/setup.sh --bench). OMP_WAIT_POLICY passes through to hybridscan and torch: on
 # cores busy with other work set it to passive (spinning OpenMP threads then cost several times their speed).
+# LLAMA_LOAD_MODE (default auto: llama.cpp maps the GGUF) is llama-bench's and llama-batched-bench's -lm; `none` reads
+# the weights into llama.cpp's own memory, as hybridscan's default --weights-memory auto copies them (real b1 tg16,
+# none / mmap alternated on a machine at load average 12: 1.25, 1.29 against 0.88, 1.47 tokens/s: not settled).
 #
 # What runs: the models are random-initialised by transformers (seed 1) and saved as Hugging Face checkpoints
 # (bench/generate_bench.py models); llama.cpp's convert_hf_to_gguf.py converts them (--outtype bf16). hybridscan reads
@@ -32,6 +35,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 
 MODEL=both ROUNDS=1 THREADS=2 PLEN=512 NEW=128 BATCHES="1 8" TRANSFORMERS=1 OUT=runs/generate_bench
+LLAMA_LOAD_MODE=${LLAMA_LOAD_MODE:-auto}
 while [[ $# -gt 0 ]]; do
   case $1 in
     --model) MODEL=$2; shift 2 ;;
@@ -96,7 +100,7 @@ bw = json.loads(sys.argv[2])
 meta = {"kind": "meta", "threads": $THREADS, "prompt_tokens": $PLEN, "new_tokens": $NEW, "rounds": $ROUNDS,
         "bandwidth_bytes_per_s": bw["copy_bytes_per_s"], "read_bandwidth_bytes_per_s": bw["read_bytes_per_s"],
         "llama_cpp": "llama-cpp-python $LLAMA_VERSION ($LLAMA)", "models": "$MODELS",
-        "omp_wait_policy": "${OMP_WAIT_POLICY:-}", "load_average": open("/proc/loadavg").read().split()[:3]}
+        "omp_wait_policy": "${OMP_WAIT_POLICY:-}", "llama_load_mode": "$LLAMA_LOAD_MODE", "load_average": open("/proc/loadavg").read().split()[:3]}
 open(sys.argv[1], "a").write(json.dumps(meta) + "\n")
 PY
 
@@ -135,12 +139,12 @@ for m in $MODELS; do
       record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='hybridscan', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['prefill_tokens_per_s'], decode_tokens_per_s=j['decode_tokens_per_s'], peak_rss_bytes=j['peak_rss_bytes'], weights_mapped_bytes=j.get('weights_mapped_bytes'), weights_copied_bytes=j.get('weights_copied_bytes'), weights_memory=j.get('weights_memory'), tokens=j['tokens'][0][:32])))" "$j")"
       # llama.cpp
       if [[ $b == 1 ]]; then
-        pp=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p "$PLEN" -n 0 -t "$THREADS" -r 1 -o json 2>/dev/null)
-        tg=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p 0 -n "$NEW" -d "$PLEN" -t "$THREADS" -r 1 -o json 2>/dev/null)
+        pp=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p "$PLEN" -n 0 -t "$THREADS" -lm "$LLAMA_LOAD_MODE" -r 1 -o json 2>/dev/null)
+        tg=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p 0 -n "$NEW" -d "$PLEN" -t "$THREADS" -lm "$LLAMA_LOAD_MODE" -r 1 -o json 2>/dev/null)
         record "$("$PY" -c "import json,sys; p=json.loads(sys.argv[1])[0]; t=json.loads(sys.argv[2])[0]; print(json.dumps(dict(kind='run', engine='llama.cpp', model='$m', batch=1, round=$r, prefill_tokens_per_s=p['avg_ts'], decode_tokens_per_s=t['avg_ts'], build=p.get('build_commit'))))" "$pp" "$tg")"
       else
         bb=$("$LLAMA/build/bin/llama-batched-bench" -m "$GGUF" -c $((b * (PLEN + NEW))) -b 2048 -ub 512 -npp "$PLEN" \
-             -ntg "$NEW" -npl "$b" -t "$THREADS" -tb "$THREADS" --output-format jsonl 2>/dev/null | grep '^{' | tail -n 1)
+             -ntg "$NEW" -npl "$b" -t "$THREADS" -tb "$THREADS" -lm "$LLAMA_LOAD_MODE" --output-format jsonl 2>/dev/null | grep '^{' | tail -n 1)
         record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='llama.cpp', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['speed_pp'], decode_tokens_per_s=j['speed_tg'])))" "$bb")"
       fi
       # transformers
