@@ -12,9 +12,11 @@
 // (MemCategory::Parameters, 2 MiB-aligned buffers advised MADV_HUGEPAGE: core/memory.cpp), still in the dtype asked
 // for (bf16 stays bf16), dropping the file pages as it goes: resident memory is still about the weights plus the
 // caches, the streamed ones now in the accountant. The embedding stays mapped where it can (a step reads a row of it
-// per sequence: nothing to stream, and a copy would add all of it to the resident set). Decode streams its weights faster from huge pages: the LM head's product (248320 x 2048 bf16, 2
-// threads) ran 10-18% faster than from the file mapping's 4 KiB page-cache pages, a plain read 35-45% faster
-// (bench/weight_pages_bench.cpp). Auto copies when the weights fit comfortably in the memory available now.
+// per sequence: nothing to stream, and a copy would add all of it to the resident set). Decode streams its weights
+// faster from huge pages: the LM head's product (248320 x 2048 bf16, 2 threads) ran 10-18% faster than from the file
+// mapping's 4 KiB page-cache pages, a plain read about 40% faster (bench/weight_pages_bench.cpp), a real-width decode
+// step took about 20% less CPU time (bench/decode_step_bench.cpp). Auto copies when the weights fit comfortably in
+// the memory available now (auto_copies).
 #pragma once
 #include <cstdint>
 #include <memory>
