@@ -354,3 +354,42 @@ TEST(Norms, RmsnormBackwardDxCopyInBf16IsDxRounded) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// rmsnorm_backward_strided (dx only in T, at a row stride: the attention's query rows inside the q_proj gradient)
+// writes exactly the bits of the plain backward's fp32 dx (no residual, written) rounded to T, leaves the columns
+// between rows untouched, accumulates the same dw; fp32 (T = float: the fp32 dx itself) and bf16, 1 and 3 threads.
+template <typename T> void strided_backward_equals_plain(int threads) {
+  const int64_t rows = 97, dim = 64, stride = 2 * dim;
+  const auto x = test::cast<T>(test::randn(rows * dim, 61));
+  const auto w = test::randn(dim, 62, 0.5f);
+  const auto dy = test::randn(rows * dim, 63);
+  std::vector<float> rstd(rows);
+  std::vector<T> y(rows * dim);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<float> dx(n), dw1(dim, 0.25f), dw2(dim, 0.25f);
+  std::vector<T> out(static_cast<size_t>(rows * stride), from_f32<T>(7.0f));
+  test::with_threads(threads, [&] {
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw1.data(), rows, dim, false);
+    rmsnorm_backward_strided(x.data(), w.data(), rstd.data(), dy.data(), out.data(), stride, dw2.data(), rows, dim);
+  });
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dim * sizeof(float)));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < dim; ++c) {
+      ASSERT_EQ(to_f32(out[r * stride + c]), to_f32(from_f32<T>(dx[r * dim + c]))) << r << " " << c;
+      ASSERT_EQ(to_f32(out[r * stride + dim + c]), 7.0f) << r << " " << c;
+    }
+  EXPECT_THROW(rmsnorm_backward_strided(x.data(), w.data(), rstd.data(), dy.data(), out.data(), dim - 1, dw2.data(),
+                                        rows, dim),
+               std::invalid_argument);
+}
+TEST(Norms, RmsnormBackwardStridedIsThePlainDxRounded) {
+  strided_backward_equals_plain<float>(1);
+  strided_backward_equals_plain<float>(3);
+  strided_backward_equals_plain<bf16>(1);
+  strided_backward_equals_plain<bf16>(3);
+}
+
+}  // namespace hs::kernels

@@ -109,6 +109,33 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
 }
 
 template <typename T>
+void rmsnorm_backward_strided(const T* x, const float* w, const float* rstd, const float* dy, T* dx_t,
+                              int64_t dx_stride, float* dw, int64_t rows, int64_t dim) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rmsnorm_backward");
+  if (dx_stride < dim)
+    throw std::invalid_argument("rmsnorm_backward_strided: row stride " + std::to_string(dx_stride) +
+                                " is shorter than the row (" + std::to_string(dim) + ")");
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+  rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
+    const T* xr = x + r * dim;
+    const float* dyr = dy + r * dim;
+    T* dtr = dx_t + r * dx_stride;
+    const float rs = rstd[r];
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * (1.0f + w[c]) * to_f32(xr[c]);
+    const float k = rs * rs * dot * inv_dim;
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) {
+      const float xv = to_f32(xr[c]);
+      const float d = rs * (dyr[c] * (1.0f + w[c]) - xv * k);
+      dtr[c] = from_f32<T>(d);
+      pw[c] += dyr[c] * xv * rs;
+    }
+  });
+}
+
+template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                            float eps) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "gated_rmsnorm_forward");
@@ -216,6 +243,8 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
                                     int64_t, bool, const float*, T*);                                            \
+  template void rmsnorm_backward_strided<T>(const T*, const float*, const float*, const float*, T*, int64_t,      \
+                                            float*, int64_t, int64_t);                                           \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \
   template void gated_rmsnorm_backward<T, float>(const T*, const T*, const float*, const float*, const float*,  \
                                                  float*, float*, float*, int64_t, int64_t, bool);                \

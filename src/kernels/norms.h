@@ -26,6 +26,14 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
                       int64_t rows, int64_t dim, bool accumulate = true, const float* residual = nullptr,
                       T* dx_t = nullptr);
 
+// The same backward (no residual, dx written) with dx only in T, row r at dx_t + r * dx_stride (>= dim): for a
+// consumer that multiplies it in T and takes it interleaved with other columns (the attention's query rows inside the
+// q_proj output gradient [.., heads, query | gate]). dx_t has the bits of rmsnorm_backward's dx_t (the fp32 dx rounded
+// once) without the fp32 dx being written; dw accumulates as there. Throws std::invalid_argument if dx_stride < dim.
+template <typename T>
+void rmsnorm_backward_strided(const T* x, const float* w, const float* rstd, const float* dy, T* dx_t,
+                              int64_t dx_stride, float* dw, int64_t rows, int64_t dim);
+
 // Gated RMSNorm: y = w * (x * rstd) * silu(z) with a plain weight (not 1 + w); rows = tokens * heads,
 // dim = dv, one weight [dim] shared by all rows.
 template <typename T>
