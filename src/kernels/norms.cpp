@@ -68,6 +68,27 @@ void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows
   }
 }
 
+template <typename T>
+void add_rmsnorm_forward(const T* a, const T* b, T* sum, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
+                         float eps) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "add_rmsnorm_forward");
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* ar = a + r * dim;
+    const T* br = b + r * dim;
+    T* sr = sum + r * dim;
+    T* yr = y + r * dim;
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) sr[c] = from_f32<T>(to_f32(ar[c]) + to_f32(br[c]));
+    // From here rmsnorm_forward's row on the stored (rounded) sum, read back from L1.
+    const float rs = 1.0f / std::sqrt(row_sum_squares(sr, dim) * inv_dim + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) yr[c] = from_f32<T>(to_f32(sr[c]) * rs * (1.0f + w[c]));
+    if (rstd) rstd[r] = rs;
+  }
+}
+
 // With g = dy * (1 + w): dx = rstd * (g - x * rstd^2 * mean(g * x)); dw = sum_rows dy * x * rstd.
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
@@ -243,6 +264,7 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
                                     int64_t, bool, const float*, T*);                                            \
+  template void add_rmsnorm_forward<T>(const T*, const T*, T*, const float*, T*, float*, int64_t, int64_t, float); \
   template void rmsnorm_backward_strided<T>(const T*, const float*, const float*, const float*, T*, int64_t,      \
                                             float*, int64_t, int64_t);                                           \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \

@@ -20,6 +20,12 @@ namespace hs::kernels {
 // Zero-centred RMSNorm over the last dim: y = x * rstd * (1 + w), fp32 math, cast once at the end.
 template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps);
+// The residual add and the norm after it in one pass: sum = a + b rounded to T (the residual stream), y =
+// rmsnorm(sum) as rmsnorm_forward computes it from the stored sum: the same bits as the add then rmsnorm_forward,
+// the sum read back while its row is in L1 instead of a second pass over memory.
+template <typename T>
+void add_rmsnorm_forward(const T* a, const T* b, T* sum, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
+                         float eps);
 // dx_t (optional): also receives dx rounded to T, for a consumer that multiplies it in T (one pass, no cast later).
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,

@@ -595,12 +595,12 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     if (lw.kind == LayerKind::LinearAttention) gdn_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
     else attention_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
     s.h_mid = A.make<T>(N * H, "layer.h_mid");
-    if (!P) add(h_in, ptr<T>(mix), ptr<T>(s.h_mid), N * H);
+    s.x2 = A.make<T>(N * H, "ffn.xn");
+    s.rstd2 = A.make<float>(N, "ffn.rstd");
+    if (!P)  // h_mid = h_in + mix and its post-attention norm, one pass
+      add_rmsnorm_forward(h_in, ptr<T>(mix), ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N,
+                          H, float(c.rms_eps));
   }
-  s.x2 = A.make<T>(N * H, "ffn.xn");
-  s.rstd2 = A.make<float>(N, "ffn.rstd");
-  if (!P)
-    rmsnorm_forward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N, H, float(c.rms_eps));
   const int f = ffn_offset(lw.kind);
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
   RouterStats stats;
