@@ -393,3 +393,33 @@ TEST(Norms, RmsnormBackwardStridedIsThePlainDxRounded) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// add_rmsnorm_forward: the sum is a + b rounded to T and y, rstd are rmsnorm_forward's of that stored sum, bit for
+// bit (fp32 and bf16, rows over the parallel threshold, 1 and 3 threads).
+template <typename T> void add_norm_equals_add_then_norm(int threads) {
+  const int64_t rows = 130, dim = 256;
+  const auto a = test::cast<T>(test::randn(rows * dim, 71));
+  const auto b = test::cast<T>(test::randn(rows * dim, 72));
+  const auto w = test::randn(dim, 73, 0.5f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<T> sum1(n), sum2(n), y1(n), y2(n);
+  std::vector<float> r1(rows), r2(rows);
+  test::with_threads(threads, [&] {
+    for (size_t i = 0; i < n; ++i) sum1[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+    rmsnorm_forward(sum1.data(), w.data(), y1.data(), r1.data(), rows, dim, 1e-6f);
+    add_rmsnorm_forward(a.data(), b.data(), sum2.data(), w.data(), y2.data(), r2.data(), rows, dim, 1e-6f);
+  });
+  EXPECT_EQ(0, std::memcmp(sum1.data(), sum2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(r1.data(), r2.data(), rows * sizeof(float)));
+}
+TEST(Norms, AddRmsnormForwardIsTheAddThenTheNorm) {
+  add_norm_equals_add_then_norm<float>(1);
+  add_norm_equals_add_then_norm<float>(3);
+  add_norm_equals_add_then_norm<bf16>(1);
+  add_norm_equals_add_then_norm<bf16>(3);
+}
+
+}  // namespace hs::kernels
