@@ -57,6 +57,26 @@ template <typename T>
 void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale,
                      bool accumulate = true);
 
+// Two L2 norms of the same shape in one parallel pass (the Gated DeltaNet's queries and keys, each with its own
+// scale): the bits of a call for each, one fork/join instead of two. Entry 0 and 1 are the two tensors.
+template <typename X, typename Y> struct L2NormPair {
+  X* x[2];
+  Y* y[2];
+  float* rstd[2];
+  float scale[2];
+};
+template <typename T> struct L2NormBackwardPair {
+  const T* x[2];
+  const float* rstd[2];
+  const float* dy[2];
+  float* dx[2];
+  float scale[2];
+};
+template <typename T>
+void l2norm_forward(const L2NormPair<const T, T>& p, int64_t rows, int64_t dim, float eps);
+template <typename T>
+void l2norm_backward(const L2NormBackwardPair<T>& p, int64_t rows, int64_t dim, bool accumulate = true);
+
 // Plain references, math in double. T is the activation storage type and P the type of parameters,
 // rstd and gradients: instantiated for (float, float), (bf16, float) and (double, double).
 namespace reference {

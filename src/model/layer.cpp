@@ -371,8 +371,11 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   s.g = A.make<float>(N * Hv, "gdn.g");
   if (!P) {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-    l2norm_forward(ptr<T>(s.q), ptr<T>(s.qn), ptr<float>(s.rstdq), N * Hk, c.dk, 1e-6f, qscale);
-    l2norm_forward(ptr<T>(s.k), ptr<T>(s.kn), ptr<float>(s.rstdk), N * Hk, c.dk, 1e-6f, 1.0f);
+    l2norm_forward(L2NormPair<const T, T>{{ptr<T>(s.q), ptr<T>(s.k)},
+                                          {ptr<T>(s.qn), ptr<T>(s.kn)},
+                                          {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
+                                          {qscale, 1.0f}},
+                   N * Hk, c.dk, 1e-6f);
     gdn_gates_forward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(s.beta),
                       ptr<float>(s.g), N, Hv);
   }
@@ -431,8 +434,12 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
   if (!P) {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-    l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale, false);
-    l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f, false);
+    l2norm_backward(L2NormBackwardPair<T>{{ptr<T>(s.q), ptr<T>(s.k)},
+                                          {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
+                                          {ptr<float>(dqn), ptr<float>(dkn)},
+                                          {ptr<float>(dq), ptr<float>(dk)},
+                                          {qscale, 1.0f}},
+                    N * Hk, c.dk, false);
     gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
                        ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
   }
@@ -493,8 +500,7 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   if (!P) {
     rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
     rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
-    rope_forward(ptr<T>(s.qn), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
-    rope_forward(ptr<T>(s.kn), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+    rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
   }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
   AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
@@ -547,8 +553,7 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   Buffer dqg = scratch<T>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
   Buffer dk_raw = scratch<T>(mem, N * nKV * hd, "attn.dk_raw");
   if (!P) {
-    rope_backward(ptr<float>(dq), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
-    rope_backward(ptr<float>(dk), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+    rope_backward(ptr<float>(dq), nH, ptr<float>(dk), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
     rmsnorm_backward_strided(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<T>(dqg),
                              2 * hd, G(gr, p::kQNorm), N * nH, hd);
     rmsnorm_backward_strided(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<T>(dk_raw), hd,
