@@ -141,6 +141,41 @@ void BM_EmbeddingBackward(benchmark::State& state) {
       [&] { embedding_backward(ids.data(), kTokens, dout.data(), vocab, kHidden, dtable.data()); });
 }
 
+// The cast of one MoE layer's routed experts of the `small` preset (8 x 3 x 256 x 256 fp32 -> bf16), as
+// PiecedExperts casts them before the forward and again before the backward.
+void BM_ConvertF32ToBf16(benchmark::State& state) {
+  const int64_t n = 8 * 3 * 256 * 256;
+  const auto x = random_vec<float>(n, 1);
+  std::vector<bf16> y(n);
+  run(state, n * (4 + 2), [&] { convert(x.data(), y.data(), static_cast<size_t>(n)); });
+}
+
+// The `small` preset's row norms: q/k norms at head_dim 64 (batch 8 x 512 tokens x 4 heads) and the hidden 256 norm.
+void BM_RmsNormForwardSmallBf16(benchmark::State& state) {
+  const int64_t dim = state.range(0), rows = kTokens * 1024 / dim;
+  const auto x = random_vec<bf16>(rows * dim, 1);
+  const auto w = random_vec<float>(dim, 2);
+  std::vector<bf16> y(x.size());
+  std::vector<float> rstd(rows);
+  run(state, x.size() * 4, [&] { rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f); });
+}
+void BM_RmsNormBackwardSmallBf16(benchmark::State& state) {
+  const int64_t dim = state.range(0), rows = kTokens * 1024 / dim;
+  const auto x = random_vec<bf16>(rows * dim, 1);
+  const auto w = random_vec<float>(dim, 2), dy = random_vec<float>(x.size(), 3);
+  std::vector<float> rstd(rows, 1.0f), dx(x.size()), dw(dim);
+  run(state, x.size() * (2 + 4 + 4),
+      [&] { rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw.data(), rows, dim, false); });
+}
+void BM_L2NormBackwardSmallBf16(benchmark::State& state) {
+  const int64_t dim = 64, rows = kTokens * 16;
+  const auto x = random_vec<bf16>(rows * dim, 1);
+  const auto dy = random_vec<float>(x.size(), 3);
+  std::vector<float> rstd(rows, 1.0f), dx(x.size());
+  run(state, x.size() * (2 + 4 + 4),
+      [&] { l2norm_backward(x.data(), rstd.data(), dy.data(), dx.data(), rows, dim, 0.125f, false); });
+}
+
 void BM_AdamWUpdateF32(benchmark::State& state) {
   const int64_t n = 1 << 24;
   auto w = random_vec<float>(n, 1);
@@ -159,6 +194,10 @@ BENCHMARK(BM_CausalConvForwardBf16)->Unit(benchmark::kMillisecond)->UseManualTim
 BENCHMARK(BM_CausalConvBackwardBf16)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_GdnGatesBackwardBf16)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_EmbeddingBackward)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_ConvertF32ToBf16)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_RmsNormForwardSmallBf16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_RmsNormBackwardSmallBf16)->Arg(64)->Arg(256)->Unit(benchmark::kMillisecond)->UseManualTime();
+BENCHMARK(BM_L2NormBackwardSmallBf16)->Unit(benchmark::kMillisecond)->UseManualTime();
 BENCHMARK(BM_AdamWUpdateF32)->Unit(benchmark::kMillisecond)->UseManualTime();
 
 }  // namespace

@@ -354,3 +354,111 @@ TEST(Norms, RmsnormBackwardDxCopyInBf16IsDxRounded) {
 }
 
 }  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// rmsnorm_backward_strided (dx only in T, at a row stride: the attention's query rows inside the q_proj gradient)
+// writes exactly the bits of the plain backward's fp32 dx (no residual, written) rounded to T, leaves the columns
+// between rows untouched, accumulates the same dw; fp32 (T = float: the fp32 dx itself) and bf16, 1 and 3 threads.
+template <typename T> void strided_backward_equals_plain(int threads) {
+  const int64_t rows = 97, dim = 64, stride = 2 * dim;
+  const auto x = test::cast<T>(test::randn(rows * dim, 61));
+  const auto w = test::randn(dim, 62, 0.5f);
+  const auto dy = test::randn(rows * dim, 63);
+  std::vector<float> rstd(rows);
+  std::vector<T> y(rows * dim);
+  rmsnorm_forward(x.data(), w.data(), y.data(), rstd.data(), rows, dim, 1e-6f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<float> dx(n), dw1(dim, 0.25f), dw2(dim, 0.25f);
+  std::vector<T> out(static_cast<size_t>(rows * stride), from_f32<T>(7.0f));
+  test::with_threads(threads, [&] {
+    rmsnorm_backward(x.data(), w.data(), rstd.data(), dy.data(), dx.data(), dw1.data(), rows, dim, false);
+    rmsnorm_backward_strided(x.data(), w.data(), rstd.data(), dy.data(), out.data(), stride, dw2.data(), rows, dim);
+  });
+  EXPECT_EQ(0, std::memcmp(dw1.data(), dw2.data(), dim * sizeof(float)));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < dim; ++c) {
+      ASSERT_EQ(to_f32(out[r * stride + c]), to_f32(from_f32<T>(dx[r * dim + c]))) << r << " " << c;
+      ASSERT_EQ(to_f32(out[r * stride + dim + c]), 7.0f) << r << " " << c;
+    }
+  EXPECT_THROW(rmsnorm_backward_strided(x.data(), w.data(), rstd.data(), dy.data(), out.data(), dim - 1, dw2.data(),
+                                        rows, dim),
+               std::invalid_argument);
+}
+TEST(Norms, RmsnormBackwardStridedIsThePlainDxRounded) {
+  strided_backward_equals_plain<float>(1);
+  strided_backward_equals_plain<float>(3);
+  strided_backward_equals_plain<bf16>(1);
+  strided_backward_equals_plain<bf16>(3);
+}
+
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// add_rmsnorm_forward: the sum is a + b rounded to T and y, rstd are rmsnorm_forward's of that stored sum, bit for
+// bit (fp32 and bf16, rows over the parallel threshold, 1 and 3 threads).
+template <typename T> void add_norm_equals_add_then_norm(int threads) {
+  const int64_t rows = 130, dim = 256;
+  const auto a = test::cast<T>(test::randn(rows * dim, 71));
+  const auto b = test::cast<T>(test::randn(rows * dim, 72));
+  const auto w = test::randn(dim, 73, 0.5f);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<T> sum1(n), sum2(n), y1(n), y2(n);
+  std::vector<float> r1(rows), r2(rows);
+  test::with_threads(threads, [&] {
+    for (size_t i = 0; i < n; ++i) sum1[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+    rmsnorm_forward(sum1.data(), w.data(), y1.data(), r1.data(), rows, dim, 1e-6f);
+    add_rmsnorm_forward(a.data(), b.data(), sum2.data(), w.data(), y2.data(), r2.data(), rows, dim, 1e-6f);
+  });
+  EXPECT_EQ(0, std::memcmp(sum1.data(), sum2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(y1.data(), y2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(r1.data(), r2.data(), rows * sizeof(float)));
+}
+TEST(Norms, AddRmsnormForwardIsTheAddThenTheNorm) {
+  add_norm_equals_add_then_norm<float>(1);
+  add_norm_equals_add_then_norm<float>(3);
+  add_norm_equals_add_then_norm<bf16>(1);
+  add_norm_equals_add_then_norm<bf16>(3);
+}
+
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// The paired L2 norms (queries and keys in one pass, each its own scale) give the bits of a call for each, forward and
+// backward (written and accumulated), fp32 and bf16, 1 and 3 threads.
+template <typename T> void l2_pair_equals_two_calls(int threads) {
+  const int64_t rows = 300, dim = 64;
+  const auto q = test::cast<T>(test::randn(rows * dim, 91)), k = test::cast<T>(test::randn(rows * dim, 92));
+  const auto dq = test::randn(rows * dim, 93), dk = test::randn(rows * dim, 94);
+  const auto n = static_cast<size_t>(rows * dim);
+  std::vector<T> qn1(n), kn1(n), qn2(n), kn2(n);
+  std::vector<float> rq1(rows), rk1(rows), rq2(rows), rk2(rows);
+  std::vector<float> gq1(n, 0.5f), gk1(n, 0.5f), gq2(n, 0.5f), gk2(n, 0.5f);
+  for (bool acc : {false, true})
+    test::with_threads(threads, [&] {
+      l2norm_forward(q.data(), qn1.data(), rq1.data(), rows, dim, 1e-6f, 0.125f);
+      l2norm_forward(k.data(), kn1.data(), rk1.data(), rows, dim, 1e-6f, 1.0f);
+      l2norm_forward(L2NormPair<const T, T>{{q.data(), k.data()}, {qn2.data(), kn2.data()}, {rq2.data(), rk2.data()},
+                                            {0.125f, 1.0f}},
+                     rows, dim, 1e-6f);
+      l2norm_backward(q.data(), rq1.data(), dq.data(), gq1.data(), rows, dim, 0.125f, acc);
+      l2norm_backward(k.data(), rk1.data(), dk.data(), gk1.data(), rows, dim, 1.0f, acc);
+      l2norm_backward(L2NormBackwardPair<T>{{q.data(), k.data()}, {rq2.data(), rk2.data()}, {dq.data(), dk.data()},
+                                            {gq2.data(), gk2.data()}, {0.125f, 1.0f}},
+                      rows, dim, acc);
+    });
+  EXPECT_EQ(0, std::memcmp(qn1.data(), qn2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(kn1.data(), kn2.data(), n * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(rq1.data(), rq2.data(), rows * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(rk1.data(), rk2.data(), rows * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(gq1.data(), gq2.data(), n * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(gk1.data(), gk2.data(), n * sizeof(float)));
+}
+TEST(Norms, L2NormPairEqualsACallForEach) {
+  l2_pair_equals_two_calls<float>(1);
+  l2_pair_equals_two_calls<bf16>(3);
+}
+
+}  // namespace hs::kernels

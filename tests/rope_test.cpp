@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <type_traits>
 #include <vector>
@@ -130,4 +131,34 @@ TEST(Rope, RejectsOddOrOversizedRotaryDim) {
 }
 
 }  // namespace
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+
+// The queries and keys in one call (each token's cos/sin once) give the bits of a call for each, forward (fp32,
+// bf16) and backward, at a token count over the parallel threshold.
+template <typename T> void pair_equals_two_calls() {
+  const int64_t tokens = 300, qh = 4, kh = 1, hd = 64, rd = 16;
+  std::vector<int32_t> pos(tokens);
+  for (int64_t t = 0; t < tokens; ++t) pos[t] = static_cast<int32_t>(t % 150);
+  const auto q0 = test::cast<T>(test::randn(tokens * qh * hd, 81));
+  const auto k0 = test::cast<T>(test::randn(tokens * kh * hd, 82));
+  auto q1 = q0, k1 = k0, q2 = q0, k2 = k0;
+  rope_forward(q1.data(), pos.data(), tokens, qh, hd, rd, 1e7f);
+  rope_forward(k1.data(), pos.data(), tokens, kh, hd, rd, 1e7f);
+  rope_forward(q2.data(), qh, k2.data(), kh, pos.data(), tokens, hd, rd, 1e7f);
+  EXPECT_EQ(0, std::memcmp(q1.data(), q2.data(), q1.size() * sizeof(T)));
+  EXPECT_EQ(0, std::memcmp(k1.data(), k2.data(), k1.size() * sizeof(T)));
+  auto dq1 = test::randn(tokens * qh * hd, 83), dk1 = test::randn(tokens * kh * hd, 84), dq2 = dq1, dk2 = dk1;
+  rope_backward(dq1.data(), pos.data(), tokens, qh, hd, rd, 1e7f);
+  rope_backward(dk1.data(), pos.data(), tokens, kh, hd, rd, 1e7f);
+  rope_backward(dq2.data(), qh, dk2.data(), kh, pos.data(), tokens, hd, rd, 1e7f);
+  EXPECT_EQ(0, std::memcmp(dq1.data(), dq2.data(), dq1.size() * sizeof(float)));
+  EXPECT_EQ(0, std::memcmp(dk1.data(), dk2.data(), dk1.size() * sizeof(float)));
+}
+TEST(Rope, QueriesAndKeysInOneCallEqualTwoCalls) {
+  pair_equals_two_calls<float>();
+  pair_equals_two_calls<bf16>();
+}
+
 }  // namespace hs::kernels

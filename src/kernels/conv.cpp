@@ -50,17 +50,106 @@ void transpose_weights(const float* w, int64_t c0, int64_t nc, int64_t width, fl
     for (int64_t c = 0; c < nc; ++c) wt[j][c] = w[(c0 + c) * width + j];
 }
 
-// pre[c] = sum_j wt[j][c] * x[b, t-width+1+j, c0+c] over the taps that fall at or after t = 0.
-template <typename T>
-void preactivation(const T* xb, int64_t t, int64_t channels, int64_t c0, int64_t nc, int64_t width,
-                   const float (*wt)[kMaxChanBlock], float* pre) {
-  std::fill(pre, pre + nc, 0.0f);
-  for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
-    const T* xs = xb + (t - width + 1 + j) * channels + c0;
+// The per-time-step bodies, one pass over a run of channels each, W (the width) a compile-time constant so that the
+// taps unroll and every channel's values stay in registers: the forward computes the pre-activation and the SiLU in
+// one loop; the backward recomputes the pre-activation, takes the SiLU backward, completes dx from the ring of later
+// gradients and adds the dw terms, reading each of the W input rows once (not once for the pre-activation and again
+// for dw). `first` is the first tap at or after t = 0 (0 except for the first W-1 steps of a sequence); taps before
+// it are skipped, not multiplied by zero. The arithmetic is, tap for tap, the sums of the plain loops: pre = sum_j
+// wt[j] x_j from 0 in j order, dx = sum_j wt[j] ring_j from 0 in j order, so the bits do not depend on W's
+// dispatch.
+// The first W-1 steps of a sequence: pre[c] = sum over the taps from `first` on, tap by tap over the run (the loops
+// of the plain kernel, so the same bits there too).
+template <int W, typename T>
+void edge_pre(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], int64_t off, int64_t n, float* pre) {
+  std::fill(pre, pre + n, 0.0f);
+  for (int j = first; j < W; ++j) {
+    const T* xj = xs[j];
+    const float* wj = wt[j] + off;
 #pragma omp simd
-    for (int64_t c = 0; c < nc; ++c) pre[c] += wt[j][c] * to_f32(xs[c]);
+    for (int64_t c = 0; c < n; ++c) pre[c] += wj[c] * to_f32(xj[c]);
   }
 }
+
+template <int W, typename T, typename D>
+struct ConvBody {
+  // y[c] = silu(sum_j wt[j][off + c] * xs[j][c]) for c < n; xs[j] is row t - W + 1 + j at this run's first channel.
+  static void forward(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], int64_t off, int64_t n,
+                      D* y) {
+    if (first == 0) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) {
+        float pre = 0.0f;
+        for (int j = 0; j < W; ++j) pre += wt[j][off + c] * to_f32(xs[j][c]);
+        y[c] = from_f32<D>(silu_vec(pre));
+      }
+    } else {
+      float pre[kMaxChanBlock];
+      edge_pre<W>(xs, first, wt, off, n, pre);
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) y[c] = from_f32<D>(silu_vec(pre[c]));
+    }
+  }
+  // The SiLU backward, dx and (dw_terms) the dw terms of all W taps for channel c from its pre-activation. Always
+  // inlined: a call left in the channel loop keeps it from vectorising, and the vectorised and scalar exp_vec may
+  // differ in the last bit (different FMA contractions), which would break bit-identity with the plain loops.
+  [[gnu::always_inline]] static inline void rest(int64_t c, float pre, bool dw_terms, const T* const* xs,
+                                                 const float (*wt)[kMaxChanBlock], const float* const* ring,
+                                                 float* dpre, float (*dwacc)[kMaxChanBlock], const float* dy,
+                                                 int64_t off, D* dx, bool accumulate_dx) {
+    const float s = sigmoid_vec(pre);
+    const float d = dy[c] * (s * (1.0f + pre * (1.0f - s)));
+    dpre[off + c] = d;
+    float gx = 0.0f;
+    for (int j = 0; j < W - 1; ++j) gx += wt[j][off + c] * ring[j][off + c];
+    gx += wt[W - 1][off + c] * d;
+    if constexpr (std::is_same_v<D, float>) {
+      dx[c] = accumulate_dx ? dx[c] + gx : gx;
+    } else {
+      dx[c] = from_f32<D>(gx);
+    }
+    if (dw_terms)
+      for (int j = 0; j < W; ++j) dwacc[j][off + c] += d * to_f32(xs[j][c]);
+  }
+  // ring[j] (j < W-1) is the SiLU-backward gradient of step t + W-1-j, dpre receives step t's (ring slot t mod W).
+  static void backward(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], const float* const* ring,
+                       float* dpre, float (*dwacc)[kMaxChanBlock], const float* dy, int64_t off, int64_t n, D* dx,
+                       bool accumulate_dx) {
+    if (first == 0) {
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) {
+        float pre = 0.0f;
+        for (int j = 0; j < W; ++j) pre += wt[j][off + c] * to_f32(xs[j][c]);
+        rest(c, pre, true, xs, wt, ring, dpre, dwacc, dy, off, dx, accumulate_dx);
+      }
+    } else {
+      float pre[kMaxChanBlock];
+      edge_pre<W>(xs, first, wt, off, n, pre);
+#pragma omp simd
+      for (int64_t c = 0; c < n; ++c) rest(c, pre[c], false, xs, wt, ring, dpre, dwacc, dy, off, dx, accumulate_dx);
+      for (int j = first; j < W; ++j) {
+        const T* xj = xs[j];
+#pragma omp simd
+        for (int64_t c = 0; c < n; ++c) dwacc[j][off + c] += dpre[off + c] * to_f32(xj[c]);
+      }
+    }
+  }
+};
+
+// f(std::integral_constant<int, W>) for the run-time width (1..kMaxConvWidth, checked before).
+template <typename F> void with_width(int64_t width, F&& f) {
+  switch (width) {
+    case 1: return f(std::integral_constant<int, 1>());
+    case 2: return f(std::integral_constant<int, 2>());
+    case 3: return f(std::integral_constant<int, 3>());
+    case 4: return f(std::integral_constant<int, 4>());
+    case 5: return f(std::integral_constant<int, 5>());
+    case 6: return f(std::integral_constant<int, 6>());
+    case 7: return f(std::integral_constant<int, 7>());
+    default: return f(std::integral_constant<int, 8>());
+  }
+}
+static_assert(kMaxConvWidth == 8, "with_width dispatches widths 1..8");
 
 void check_channels(int64_t blocks, int64_t channels) {
   if (blocks != channels)
@@ -85,23 +174,25 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
         const int64_t c0 = cb * block, nc = std::min(block, channels - c0);
         const int64_t t0 = tb * kTimeBlock, t1 = std::min(seq, t0 + kTimeBlock);
         float wt[kMaxConvWidth][kMaxChanBlock];
-        float pre[kMaxChanBlock];
         transpose_weights(w, c0, nc, width, wt);
         const T* xb = x + b * seq * channels;
-        for (int64_t t = t0; t < t1; ++t) {
-          if (t + kPrefetchAhead < seq) {
-            prefetch_span(xb + (t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, false);
-            y.for_each_run(b * seq + t + kPrefetchAhead, c0, nc, [](T* d, int64_t, int64_t n) {
-              prefetch_span(d, n * int64_t{sizeof(T)}, true);
+        with_width(width, [&](auto wc) {
+          constexpr int W = decltype(wc)::value;
+          for (int64_t t = t0; t < t1; ++t) {
+            if (t + kPrefetchAhead < seq) {
+              prefetch_span(xb + (t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, false);
+              y.for_each_run(b * seq + t + kPrefetchAhead, c0, nc, [](T* d, int64_t, int64_t n) {
+                prefetch_span(d, n * int64_t{sizeof(T)}, true);
+              });
+            }
+            const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - t));
+            y.for_each_run(b * seq + t, c0, nc, [&](T* yt, int64_t off, int64_t n) {
+              const T* xs[W];
+              for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
+              ConvBody<W, T, T>::forward(xs, first, wt, off, n, yt);
             });
           }
-          preactivation(xb, t, channels, c0, nc, width, wt, pre);
-          y.for_each_run(b * seq + t, c0, nc, [&](T* yt, int64_t off, int64_t n) {
-            const float* p = pre + off;
-#pragma omp simd
-            for (int64_t c = 0; c < n; ++c) yt[c] = from_f32<T>(silu_vec(p[c]));
-          });
-        }
+        });
       }
 }
 
@@ -131,50 +222,31 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
     float wt[kMaxConvWidth][kMaxChanBlock];
     float ring[kMaxConvWidth][kMaxChanBlock];
     float dwacc[kMaxConvWidth][kMaxChanBlock] = {};
-    float pre[kMaxChanBlock], gx[kMaxChanBlock], dyt[kMaxChanBlock];
     transpose_weights(w, c0, nc, width, wt);
-    for (int64_t b = 0; b < batch; ++b) {
-      const T* xb = x + b * seq * channels;
-      for (int64_t j = 0; j < width; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
-      for (int64_t t = seq - 1; t >= 0; --t) {
-        if (const int64_t ta = t - kPrefetchAhead; ta >= 0) {
-          if (ta - width + 1 >= 0) prefetch_span(xb + (ta - width + 1) * channels + c0, nc * int64_t{sizeof(T)}, false);
-          dy.for_each_run(b * seq + ta, c0, nc, [](const float* d, int64_t, int64_t n) { prefetch_span(d, n * 4, false); });
-          prefetch_span(dx + (b * seq + ta) * channels + c0, nc * int64_t{sizeof(D)}, true);
-        }
-        preactivation(xb, t, channels, c0, nc, width, wt, pre);
-        dy.for_each_run(b * seq + t, c0, nc, [&](const float* d, int64_t off, int64_t n) { std::copy_n(d, n, dyt + off); });
-        float* dpre = ring[t % width];
-#pragma omp simd
-        for (int64_t c = 0; c < nc; ++c) {
-          const float s = sigmoid_vec(pre[c]);
-          dpre[c] = dyt[c] * (s * (1.0f + pre[c] * (1.0f - s)));
-        }
-        std::fill(gx, gx + nc, 0.0f);
-        for (int64_t j = 0; j < width; ++j) {
-          const float* d = ring[(t + width - 1 - j) % width];
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) gx[c] += wt[j][c] * d[c];
-        }
-        D* dxt = dx + (b * seq + t) * channels + c0;
-        if constexpr (std::is_same_v<D, float>) {
-          if (accumulate_dx) {
-#pragma omp simd
-            for (int64_t c = 0; c < nc; ++c) dxt[c] += gx[c];
-          } else {
-            std::copy_n(gx, nc, dxt);
+    with_width(width, [&](auto wc) {
+      constexpr int W = decltype(wc)::value;
+      for (int64_t b = 0; b < batch; ++b) {
+        const T* xb = x + b * seq * channels;
+        for (int j = 0; j < W; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
+        for (int64_t t = seq - 1; t >= 0; --t) {
+          if (const int64_t ta = t - kPrefetchAhead; ta >= 0) {
+            if (ta - W + 1 >= 0) prefetch_span(xb + (ta - W + 1) * channels + c0, nc * int64_t{sizeof(T)}, false);
+            dy.for_each_run(b * seq + ta, c0, nc, [](const float* d, int64_t, int64_t n) { prefetch_span(d, n * 4, false); });
+            prefetch_span(dx + (b * seq + ta) * channels + c0, nc * int64_t{sizeof(D)}, true);
           }
-        } else {
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) dxt[c] = from_f32<D>(gx[c]);
-        }
-        for (int64_t j = std::max<int64_t>(0, width - 1 - t); j < width; ++j) {
-          const T* xs = xb + (t - width + 1 + j) * channels + c0;
-#pragma omp simd
-          for (int64_t c = 0; c < nc; ++c) dwacc[j][c] += dpre[c] * to_f32(xs[c]);
+          const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - t));
+          const float* later[W];  // later[j]: the gradient of step t + W-1-j (j < W-1), slots past the end zero
+          for (int j = 0; j < W - 1; ++j) later[j] = ring[(t + W - 1 - j) % W];
+          float* dpre = ring[t % W];
+          D* dxt = dx + (b * seq + t) * channels + c0;
+          dy.for_each_run(b * seq + t, c0, nc, [&](const float* d, int64_t off, int64_t n) {
+            const T* xs[W];
+            for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
+            ConvBody<W, T, D>::backward(xs, first, wt, later, dpre, dwacc, d, off, n, dxt + off, accumulate_dx);
+          });
         }
       }
-    }
+    });
     for (int64_t c = 0; c < nc; ++c)
       for (int64_t j = 0; j < width; ++j) dw[(c0 + c) * width + j] += dwacc[j][c];
   }

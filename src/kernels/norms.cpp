@@ -68,6 +68,27 @@ void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows
   }
 }
 
+template <typename T>
+void add_rmsnorm_forward(const T* a, const T* b, T* sum, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
+                         float eps) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "add_rmsnorm_forward");
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+#pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* ar = a + r * dim;
+    const T* br = b + r * dim;
+    T* sr = sum + r * dim;
+    T* yr = y + r * dim;
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) sr[c] = from_f32<T>(to_f32(ar[c]) + to_f32(br[c]));
+    // From here rmsnorm_forward's row on the stored (rounded) sum, read back from L1.
+    const float rs = 1.0f / std::sqrt(row_sum_squares(sr, dim) * inv_dim + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) yr[c] = from_f32<T>(to_f32(sr[c]) * rs * (1.0f + w[c]));
+    if (rstd) rstd[r] = rs;
+  }
+}
+
 // With g = dy * (1 + w): dx = rstd * (g - x * rstd^2 * mean(g * x)); dw = sum_rows dy * x * rstd.
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
@@ -104,6 +125,33 @@ void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float
       T* dtr = dx_t + r * dim;
 #pragma omp simd
       for (int64_t c = 0; c < dim; ++c) dtr[c] = from_f32<T>(dxr[c]);
+    }
+  });
+}
+
+template <typename T>
+void rmsnorm_backward_strided(const T* x, const float* w, const float* rstd, const float* dy, T* dx_t,
+                              int64_t dx_stride, float* dw, int64_t rows, int64_t dim) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "rmsnorm_backward");
+  if (dx_stride < dim)
+    throw std::invalid_argument("rmsnorm_backward_strided: row stride " + std::to_string(dx_stride) +
+                                " is shorter than the row (" + std::to_string(dim) + ")");
+  const float inv_dim = 1.0f / static_cast<float>(dim);
+  rows_with_dw(dw, rows, dim, [&](int64_t r, float* pw) {
+    const T* xr = x + r * dim;
+    const float* dyr = dy + r * dim;
+    T* dtr = dx_t + r * dx_stride;
+    const float rs = rstd[r];
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * (1.0f + w[c]) * to_f32(xr[c]);
+    const float k = rs * rs * dot * inv_dim;
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) {
+      const float xv = to_f32(xr[c]);
+      const float d = rs * (dyr[c] * (1.0f + w[c]) - xv * k);
+      dtr[c] = from_f32<T>(d);
+      pw[c] += dyr[c] * xv * rs;
     }
   });
 }
@@ -172,18 +220,48 @@ void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float*
   });
 }
 
+namespace {
+template <typename T> inline void l2norm_forward_row(const T* xr, T* yr, float* rstd, float eps, float scale, int64_t dim) {
+  const float rs = 1.0f / std::sqrt(row_sum_squares(xr, dim) + eps);
+  const float f = scale * rs;
+#pragma omp simd
+  for (int64_t c = 0; c < dim; ++c) yr[c] = from_f32<T>(to_f32(xr[c]) * f);
+  if (rstd) *rstd = rs;
+}
+template <typename T>
+inline void l2norm_backward_row(const T* xr, float rs, const float* dyr, float* dxr, float scale, bool accumulate,
+                                int64_t dim) {
+  float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * to_f32(xr[c]);
+  const float f = scale * rs, k = rs * rs * dot;
+  if (accumulate) {
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) dxr[c] += f * (dyr[c] - to_f32(xr[c]) * k);
+  } else {
+#pragma omp simd
+    for (int64_t c = 0; c < dim; ++c) dxr[c] = f * (dyr[c] - to_f32(xr[c]) * k);
+  }
+}
+}  // namespace
+
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_forward");
 #pragma omp parallel for schedule(static) if (rows * dim >= kParallelMinWork)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * dim;
-    T* yr = y + r * dim;
-    const float rs = 1.0f / std::sqrt(row_sum_squares(xr, dim) + eps);
-    const float f = scale * rs;
-#pragma omp simd
-    for (int64_t c = 0; c < dim; ++c) yr[c] = from_f32<T>(to_f32(xr[c]) * f);
-    if (rstd) rstd[r] = rs;
+  for (int64_t r = 0; r < rows; ++r)
+    l2norm_forward_row(x + r * dim, y + r * dim, rstd ? rstd + r : nullptr, eps, scale, dim);
+}
+
+template <typename T>
+void l2norm_forward(const L2NormPair<const T, T>& p, int64_t rows, int64_t dim, float eps) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_forward");
+#pragma omp parallel for schedule(static) if (2 * rows * dim >= kParallelMinWork)
+  for (int64_t r = 0; r < 2 * rows; ++r) {
+    const int i = r < rows ? 0 : 1;
+    const int64_t rr = r - i * rows;
+    l2norm_forward_row(p.x[i] + rr * dim, p.y[i] + rr * dim, p.rstd[i] ? p.rstd[i] + rr : nullptr, eps, p.scale[i],
+                       dim);
   }
 }
 
@@ -193,22 +271,19 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
                      float scale, bool accumulate) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_backward");
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* xr = x + r * dim;
-    const float* dyr = dy + r * dim;
-    float* dxr = dx + r * dim;
-    const float rs = rstd[r];
-    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-    for (int64_t c = 0; c < dim; ++c) dot += dyr[c] * to_f32(xr[c]);
-    const float f = scale * rs, k = rs * rs * dot;
-    if (accumulate) {
-#pragma omp simd
-      for (int64_t c = 0; c < dim; ++c) dxr[c] += f * (dyr[c] - to_f32(xr[c]) * k);
-    } else {
-#pragma omp simd
-      for (int64_t c = 0; c < dim; ++c) dxr[c] = f * (dyr[c] - to_f32(xr[c]) * k);
-    }
+  for (int64_t r = 0; r < rows; ++r)
+    l2norm_backward_row(x + r * dim, rstd[r], dy + r * dim, dx + r * dim, scale, accumulate, dim);
+}
+
+template <typename T>
+void l2norm_backward(const L2NormBackwardPair<T>& p, int64_t rows, int64_t dim, bool accumulate) {
+  profile::Scope profile_scope(profile::Phase::Elementwise, "l2norm_backward");
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < 2 * rows; ++r) {
+    const int i = r < rows ? 0 : 1;
+    const int64_t rr = r - i * rows;
+    l2norm_backward_row(p.x[i] + rr * dim, p.rstd[i][rr], p.dy[i] + rr * dim, p.dx[i] + rr * dim, p.scale[i], accumulate,
+                        dim);
   }
 }
 
@@ -216,11 +291,16 @@ void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, 
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
   template void rmsnorm_backward<T>(const T*, const float*, const float*, const float*, float*, float*, int64_t, \
                                     int64_t, bool, const float*, T*);                                            \
+  template void add_rmsnorm_forward<T>(const T*, const T*, T*, const float*, T*, float*, int64_t, int64_t, float); \
+  template void rmsnorm_backward_strided<T>(const T*, const float*, const float*, const float*, T*, int64_t,      \
+                                            float*, int64_t, int64_t);                                           \
   template void gated_rmsnorm_forward<T>(const T*, const T*, const float*, T*, float*, int64_t, int64_t, float); \
   template void gated_rmsnorm_backward<T, float>(const T*, const T*, const float*, const float*, const float*,  \
                                                  float*, float*, float*, int64_t, int64_t, bool);                \
   template void l2norm_forward<T>(const T*, T*, float*, int64_t, int64_t, float, float);                         \
-  template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float, bool);
+  template void l2norm_backward<T>(const T*, const float*, const float*, float*, int64_t, int64_t, float, bool);   \
+  template void l2norm_forward<T>(const L2NormPair<const T, T>&, int64_t, int64_t, float);                         \
+  template void l2norm_backward<T>(const L2NormBackwardPair<T>&, int64_t, int64_t, bool);
 HS_NORMS(float)
 HS_NORMS(bf16)
 #undef HS_NORMS

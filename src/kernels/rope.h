@@ -27,6 +27,14 @@ void rope_forward(T* x, const int32_t* positions, int64_t tokens, int64_t heads,
 void rope_backward(float* dx, const int32_t* positions, int64_t tokens, int64_t heads, int64_t head_dim,
                    int64_t rotary_dim, float theta);
 
+// The queries q [tokens, q_heads, head_dim] and keys k [tokens, k_heads, head_dim] of one attention in one pass, each
+// token's cos/sin computed once for both: the same bits as a call for each.
+template <typename T>
+void rope_forward(T* q, int64_t q_heads, T* k, int64_t k_heads, const int32_t* positions, int64_t tokens,
+                  int64_t head_dim, int64_t rotary_dim, float theta);
+void rope_backward(float* dq, int64_t q_heads, float* dk, int64_t k_heads, const int32_t* positions, int64_t tokens,
+                   int64_t head_dim, int64_t rotary_dim, float theta);
+
 namespace reference {
 
 // The same maps with inv_freq and the angle computed in R (the exact definition when R = double).

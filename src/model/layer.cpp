@@ -229,14 +229,16 @@ class PiecedExperts final : public ExpertStream<T> {
         }
         continue;
       }
+      if (!sharded_) {  // the piece's experts are contiguous in both: one cast (one parallel pass) for all of them
+        const char* from = static_cast<const char*>(src.data) + q.first * n_[k] * src_elem;
+        convert_elements(from, src.dtype, q.w[k].data(), dtype_of<T>(), q.count * n_[k]);
+        continue;
+      }
       for (int64_t j = 0; j < q.count; ++j) {
         const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
         T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
-        if (sharded_)
-          q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
-                                                       to, dtype_of<T>(), n_[k]));
-        else
-          convert_elements(from, src.dtype, to, dtype_of<T>(), n_[k]);
+        q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
+                                                     to, dtype_of<T>(), n_[k]));
       }
     }
     return q;
@@ -313,15 +315,19 @@ void split_query_gate(const S* qg, D* q, D* gate, int64_t N, int64_t heads, int6
         gate[(n * heads + h) * hd + j] = from_f32<D>(to_f32(qg[(n * heads + h) * 2 * hd + hd + j]));
       }
 }
-void merge_query_gate(const float* dq, const float* dgate, float* dqg, int64_t N, int64_t heads, int64_t hd) {
+// The gate's gradient into the gate rows of the q_proj output gradient [N, heads, 2*hd] (the query rows are written
+// by the q norm's backward), rounded to T.
+template <typename D>
+void merge_gate(const float* dgate, D* dqg, int64_t N, int64_t heads, int64_t hd) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "merge_query_gate");
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < hd; ++j) {
-        dqg[(n * heads + h) * 2 * hd + j] = dq[(n * heads + h) * hd + j];
-        dqg[(n * heads + h) * 2 * hd + hd + j] = dgate[(n * heads + h) * hd + j];
-      }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = dgate + (n * heads + h) * hd;
+      D* dst = dqg + (n * heads + h) * 2 * hd + hd;
+#pragma omp simd
+      for (int64_t j = 0; j < hd; ++j) dst[j] = from_f32<D>(src[j]);
+    }
 }
 
 template <typename T>
@@ -365,8 +371,11 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   s.g = A.make<float>(N * Hv, "gdn.g");
   if (!P) {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-    l2norm_forward(ptr<T>(s.q), ptr<T>(s.qn), ptr<float>(s.rstdq), N * Hk, c.dk, 1e-6f, qscale);
-    l2norm_forward(ptr<T>(s.k), ptr<T>(s.kn), ptr<float>(s.rstdk), N * Hk, c.dk, 1e-6f, 1.0f);
+    l2norm_forward(L2NormPair<const T, T>{{ptr<T>(s.q), ptr<T>(s.k)},
+                                          {ptr<T>(s.qn), ptr<T>(s.kn)},
+                                          {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
+                                          {qscale, 1.0f}},
+                   N * Hk, c.dk, 1e-6f);
     gdn_gates_forward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(s.beta),
                       ptr<float>(s.g), N, Hv);
   }
@@ -425,8 +434,12 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
   if (!P) {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-    l2norm_backward(ptr<T>(s.q), ptr<float>(s.rstdq), ptr<float>(dqn), ptr<float>(dq), N * Hk, c.dk, qscale, false);
-    l2norm_backward(ptr<T>(s.k), ptr<float>(s.rstdk), ptr<float>(dkn), ptr<float>(dk), N * Hk, c.dk, 1.0f, false);
+    l2norm_backward(L2NormBackwardPair<T>{{ptr<T>(s.q), ptr<T>(s.k)},
+                                          {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
+                                          {ptr<float>(dqn), ptr<float>(dkn)},
+                                          {ptr<float>(dq), ptr<float>(dk)},
+                                          {qscale, 1.0f}},
+                    N * Hk, c.dk, false);
     gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
                        ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
   }
@@ -487,8 +500,7 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   if (!P) {
     rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
     rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
-    rope_forward(ptr<T>(s.qn), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
-    rope_forward(ptr<T>(s.kn), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+    rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
   }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
   AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
@@ -535,26 +547,28 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   gated_attention_backward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), s.attn, ptr<float>(dattn),
                            ptr<float>(dq), ptr<float>(dk), ptr<float>(dv), ptr<float>(dgate), mem);
   dattn.reset();
-  Buffer dq_raw = scratch<float>(mem, N * nH * hd, "attn.dq_raw");
-  Buffer dk_raw = scratch<float>(mem, N * nKV * hd, "attn.dk_raw");
-  Buffer dqg = scratch<float>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
+  // The q_proj output gradient [N, heads, query | gate] and the k_proj one are written in T straight by the norms'
+  // backward (and the gate's gradient rounded into its slots): no fp32 copies, no merge pass, no cast before the
+  // products (the same bits as norm, merge, then cast).
+  Buffer dqg = scratch<T>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
+  Buffer dk_raw = scratch<T>(mem, N * nKV * hd, "attn.dk_raw");
   if (!P) {
-    rope_backward(ptr<float>(dq), ctx.positions, N, nH, hd, c.rotary_dim(), float(c.rope_theta));
-    rope_backward(ptr<float>(dk), ctx.positions, N, nKV, hd, c.rotary_dim(), float(c.rope_theta));
-    rmsnorm_backward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<float>(dq_raw),
-                     G(gr, p::kQNorm), N * nH, hd, /*accumulate=*/false);
-    rmsnorm_backward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<float>(dk_raw),
-                     G(gr, p::kKNorm), N * nKV, hd, /*accumulate=*/false);
-    merge_query_gate(ptr<float>(dq_raw), ptr<float>(dgate), ptr<float>(dqg), N, nH, hd);
+    rope_backward(ptr<float>(dq), nH, ptr<float>(dk), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
+    rmsnorm_backward_strided(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<T>(dqg),
+                             2 * hd, G(gr, p::kQNorm), N * nH, hd);
+    rmsnorm_backward_strided(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<T>(dk_raw), hd,
+                             G(gr, p::kKNorm), N * nKV, hd);
+    merge_gate(ptr<float>(dgate), ptr<T>(dqg), N, nH, hd);
   }
   dq.reset();
   dk.reset();
   dgate.reset();
-  dq_raw.reset();
   Buffer dxn = scratch<float>(mem, N * H, "attn.dxn");
-  linear_backward(ptr<T>(s.xn), w.mat(p::kQ), ptr<float>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H, mem,
-                  false);
-  linear_backward(ptr<T>(s.xn), w.mat(p::kK), ptr<float>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H, mem);
+  if (!P) {
+    linear_backward_from(ptr<T>(s.xn), w.mat(p::kQ), ptr<T>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H,
+                         false);
+    linear_backward_from(ptr<T>(s.xn), w.mat(p::kK), ptr<T>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H);
+  }
   linear_backward(ptr<T>(s.xn), w.mat(p::kV), ptr<float>(dv), ptr<float>(dxn), G(gr, p::kV), N, nKV * hd, H, mem);
   if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
     rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
@@ -586,12 +600,12 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     if (lw.kind == LayerKind::LinearAttention) gdn_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
     else attention_forward(ctx, w, h_in, ptr<T>(mix), s, keep);
     s.h_mid = A.make<T>(N * H, "layer.h_mid");
-    if (!P) add(h_in, ptr<T>(mix), ptr<T>(s.h_mid), N * H);
+    s.x2 = A.make<T>(N * H, "ffn.xn");
+    s.rstd2 = A.make<float>(N, "ffn.rstd");
+    if (!P)  // h_mid = h_in + mix and its post-attention norm, one pass
+      add_rmsnorm_forward(h_in, ptr<T>(mix), ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N,
+                          H, float(c.rms_eps));
   }
-  s.x2 = A.make<T>(N * H, "ffn.xn");
-  s.rstd2 = A.make<float>(N, "ffn.rstd");
-  if (!P)
-    rmsnorm_forward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N, H, float(c.rms_eps));
   const int f = ffn_offset(lw.kind);
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
   RouterStats stats;
