@@ -376,6 +376,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     int64_t* off = offset.as<int64_t>();
     int32_t* slots = row_slot.as<int32_t>();
     matmul(x, w.router, p, N, E, H, false, true);  // fp32 logits
+    profile::Scope sub(profile::Phase::MoeDispatch, "moe_route");
     detail::moe_route(N, E, k, s.norm_topk_prob, p, idx, wts);
 
     // Counting sort of the (token, slot) pairs by expert; tokens stay ascending within an expert.
@@ -402,12 +403,19 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         if (n == 0) continue;
         const int32_t* rows = slots + r0;
         T* xg = xe.as<T>();
+        {
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather");
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
+          for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
+        }
         T* gu_e = gu + r0 * 2 * I;
         rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
-        detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+        {
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_rows");
+          detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+        }
         rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_combine");
         detail::moe_add_expert_rows(n, H, k, rows, idx, wts, shared_scale.as<float>(), shared_out.as<T>(), ye.as<float>(),
                         acc.as<float>(), y);
       }
@@ -517,6 +525,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
     const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
     if (real) {
+      profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_dy");
       T* d = dy_shared.as<T>();
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
       for (int64_t t = 0; t < N; ++t)
@@ -527,6 +536,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
                                  real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
                                  mem, dz.as<float>(), accumulate_dx);  // the first writer of dx
     if (real) {
+      profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_gate_grad");
       float* dzt = dz.as<float>();
       for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
       // d w_sg[h] += sum_t dz[t] x[t, h], column blocks so each thread owns its outputs.
@@ -579,23 +589,30 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         if (n == 0) continue;
         const int32_t* rows = slots + r0;
         const T* gu_e = gu + r0 * 2 * I;
+        {
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather_dy");
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) {
-          wr[r] = wts[rows[r]];
-          const int64_t t = rows[r] / k;
-          const float* src = dy + t * H;
-          T* dst = dyg + r * H;
+          for (int64_t r = 0; r < n; ++r) {
+            wr[r] = wts[rows[r]];
+            const int64_t t = rows[r] / k;
+            const float* src = dy + t * H;
+            T* dst = dyg + r * H;
 #pragma omp simd
-          for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
-          std::copy_n(x + t * H, H, xg + r * H);
+            for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+            std::copy_n(x + t * H, H, xg + r * H);
+          }
         }
         rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
-        // w act (recomputed) and d(gate | up) in one pass.
-        detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
-        for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
+        {
+          // w act (recomputed) and d(gate | up) in one pass.
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_grad_rows");
+          detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
+          for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
+        }
         rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
         rows_reduce_matmul(dgu.as<T>(), xg, ex.dgate_up, n, 2 * I, H);
         rows_matmul(dgu.as<T>(), ex.gate_up, dxe.as<float>(), n, H, 2 * I, false);
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_scatter_dx");
         add_expert_dx(n, H, k, rows, idx, dzt, w.shared_expert_gate, dxe.as<float>(), dx);
       }
     } else {
@@ -704,6 +721,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   if constexpr (!std::is_same_v<T, float>)
     dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
   if (!real) return;
+  profile::Scope router_scope(profile::Phase::MoeDispatch, "moe_router_backward");
   const float* probs = sv.probs.as<float>();
   const int32_t* idx = sv.topk_index.as<int32_t>();
   const float* wts = sv.topk_weight.as<float>();
