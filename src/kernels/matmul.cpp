@@ -334,12 +334,11 @@ void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
   const std::vector<float> b = dense_f32(B, K, N, ldb);  // row k is B_k
   const float* bp = b.data();
   const SkinnyIsa isa = current_skinny_isa();
-  const int64_t width = isa == SkinnyIsa::Avx512 ? 16 : isa == SkinnyIsa::Avx2 ? 8 : 0;
+  [[maybe_unused]] const int64_t width = isa == SkinnyIsa::Avx512 ? 16 : isa == SkinnyIsa::Avx2 ? 8 : 0;
 #pragma omp parallel if (M * N > kSkinnyParallelWork)
   {
     std::vector<float> row(static_cast<size_t>(N));
     float* r = row.data();
-    float a[kSkinny];
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       const TA* ar = A + i * lda;
@@ -348,6 +347,7 @@ void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
 #if defined(__x86_64__)
       if (width > 0 && N >= width) {
         // The vector columns straight into an fp32 C (and its old values added there); a bf16 C through the row.
+        float a[kSkinny];
         for (int64_t k = 0; k < K; ++k) a[k] = to_f32(ar[k]);
         j0 = N / width * width;
         float* out = r;
@@ -459,7 +459,7 @@ template <typename TA, typename TC>
 void skinny_m(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
   constexpr int64_t kCols = 64;
-  const SkinnyIsa isa = current_skinny_isa();
+  [[maybe_unused]] const SkinnyIsa isa = current_skinny_isa();
 #if defined(__x86_64__)
   if (isa != SkinnyIsa::Scalar) {
     // Blocks of 32 (AVX-512) or 16 (AVX2) columns; the ragged last columns go to the scalar loop below.

@@ -221,8 +221,6 @@ void detail::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t*
 
 namespace {
 
-// Adds an expert's input-gradient rows dxg [n, H] into dx; a token's first expert (in index order) also adds the
-// shared-expert gate's term dz * w_sg.
 // Row r of add_expert_dx, on the calling thread.
 inline void add_expert_dx_row(int64_t r, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
                               const float* dzt, const float* w_sg, const float* dxg, float* dx) {
@@ -242,6 +240,8 @@ inline void add_expert_dx_row(int64_t r, int64_t H, int64_t k, const int32_t* ro
     for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
   }
 }
+// Adds an expert's input-gradient rows dxg [n, H] into dx; a token's first expert (in index order) also adds the
+// shared-expert gate's term dz * w_sg.
 inline void add_expert_dx(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* dzt,
                           const float* w_sg, const float* dxg, float* dx) {
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
