@@ -196,9 +196,20 @@ template <typename TC> void store(TC* c, float v, bool acc) {
 // rounds), so they split over threads only when the streamed operand is larger than this many elements.
 constexpr int64_t kSkinnyParallelWork = int64_t{1} << 22;
 
-// One row's N dot products over K with A's row already in fp32 (a) and B dense fp32 [N, K]: C_j = sum_k a_k B_jk.
-// Vector paths sum each lane's k = lane (mod width) terms in order with fused multiply-adds, then add the lanes
-// pairwise; a different order from the scalar loop, so within rounding of it (tests/matmul_test.cpp).
+// One row's N dot products over K with A's row already in fp32 (a) and B dense fp32 [N, K]: C_j = sum_k a_k B_jk, in
+// the order GCC gives the scalar loop's `omp simd reduction` on AVX-512 builds (read off its code): 16 lanes, lane l
+// summing k = l (mod 16) over the whole 16-element chunks with fused multiply-adds, then the K % 16 tail fused into
+// lane 0, then s = 0 + lane 0 + lane 1 + ... + lane 15 in order. Both vector paths keep that order (AVX2 as two
+// 8-lane halves), so on such a build they give the scalar loop's bits (tests/matmul_test.cpp checks it where the
+// build targets AVX-512); elsewhere they agree with it to rounding.
+inline float lanes_in_order(const float* lane, const float* a, const float* b, int64_t k, int64_t K) {
+  float l0 = lane[0];
+  for (; k < K; ++k) l0 = std::fma(a[k], b[k], l0);
+  float s = 0.0f;
+  s += l0;
+  for (int i = 1; i < 16; ++i) s += lane[i];
+  return s;
+}
 #if defined(__x86_64__)
 template <int NJ>
 __attribute__((target("avx512f"))) inline void dots_avx512(const float* a, const float* b, int64_t K, float* out) {
@@ -209,29 +220,28 @@ __attribute__((target("avx512f"))) inline void dots_avx512(const float* a, const
     const __m512 av = _mm512_loadu_ps(a + k);
     for (int j = 0; j < NJ; ++j) acc[j] = _mm512_fmadd_ps(av, _mm512_loadu_ps(b + j * K + k), acc[j]);
   }
-  if (k < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    const __m512 av = _mm512_maskz_loadu_ps(m, a + k);
-    for (int j = 0; j < NJ; ++j) acc[j] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(m, b + j * K + k), acc[j]);
-  }
-  for (int j = 0; j < NJ; ++j) out[j] = _mm512_reduce_add_ps(acc[j]);
+  alignas(64) float lane[NJ][16];
+  for (int j = 0; j < NJ; ++j) _mm512_store_ps(lane[j], acc[j]);
+  for (int j = 0; j < NJ; ++j) out[j] = lanes_in_order(lane[j], a, b + j * K, k, K);
 }
 template <int NJ>
 __attribute__((target("avx2,fma"))) inline void dots_avx2(const float* a, const float* b, int64_t K, float* out) {
-  __m256 acc[NJ];
-  for (int j = 0; j < NJ; ++j) acc[j] = _mm256_setzero_ps();
+  __m256 lo[NJ], hi[NJ];
+  for (int j = 0; j < NJ; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
   int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    const __m256 av = _mm256_loadu_ps(a + k);
-    for (int j = 0; j < NJ; ++j) acc[j] = _mm256_fmadd_ps(av, _mm256_loadu_ps(b + j * K + k), acc[j]);
+  for (; k + 16 <= K; k += 16) {
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    for (int j = 0; j < NJ; ++j) {
+      lo[j] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b + j * K + k), lo[j]);
+      hi[j] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b + j * K + k + 8), hi[j]);
+    }
   }
+  alignas(32) float lane[NJ][16];
   for (int j = 0; j < NJ; ++j) {
-    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
-    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    float s = _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
-    for (int64_t kk = k; kk < K; ++kk) s = std::fma(a[kk], b[j * K + kk], s);
-    out[j] = s;
+    _mm256_store_ps(lane[j], lo[j]);
+    _mm256_store_ps(lane[j] + 8, hi[j]);
   }
+  for (int j = 0; j < NJ; ++j) out[j] = lanes_in_order(lane[j], a, b + j * K, k, K);
 }
 #endif
 
