@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/matmul.h"
@@ -124,22 +126,100 @@ TEST(Matmul, SkinnyShapesWithLeadingDimensions) {
   }
 }
 
-// The skinny loops give the same bits for any thread count (each sum runs in a fixed order).
+// The skinny loops give the same bits for any thread count (each sum runs in a fixed order). They split over threads
+// only above 2^22 streamed elements, so the shapes are that large: one per loop (small N, small K, small M).
 TEST(Matmul, SkinnyBitIdenticalAcrossThreads) {
   std::mt19937 rng(5);
   std::normal_distribution<float> nd;
-  const int64_t M = 4, N = 256, K = 4096;
-  std::vector<bf16> A(K * M), B(K * N);
-  for (auto& x : A) x = bf16(nd(rng));
-  for (auto& x : B) x = bf16(nd(rng));
-  std::vector<float> C1(M * N), C2(M * N);
-  const int saved = omp_get_max_threads();
-  omp_set_num_threads(1);
-  matmul(A.data(), B.data(), C1.data(), M, N, K, true, false);
-  omp_set_num_threads(2);
-  matmul(A.data(), B.data(), C2.data(), M, N, K, true, false);
-  omp_set_num_threads(saved);
-  EXPECT_EQ(0, std::memcmp(C1.data(), C2.data(), C1.size() * sizeof(float)));
+  struct Case {
+    int64_t M, N, K;
+    bool ta, tb;
+  };
+  for (const Case& c : {Case{4, 256, 20000, true, false}, Case{20000, 4, 256, false, true},
+                        Case{20000, 256, 4, false, false}}) {
+    std::vector<bf16> A(c.K * c.M), B(c.K * c.N);
+    for (auto& x : A) x = bf16(nd(rng));
+    for (auto& x : B) x = bf16(nd(rng));
+    std::vector<float> C1(c.M * c.N), C2(c.M * c.N);
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    matmul(A.data(), B.data(), C1.data(), c.M, c.N, c.K, c.ta, c.tb);
+    omp_set_num_threads(2);
+    matmul(A.data(), B.data(), C2.data(), c.M, c.N, c.K, c.ta, c.tb);
+    omp_set_num_threads(saved);
+    EXPECT_EQ(0, std::memcmp(C1.data(), C2.data(), C1.size() * sizeof(float))) << c.M << "x" << c.N << "x" << c.K;
+  }
+}
+
+// Every instruction-set path of the skinny loops this CPU has, against the double reference (the tolerance of
+// SkinnyShapesMatchReference: fp32 accumulation order, 1e-4 * sqrt(K) on unit-scale products, plus one bf16
+// rounding of a bf16 output), at widths around the vector lengths (1, 7, 15, 16 + 1, 33 columns or rows) and
+// ragged K. The small-M loop (weight gradients) and the small-K loop sum in the same order with the same fused
+// operations on every path: bit for bit the scalar loop's result; so does the small-N loop on an AVX-512 build (its
+// lanes replay the order of the compiler's 16-lane reduction of the scalar loop).
+TEST(Matmul, SkinnyVectorPathsMatchReferenceAndScalar) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  struct Shape {
+    int64_t M, N, K;
+  };
+  for (int isa_i = 0; isa_i <= 2; ++isa_i) {
+    const auto isa = static_cast<SkinnyIsa>(isa_i);
+    if (!skinny_isa_supported(isa)) continue;
+    for (const Shape& s : {Shape{300, 4, 256}, Shape{37, 7, 1000}, Shape{65, 16, 33}, Shape{40, 3, 17},
+                           Shape{4, 256, 300}, Shape{8, 130, 4096}, Shape{16, 64, 33}, Shape{7, 33, 100},
+                           Shape{1, 17, 5}, Shape{13, 48, 70}, Shape{300, 256, 4}, Shape{257, 100, 16},
+                           Shape{50, 47, 5}, Shape{20, 8, 3}, Shape{9, 7, 2}}) {
+      const int64_t M = s.M, N = s.N, K = s.K;
+      std::vector<float> A(M * K), B(K * N);
+      for (auto& x : A) x = nd(rng);
+      for (auto& x : B) x = nd(rng);
+      std::vector<bf16> Ab(A.begin(), A.end()), Bb(B.begin(), B.end());
+      const double tol = 1e-4 * std::sqrt(double(K));
+      // (ta, tb): (0, 1) runs the small-N loop when N is small, (1, 0) the small-M loop when M is small, (0, 0) the
+      // small-K loop when K is small.
+      for (const auto& [ta, tb] : {std::pair{false, true}, std::pair{true, false}, std::pair{false, false}}) {
+        for (int acc = 0; acc < 2; ++acc) {
+          std::vector<float> C(M * N), R(M * N), S(M * N), Cb(M * N), Rb(M * N), Sb(M * N);
+          for (int64_t i = 0; i < M * N; ++i) C[i] = R[i] = S[i] = Cb[i] = Rb[i] = Sb[i] = 0.25f * float(i % 5);
+          std::vector<bf16> Co(M * N);
+          std::vector<float> Ro(M * N);
+          for (int64_t i = 0; i < M * N; ++i) Co[i] = bf16(Ro[i] = 0.5f * static_cast<float>(i % 7));
+          {
+            ScopedSkinnyIsa forced(isa);
+            matmul(A.data(), B.data(), C.data(), M, N, K, ta, tb, acc);
+            matmul(Ab.data(), Bb.data(), Cb.data(), M, N, K, ta, tb, acc);
+            matmul(Ab.data(), Bb.data(), Co.data(), M, N, K, ta, tb, acc);
+          }
+          {
+            ScopedSkinnyIsa forced(SkinnyIsa::Scalar);
+            matmul(A.data(), B.data(), S.data(), M, N, K, ta, tb, acc);
+            matmul(Ab.data(), Bb.data(), Sb.data(), M, N, K, ta, tb, acc);
+          }
+          matmul_reference(A.data(), B.data(), R.data(), M, N, K, ta, tb, acc);
+          matmul_reference(Ab.data(), Bb.data(), Rb.data(), M, N, K, ta, tb, acc);
+          matmul_reference(Ab.data(), Bb.data(), Ro.data(), M, N, K, ta, tb, acc);
+          const std::string where = std::to_string(isa_i) + " " + std::to_string(M) + "x" + std::to_string(N) + "x" +
+                                    std::to_string(K) + " " + std::to_string(ta) + std::to_string(tb) + std::to_string(acc);
+          for (int64_t i = 0; i < M * N; ++i) {
+            ASSERT_NEAR(C[i], R[i], tol) << "f32 " << where;
+            ASSERT_NEAR(Cb[i], Rb[i], tol) << "bf16->f32 " << where;
+            ASSERT_NEAR(to_f32(Co[i]), Ro[i], tol + std::abs(Ro[i]) * 0x1p-8) << "bf16 " << where;
+          }
+          // The small-N loop's lanes keep the order of GCC's 16-lane reduction of the scalar loop (AVX-512 builds).
+#if defined(__AVX512F__)
+          const bool small_n_bits = !ta && tb && N <= 16;
+#else
+          const bool small_n_bits = false;
+#endif
+          if ((ta && M <= 16) || (!ta && !tb && K <= 16) || small_n_bits) {
+            EXPECT_EQ(0, std::memcmp(C.data(), S.data(), C.size() * sizeof(float))) << "f32 vs scalar " << where;
+            EXPECT_EQ(0, std::memcmp(Cb.data(), Sb.data(), Cb.size() * sizeof(float))) << "bf16 vs scalar " << where;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace hs::kernels

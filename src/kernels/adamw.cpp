@@ -7,7 +7,10 @@
 #include <stdexcept>
 #include <string>
 
+#include <omp.h>
+
 #include "core/profile.h"
+#include "kernels/simd.h"
 
 namespace hs::kernels {
 namespace {
@@ -30,34 +33,148 @@ Scalars scalars(const AdamWParams& p, int64_t step) {
           1.0f - p.beta2};
 }
 
-// Elements [i0, i1) of one tensor, on the calling thread. Moments in bf16 (TM) are read as fp32, the step runs in
+// The element formula, in PyTorch's order with the roundings the previous loop had (GCC contracted it, with FMA
+// available, to exactly these fused operations; kernels/adamw_reference.cpp keeps it):
+//   g = grad * s;  m' = fma(1 - b1, g - m, m);  v' = fma(b2, v, ((1 - b2) * g) * g);
+//   w' = fma(decay, w, -(step_size * (m' / (sqrt(v') / sqrt(bc2) + eps))))   (decay * w - t, rounded once)
+// Every path (scalar, AVX2, AVX-512) computes it with the same correctly rounded operations, so they agree to the bit.
+struct Consts {
+  float scale, beta2, eps, step_size, bc2_sqrt, one_minus_b1, one_minus_b2, decay;
+};
+
+inline float bf16_round(float x) { return bf16::to_float(bf16::from_float(x)); }
+
+// Elements [i0, i1) on the calling thread, one at a time. Moments in bf16 (TM) are read as fp32, the step runs in
 // fp32 as for fp32 moments, and the new moments are stored rounded to nearest even.
-template <bool kClear, typename TW, typename TG, typename TM = float>
-inline void update_range(TW* w, TG* grad, TM* m, TM* v, int64_t i0, int64_t i1, const AdamWParams& p,
-                         const Scalars& k, float decay) {
-#pragma omp simd
+template <bool kClear, typename TW, typename TM>
+inline void range_scalar(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
   for (int64_t i = i0; i < i1; ++i) {
-    const float g = grad[i] * p.grad_scale;
+    const float g = grad[i] * c.scale;
     const float m0 = to_f32(m[i]), v0 = to_f32(v[i]);
-    const float mi = m0 + k.one_minus_b1 * (g - m0);  // lerp, as torch's exp_avg.lerp_
-    const float vi = p.beta2 * v0 + k.one_minus_b2 * g * g;
-    const float denom = std::sqrt(vi) / k.bc2_sqrt + p.eps;
-    w[i] = from_f32<TW>(to_f32(w[i]) * decay - k.step_size * (mi / denom));
+    const float mi = std::fma(c.one_minus_b1, g - m0, m0);  // lerp, as torch's exp_avg.lerp_
+    const float vi = std::fma(c.beta2, v0, (c.one_minus_b2 * g) * g);
+    const float denom = std::sqrt(vi) / c.bc2_sqrt + c.eps;
+    w[i] = from_f32<TW>(std::fma(c.decay, to_f32(w[i]), -(c.step_size * (mi / denom))));
     m[i] = from_f32<TM>(mi);
     v[i] = from_f32<TM>(vi);
     if constexpr (kClear) grad[i] = 0.0f;
   }
 }
 
+#if defined(__x86_64__)
+#define HS_AVX2 __attribute__((target("avx2,fma")))
+#define HS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+// bf16 <-> fp32 in 8 lanes, bf16::from_float's rounding: to nearest even, a NaN kept quiet ((bits >> 16) | 0x40).
+HS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+HS_AVX2 inline __m256 load8(const bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+HS_AVX2 inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+HS_AVX2 inline void store8(bf16* p, __m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  const __m256i b = _mm256_blendv_epi8(r, q, nan);  // every lane <= 0xffff: packus keeps it
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+template <bool kClear, typename TW, typename TM>
+HS_AVX2 void range_avx2(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
+  const __m256 scale = _mm256_set1_ps(c.scale), beta2 = _mm256_set1_ps(c.beta2), eps = _mm256_set1_ps(c.eps),
+               step_size = _mm256_set1_ps(c.step_size), bc2 = _mm256_set1_ps(c.bc2_sqrt),
+               c1 = _mm256_set1_ps(c.one_minus_b1), c2 = _mm256_set1_ps(c.one_minus_b2), decay = _mm256_set1_ps(c.decay);
+  int64_t i = i0;
+  for (; i + 8 <= i1; i += 8) {
+    const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(grad + i), scale);
+    const __m256 m0 = load8(m + i), v0 = load8(v + i);
+    const __m256 mi = _mm256_fmadd_ps(c1, _mm256_sub_ps(g, m0), m0);
+    const __m256 vi = _mm256_fmadd_ps(beta2, v0, _mm256_mul_ps(_mm256_mul_ps(c2, g), g));
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vi), bc2), eps);
+    const __m256 t = _mm256_mul_ps(step_size, _mm256_div_ps(mi, denom));
+    store8(w + i, _mm256_fmsub_ps(decay, load8(w + i), t));
+    store8(m + i, mi);
+    store8(v + i, vi);
+    if constexpr (kClear) _mm256_storeu_ps(grad + i, _mm256_setzero_ps());
+  }
+  range_scalar<kClear>(w, grad, m, v, i, i1, c);
+}
+
+// The same in 16 lanes.
+HS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+HS_AVX512 inline __m512 load16(const bf16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+HS_AVX512 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+HS_AVX512 inline void store16(bf16* p, __m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __mmask16 nan =
+      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i hi = _mm512_srli_epi32(u, 16);
+  const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  b = _mm512_mask_or_epi32(b, nan, hi, _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
+
+template <bool kClear, typename TW, typename TM>
+HS_AVX512 void range_avx512(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
+  const __m512 scale = _mm512_set1_ps(c.scale), beta2 = _mm512_set1_ps(c.beta2), eps = _mm512_set1_ps(c.eps),
+               step_size = _mm512_set1_ps(c.step_size), bc2 = _mm512_set1_ps(c.bc2_sqrt),
+               c1 = _mm512_set1_ps(c.one_minus_b1), c2 = _mm512_set1_ps(c.one_minus_b2), decay = _mm512_set1_ps(c.decay);
+  int64_t i = i0;
+  for (; i + 16 <= i1; i += 16) {
+    const __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), scale);
+    const __m512 m0 = load16(m + i), v0 = load16(v + i);
+    const __m512 mi = _mm512_fmadd_ps(c1, _mm512_sub_ps(g, m0), m0);
+    const __m512 vi = _mm512_fmadd_ps(beta2, v0, _mm512_mul_ps(_mm512_mul_ps(c2, g), g));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
+    const __m512 t = _mm512_mul_ps(step_size, _mm512_div_ps(mi, denom));
+    store16(w + i, _mm512_fmsub_ps(decay, load16(w + i), t));
+    store16(m + i, mi);
+    store16(v + i, vi);
+    if constexpr (kClear) _mm512_storeu_ps(grad + i, _mm512_setzero_ps());
+  }
+  range_scalar<kClear>(w, grad, m, v, i, i1, c);
+}
+#undef HS_AVX2
+#undef HS_AVX512
+#endif
+
+template <bool kClear, typename TW, typename TM>
+void update_range(AdamWIsa isa, TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
+#if defined(__x86_64__)
+  switch (isa) {
+    case AdamWIsa::Avx512: return range_avx512<kClear>(w, grad, m, v, i0, i1, c);
+    case AdamWIsa::Avx2: return range_avx2<kClear>(w, grad, m, v, i0, i1, c);
+    case AdamWIsa::Scalar: break;
+  }
+#else
+  (void)isa;
+#endif
+  range_scalar<kClear>(w, grad, m, v, i0, i1, c);
+}
+
+Consts consts(const AdamWParams& p, const Scalars& k, float weight_decay) {
+  return {p.grad_scale, p.beta2, p.eps, k.step_size, k.bc2_sqrt, k.one_minus_b1, k.one_minus_b2,
+          std::fma(-p.lr, weight_decay, 1.0f)};  // 1 - lr * wd, rounded once (as the previous loop had it)
+}
+
 template <typename TW>
 void update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
-  const Scalars k = scalars(p, step);
-  const float decay = 1.0f - p.lr * p.weight_decay;
+  const Consts c = consts(p, scalars(p, step), p.weight_decay);
+  const AdamWIsa isa = adamw_isa();
   constexpr int64_t kPiece = 4096;
   const int64_t pieces = (n + kPiece - 1) / kPiece;
+  // The gradient is only read (kClear = false): the cast drops a const the kernel does not use.
 #pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < pieces; ++c)
-    update_range<false>(w, grad, m, v, c * kPiece, std::min(n, (c + 1) * kPiece), p, k, decay);
+  for (int64_t c0 = 0; c0 < pieces; ++c0)
+    update_range<false>(isa, w, const_cast<float*>(grad), m, v, c0 * kPiece, std::min(n, (c0 + 1) * kPiece), c);
 }
 
 // sum_squares's blocks of an n-element array.
@@ -72,6 +189,53 @@ int64_t block_size(int64_t n) { return std::max(kMinBlock, (n + kMaxBlocks - 1) 
 }
 
 }  // namespace
+
+namespace {
+AdamWIsa g_forced = AdamWIsa::Scalar;
+bool g_is_forced = false;
+}  // namespace
+
+bool adamw_isa_supported(AdamWIsa isa) {
+  switch (isa) {
+    case AdamWIsa::Scalar: return true;
+#if defined(__x86_64__)
+    case AdamWIsa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case AdamWIsa::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+#else
+    default: return false;
+#endif
+  }
+  return false;
+}
+
+AdamWIsa adamw_isa() {
+  if (g_is_forced) return g_forced;
+  static const AdamWIsa best = adamw_isa_supported(AdamWIsa::Avx512) ? AdamWIsa::Avx512
+                               : adamw_isa_supported(AdamWIsa::Avx2) ? AdamWIsa::Avx2
+                                                                     : AdamWIsa::Scalar;
+  return best;
+}
+
+const char* adamw_isa_name(AdamWIsa isa) {
+  switch (isa) {
+    case AdamWIsa::Scalar: return "scalar";
+    case AdamWIsa::Avx2: return "avx2";
+    case AdamWIsa::Avx512: return "avx512";
+  }
+  return "?";
+}
+
+ScopedAdamWIsa::ScopedAdamWIsa(AdamWIsa isa) : previous_(g_forced), was_forced_(g_is_forced) {
+  if (!adamw_isa_supported(isa))
+    throw std::invalid_argument(std::string("AdamW: this CPU has no ") + adamw_isa_name(isa) + " path");
+  g_forced = isa;
+  g_is_forced = true;
+}
+ScopedAdamWIsa::~ScopedAdamWIsa() {
+  g_forced = previous_;
+  g_is_forced = was_forced_;
+}
 
 template <typename TW>
 void adamw_update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
@@ -97,29 +261,37 @@ double sum_squares(const float* x, int64_t n) {
 void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step) {
   profile::Scope profile_scope(profile::Phase::Optimizer, "adamw_update_clear_all");
   const Scalars k = scalars(p, step);
-  // Pieces of at most kPiece elements within one tensor, split evenly (statically) between the threads.
-  constexpr int64_t kPiece = 16384;
-  std::vector<std::pair<size_t, int64_t>> pieces;  // (tensor, first element)
-  for (size_t t = 0; t < tensors.size(); ++t) {
-    if ((tensors[t].w == nullptr) == (tensors[t].w_bf16 == nullptr))
+  for (const AdamWTensor& t : tensors) {
+    if ((t.w == nullptr) == (t.w_bf16 == nullptr))
       throw std::invalid_argument("adamw_update_clear_all: each tensor needs exactly one of w, w_bf16");
-    if ((tensors[t].m == nullptr) == (tensors[t].m_bf16 == nullptr) ||
-        (tensors[t].v == nullptr) == (tensors[t].v_bf16 == nullptr) || (tensors[t].m == nullptr) != (tensors[t].v == nullptr))
+    if ((t.m == nullptr) == (t.m_bf16 == nullptr) || (t.v == nullptr) == (t.v_bf16 == nullptr) ||
+        (t.m == nullptr) != (t.v == nullptr))
       throw std::invalid_argument("adamw_update_clear_all: each tensor needs m, v or m_bf16, v_bf16");
-    for (int64_t i = 0; i < tensors[t].n; i += kPiece) pieces.emplace_back(t, i);
   }
-  const auto np = static_cast<int64_t>(pieces.size());
-#pragma omp parallel for schedule(static)
-  for (int64_t j = 0; j < np; ++j) {
-    const AdamWTensor& a = tensors[pieces[static_cast<size_t>(j)].first];
-    const int64_t i0 = pieces[static_cast<size_t>(j)].second, i1 = std::min(a.n, i0 + kPiece);
-    const float decay = 1.0f - p.lr * a.weight_decay;
-    if (a.m) {
-      if (a.w) update_range<true>(a.w, a.grad, a.m, a.v, i0, i1, p, k, decay);
-      else update_range<true>(a.w_bf16, a.grad, a.m, a.v, i0, i1, p, k, decay);
-    } else {
-      if (a.w) update_range<true>(a.w, a.grad, a.m_bf16, a.v_bf16, i0, i1, p, k, decay);
-      else update_range<true>(a.w_bf16, a.grad, a.m_bf16, a.v_bf16, i0, i1, p, k, decay);
+  // The tensors' elements as one sequence (first[t]: tensor t's first), cut into one contiguous range per thread at
+  // multiples of 64 elements: each thread streams through its own part of the arrays, whatever the tensors' sizes.
+  std::vector<int64_t> first(tensors.size() + 1, 0);
+  for (size_t t = 0; t < tensors.size(); ++t) first[t + 1] = first[t] + tensors[t].n;
+  const int64_t total = first.back();
+  const AdamWIsa isa = adamw_isa();
+#pragma omp parallel
+  {
+    const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+    const auto cut = [&](int64_t j) { return j == nt ? total : std::min(total, (total * j / nt) & ~int64_t{63}); };
+    const int64_t e0 = cut(id), e1 = cut(id + 1);
+    size_t t = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), e0) - first.begin()) - 1;
+    for (; e0 < e1 && t < tensors.size() && first[t] < e1; ++t) {
+      const AdamWTensor& a = tensors[t];
+      const int64_t i0 = std::max<int64_t>(0, e0 - first[t]), i1 = std::min(a.n, e1 - first[t]);
+      if (i0 >= i1) continue;
+      const Consts c = consts(p, k, a.weight_decay);
+      if (a.m) {
+        if (a.w) update_range<true>(isa, a.w, a.grad, a.m, a.v, i0, i1, c);
+        else update_range<true>(isa, a.w_bf16, a.grad, a.m, a.v, i0, i1, c);
+      } else {
+        if (a.w) update_range<true>(isa, a.w, a.grad, a.m_bf16, a.v_bf16, i0, i1, c);
+        else update_range<true>(isa, a.w_bf16, a.grad, a.m_bf16, a.v_bf16, i0, i1, c);
+      }
     }
   }
 }

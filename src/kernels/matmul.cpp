@@ -2,10 +2,12 @@
 
 #include "core/profile.h"
 #include "kernels/gemv.h"
+#include "kernels/simd.h"
 
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include <string>
 #include <stdexcept>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace hs::kernels {
@@ -163,6 +166,17 @@ std::shared_ptr<Prim> get_prim(const Key& k, const memory::desc* packed_b = null
 // or L1. Each output element is summed in a fixed order (by k, or by row p) whatever the thread count, in fp32
 // like oneDNN. (kSkinny is defined above.)
 
+SkinnyIsa g_skinny_forced = SkinnyIsa::Scalar;
+bool g_skinny_is_forced = false;
+
+SkinnyIsa current_skinny_isa() {
+  if (g_skinny_is_forced) return g_skinny_forced;
+  static const SkinnyIsa best = skinny_isa_supported(SkinnyIsa::Avx512) ? SkinnyIsa::Avx512
+                                : skinny_isa_supported(SkinnyIsa::Avx2) ? SkinnyIsa::Avx2
+                                                                        : SkinnyIsa::Scalar;
+  return best;
+}
+
 // The small operand as dense fp32 [rows, cols], read from rows `ld` elements apart.
 template <typename T> std::vector<float> dense_f32(const T* src, int64_t rows, int64_t cols, int64_t ld) {
   std::vector<float> d(static_cast<size_t>(rows * cols));
@@ -176,65 +190,307 @@ template <typename TC> void store(TC* c, float v, bool acc) {
   *c = from_f32<TC>(v);
 }
 
+// These products stream a few MB at most at the shapes the models have (4096 x 256 bf16 is 2 MB) and take ~0.1-0.5 ms
+// on one thread; forking a second thread for them measured 4-8x slower than one thread on this shared 2-core EPYC
+// (bench/throughput_report_gemm, 4096x4x256 bf16: 0.46-0.66 ms on 1 thread, 2.6-5.2 ms on 2, three alternated
+// rounds), so they split over threads only when the streamed operand is larger than this many elements.
+constexpr int64_t kSkinnyParallelWork = int64_t{1} << 22;
+
+// One row's N dot products over K with A's row already in fp32 (a) and B dense fp32 [N, K]: C_j = sum_k a_k B_jk, in
+// the order GCC gives the scalar loop's `omp simd reduction` on AVX-512 builds (read off its code): 16 lanes, lane l
+// summing k = l (mod 16) over the whole 16-element chunks with fused multiply-adds, then the K % 16 tail fused into
+// lane 0, then s = 0 + lane 0 + lane 1 + ... + lane 15 in order. Both vector paths keep that order (AVX2 as two
+// 8-lane halves), so on such a build they give the scalar loop's bits (tests/matmul_test.cpp checks it where the
+// build targets AVX-512); elsewhere they agree with it to rounding.
+inline float lanes_in_order(const float* lane, const float* a, const float* b, int64_t k, int64_t K) {
+  float l0 = lane[0];
+  for (; k < K; ++k) l0 = std::fma(a[k], b[k], l0);
+  float s = 0.0f;
+  s += l0;
+  for (int i = 1; i < 16; ++i) s += lane[i];
+  return s;
+}
+#if defined(__x86_64__)
+template <int NJ>
+__attribute__((target("avx512f"))) inline void dots_avx512(const float* a, const float* b, int64_t K, float* out) {
+  __m512 acc[NJ];
+  for (int j = 0; j < NJ; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m512 av = _mm512_loadu_ps(a + k);
+    for (int j = 0; j < NJ; ++j) acc[j] = _mm512_fmadd_ps(av, _mm512_loadu_ps(b + j * K + k), acc[j]);
+  }
+  alignas(64) float lane[NJ][16];
+  for (int j = 0; j < NJ; ++j) _mm512_store_ps(lane[j], acc[j]);
+  for (int j = 0; j < NJ; ++j) out[j] = lanes_in_order(lane[j], a, b + j * K, k, K);
+}
+template <int NJ>
+__attribute__((target("avx2,fma"))) inline void dots_avx2(const float* a, const float* b, int64_t K, float* out) {
+  __m256 lo[NJ], hi[NJ];
+  for (int j = 0; j < NJ; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    for (int j = 0; j < NJ; ++j) {
+      lo[j] = _mm256_fmadd_ps(a0, _mm256_loadu_ps(b + j * K + k), lo[j]);
+      hi[j] = _mm256_fmadd_ps(a1, _mm256_loadu_ps(b + j * K + k + 8), hi[j]);
+    }
+  }
+  alignas(32) float lane[NJ][16];
+  for (int j = 0; j < NJ; ++j) {
+    _mm256_store_ps(lane[j], lo[j]);
+    _mm256_store_ps(lane[j] + 8, hi[j]);
+  }
+  for (int j = 0; j < NJ; ++j) out[j] = lanes_in_order(lane[j], a, b + j * K, k, K);
+}
+#endif
+
+// out[j] = dot(a, B_j) for j < N, in groups of four accumulators (the row of a stays in L1 across the groups).
+inline void row_dots(SkinnyIsa isa, const float* a, const float* b, int64_t N, int64_t K, float* out) {
+#if defined(__x86_64__)
+  if (isa != SkinnyIsa::Scalar) {
+    int64_t j = 0;
+    const bool wide = isa == SkinnyIsa::Avx512;
+    for (; j + 4 <= N; j += 4) wide ? dots_avx512<4>(a, b + j * K, K, out + j) : dots_avx2<4>(a, b + j * K, K, out + j);
+    switch (N - j) {
+      case 3: wide ? dots_avx512<3>(a, b + j * K, K, out + j) : dots_avx2<3>(a, b + j * K, K, out + j); break;
+      case 2: wide ? dots_avx512<2>(a, b + j * K, K, out + j) : dots_avx2<2>(a, b + j * K, K, out + j); break;
+      case 1: wide ? dots_avx512<1>(a, b + j * K, K, out + j) : dots_avx2<1>(a, b + j * K, K, out + j); break;
+      default: break;
+    }
+    return;
+  }
+#else
+  (void)isa;
+#endif
+  for (int64_t j = 0; j < N; ++j) {
+    const float* br = b + j * K;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < K; ++k) s += a[k] * br[k];
+    out[j] = s;
+  }
+}
+
 // Small N, A [M, K] rows and B stored [N, K] (trans_b): C[i, j] = dot(A_i, B_j), both contiguous in K.
 template <typename TA, typename TC>
 void skinny_n(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
   const std::vector<float> b = dense_f32(B, N, K, ldb);  // row j is B_j
   const float* bp = b.data();
-#pragma omp parallel if (M * K > (1 << 15))
+  const SkinnyIsa isa = current_skinny_isa();
+#pragma omp parallel if (M * K > kSkinnyParallelWork)
   {
     std::vector<float> a(static_cast<size_t>(K));
+    float out[kSkinny];
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       const TA* ar = A + i * lda;
+      if constexpr (std::is_same_v<TA, float>) {
+        row_dots(isa, ar, bp, N, K, out);
+      } else {
 #pragma omp simd
-      for (int64_t k = 0; k < K; ++k) a[static_cast<size_t>(k)] = to_f32(ar[k]);
-      for (int64_t j = 0; j < N; ++j) {
-        const float* br = bp + j * K;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < K; ++k) s += a[static_cast<size_t>(k)] * br[k];
-        store(C + i * ldc + j, s, acc);
+        for (int64_t k = 0; k < K; ++k) a[static_cast<size_t>(k)] = to_f32(ar[k]);
+        row_dots(isa, a.data(), bp, N, K, out);
       }
+      for (int64_t j = 0; j < N; ++j) store(C + i * ldc + j, out[j], acc);
     }
   }
 }
 
-// Small K, A [M, K] and B [K, N] (no transposes): C_i = sum_k A[i, k] B_k, streaming rows of C.
+// Small K, A [M, K] and B [K, N] (no transposes): C_i = sum_k A[i, k] B_k, streaming rows of C. Each output is
+// 0, then one fused multiply-add per k ascending, then (acc) plus the old C: the same operations on every path (the
+// scalar loop's are contracted to fused multiply-adds by the compiler), so the same bits.
+#if defined(__x86_64__)
+// One row: r[j] = sum_k a[k] B[k, j] for j < N (N a multiple of the vector width; B rows ldb apart), plus c[j]
+// when c is given.
+__attribute__((target("avx512f"))) void skinny_k_row_avx512(const float* a, const float* b, int64_t K, int64_t ldb, int64_t N,
+                                                            const float* c, float* r) {
+  for (int64_t j = 0; j < N; j += 64) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (N - j) / 16));
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t k = 0; k < K; ++k) {
+      const __m512 av = _mm512_set1_ps(a[k]);
+      const float* bk = b + k * ldb + j;
+      for (int v = 0; v < nv; ++v) acc[v] = _mm512_fmadd_ps(av, _mm512_loadu_ps(bk + 16 * v), acc[v]);
+    }
+    for (int v = 0; v < nv; ++v) {
+      if (c) acc[v] = _mm512_add_ps(acc[v], _mm512_loadu_ps(c + j + 16 * v));
+      _mm512_storeu_ps(r + j + 16 * v, acc[v]);
+    }
+  }
+}
+__attribute__((target("avx2,fma"))) void skinny_k_row_avx2(const float* a, const float* b, int64_t K, int64_t ldb, int64_t N,
+                                                           const float* c, float* r) {
+  for (int64_t j = 0; j < N; j += 32) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (N - j) / 8));
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t k = 0; k < K; ++k) {
+      const __m256 av = _mm256_set1_ps(a[k]);
+      const float* bk = b + k * ldb + j;
+      for (int v = 0; v < nv; ++v) acc[v] = _mm256_fmadd_ps(av, _mm256_loadu_ps(bk + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < nv; ++v) {
+      if (c) acc[v] = _mm256_add_ps(acc[v], _mm256_loadu_ps(c + j + 8 * v));
+      _mm256_storeu_ps(r + j + 8 * v, acc[v]);
+    }
+  }
+}
+#endif
+
 template <typename TA, typename TC>
 void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
   const std::vector<float> b = dense_f32(B, K, N, ldb);  // row k is B_k
   const float* bp = b.data();
-#pragma omp parallel if (M * N > (1 << 15))
+  const SkinnyIsa isa = current_skinny_isa();
+  [[maybe_unused]] const int64_t width = isa == SkinnyIsa::Avx512 ? 16 : isa == SkinnyIsa::Avx2 ? 8 : 0;
+#pragma omp parallel if (M * N > kSkinnyParallelWork)
   {
     std::vector<float> row(static_cast<size_t>(N));
     float* r = row.data();
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       const TA* ar = A + i * lda;
+      TC* cr = C + i * ldc;
+      int64_t j0 = 0;
+#if defined(__x86_64__)
+      if (width > 0 && N >= width) {
+        // The vector columns straight into an fp32 C (and its old values added there); a bf16 C through the row.
+        float a[kSkinny];
+        for (int64_t k = 0; k < K; ++k) a[k] = to_f32(ar[k]);
+        j0 = N / width * width;
+        float* out = r;
+        const float* old = nullptr;
+        if constexpr (std::is_same_v<TC, float>) {
+          out = cr;
+          if (acc) old = cr;
+        }
+        if (isa == SkinnyIsa::Avx512) skinny_k_row_avx512(a, bp, K, N, j0, old, out);
+        else skinny_k_row_avx2(a, bp, K, N, j0, old, out);
+        if constexpr (!std::is_same_v<TC, float>)
+          for (int64_t j = 0; j < j0; ++j) store(cr + j, r[j], acc);
+        if (j0 == N) continue;
+      }
+#endif
       std::fill(row.begin(), row.end(), 0.f);
       for (int64_t k = 0; k < K; ++k) {
-        const float a = to_f32(ar[k]);
+        const float av = to_f32(ar[k]);
         const float* br = bp + k * N;
 #pragma omp simd
-        for (int64_t j = 0; j < N; ++j) r[j] += a * br[j];
+        for (int64_t j = j0; j < N; ++j) r[j] += av * br[j];
       }
-      TC* cr = C + i * ldc;
-      for (int64_t j = 0; j < N; ++j) store(cr + j, r[j], acc);
+      for (int64_t j = j0; j < N; ++j) store(cr + j, r[j], acc);
     }
   }
 }
 
 // Small M, A stored [K, M] (trans_a) and B [K, N]: C_m = sum_p A[p, m] B_p, a reduction over the K rows of B.
-// Threads split the columns of C, so each sum runs over p in order.
+// Threads split the columns of C, so each sum runs over p in order. The vector paths keep a block of columns for a
+// group of rows m in registers (one fused multiply-add per p, p ascending: the same operations as the scalar loop,
+// which the compiler contracts to fused multiply-adds, so the same bits on every path).
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 load16f(const bf16* p) {
+  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+// c[m][0..32) = sum_p A[p, m0 + m] B[p, j0 .. j0 + 32) for m < MB.
+template <int MB, typename TA>
+__attribute__((target("avx512f"))) void skinny_m_cols_avx512(const TA* A, int64_t lda, const TA* B, int64_t ldb,
+                                                             int64_t K, int64_t m0, int64_t j0, float (*c)[32]) {
+  __m512 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K; ++p) {
+    const TA* br = B + p * ldb + j0;
+    const __m512 b0 = load16f(br), b1 = load16f(br + 16);
+    const TA* ar = A + p * lda + m0;
+    for (int m = 0; m < MB; ++m) {
+      const __m512 av = _mm512_set1_ps(to_f32(ar[m]));
+      acc[m][0] = _mm512_fmadd_ps(av, b0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(av, b1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm512_storeu_ps(c[m], acc[m][0]);
+    _mm512_storeu_ps(c[m] + 16, acc[m][1]);
+  }
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8f(const bf16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+// The same over 16 columns.
+template <int MB, typename TA>
+__attribute__((target("avx2,fma"))) void skinny_m_cols_avx2(const TA* A, int64_t lda, const TA* B, int64_t ldb,
+                                                           int64_t K, int64_t m0, int64_t j0, float (*c)[32]) {
+  __m256 acc[MB][2];
+  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < K; ++p) {
+    const TA* br = B + p * ldb + j0;
+    const __m256 b0 = load8f(br), b1 = load8f(br + 8);
+    const TA* ar = A + p * lda + m0;
+    for (int m = 0; m < MB; ++m) {
+      const __m256 av = _mm256_set1_ps(to_f32(ar[m]));
+      acc[m][0] = _mm256_fmadd_ps(av, b0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(av, b1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm256_storeu_ps(c[m], acc[m][0]);
+    _mm256_storeu_ps(c[m] + 8, acc[m][1]);
+  }
+}
+// Rows m0 .. m0 + mb (mb <= 8 on AVX-512, <= 6 on AVX2) over one block of columns.
+template <typename TA>
+void skinny_m_cols(SkinnyIsa isa, int64_t mb, const TA* A, int64_t lda, const TA* B, int64_t ldb, int64_t K,
+                   int64_t m0, int64_t j0, float (*c)[32]) {
+#define HS_SKINNY_M_CASE(n)                                                                    \
+  case n:                                                                                      \
+    if (isa == SkinnyIsa::Avx512) skinny_m_cols_avx512<n>(A, lda, B, ldb, K, m0, j0, c);      \
+    else skinny_m_cols_avx2<n>(A, lda, B, ldb, K, m0, j0, c);                                 \
+    return;
+  switch (mb) {
+    HS_SKINNY_M_CASE(1)
+    HS_SKINNY_M_CASE(2)
+    HS_SKINNY_M_CASE(3)
+    HS_SKINNY_M_CASE(4)
+    HS_SKINNY_M_CASE(5)
+    HS_SKINNY_M_CASE(6)
+    case 7: skinny_m_cols_avx512<7>(A, lda, B, ldb, K, m0, j0, c); return;
+    default: skinny_m_cols_avx512<8>(A, lda, B, ldb, K, m0, j0, c); return;
+  }
+#undef HS_SKINNY_M_CASE
+}
+#endif
+
 template <typename TA, typename TC>
 void skinny_m(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
   constexpr int64_t kCols = 64;
+  [[maybe_unused]] const SkinnyIsa isa = current_skinny_isa();
+#if defined(__x86_64__)
+  if (isa != SkinnyIsa::Scalar) {
+    // Blocks of 32 (AVX-512) or 16 (AVX2) columns; the ragged last columns go to the scalar loop below.
+    const int64_t cols = isa == SkinnyIsa::Avx512 ? 32 : 16, max_mb = isa == SkinnyIsa::Avx512 ? 8 : 6;
+    const int64_t nblocks = N / cols;
+#pragma omp parallel for schedule(static) if (K * N > kSkinnyParallelWork)
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      const int64_t j0 = blk * cols;
+      float c[kSkinny][32];
+      for (int64_t m0 = 0; m0 < M; m0 += max_mb)
+        skinny_m_cols(isa, std::min(max_mb, M - m0), A, lda, B, ldb, K, m0, j0, c + m0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < cols; ++j) store(C + m * ldc + j0 + j, c[m][j], acc);
+    }
+    const int64_t done = nblocks * cols;
+    if (done == N) return;
+    B += done, C += done, N -= done;
+  }
+#endif
   const int64_t nblocks = (N + kCols - 1) / kCols;
-#pragma omp parallel for schedule(static) if (K * N > (1 << 15))
+#pragma omp parallel for schedule(static) if (K * N > kSkinnyParallelWork)
   for (int64_t blk = 0; blk < nblocks; ++blk) {
     const int64_t j0 = blk * kCols, w = std::min(kCols, N - j0);
     float c[kSkinny][kCols] = {};
@@ -345,6 +601,29 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
 }
 
 }  // namespace
+
+bool skinny_isa_supported(SkinnyIsa isa) {
+  switch (isa) {
+    case SkinnyIsa::Scalar: return true;
+#if defined(__x86_64__)
+    case SkinnyIsa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case SkinnyIsa::Avx512: return __builtin_cpu_supports("avx512f");
+#else
+    default: return false;
+#endif
+  }
+  return false;
+}
+
+ScopedSkinnyIsa::ScopedSkinnyIsa(SkinnyIsa isa) : previous_(g_skinny_forced), was_forced_(g_skinny_is_forced) {
+  if (!skinny_isa_supported(isa)) throw std::invalid_argument("matmul: this CPU lacks the requested skinny-loop ISA");
+  g_skinny_forced = isa;
+  g_skinny_is_forced = true;
+}
+ScopedSkinnyIsa::~ScopedSkinnyIsa() {
+  g_skinny_forced = previous_;
+  g_skinny_is_forced = was_forced_;
+}
 
 void matmul(const float* A, const float* B, float* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
             bool acc, MatmulLayout ld) {

@@ -113,4 +113,21 @@ class SmallRowProducts {
   bool previous_;
 };
 
+// The engine's own loops for skinny products (one dimension <= 16): the widest instruction set the CPU has, chosen at
+// run time (AVX-512, else AVX2 + FMA, else scalar). For tests and benchmarks, ScopedSkinnyIsa forces one while it
+// lives (not thread-safe to create concurrently; throws std::invalid_argument if the CPU lacks it).
+enum class SkinnyIsa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
+bool skinny_isa_supported(SkinnyIsa isa);
+class ScopedSkinnyIsa {
+ public:
+  explicit ScopedSkinnyIsa(SkinnyIsa isa);
+  ~ScopedSkinnyIsa();
+  ScopedSkinnyIsa(const ScopedSkinnyIsa&) = delete;
+  ScopedSkinnyIsa& operator=(const ScopedSkinnyIsa&) = delete;
+
+ private:
+  SkinnyIsa previous_;
+  bool was_forced_;
+};
+
 }  // namespace hs::kernels

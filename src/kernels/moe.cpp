@@ -166,6 +166,48 @@ class ExpertsInPlace final : public ExpertStream<T> {
 
 }  // namespace
 
+namespace {
+// Row r of detail::moe_add_expert_rows, on the calling thread.
+template <typename T>
+inline void add_expert_row(int64_t r, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
+                           const float* scale, const T* sh, const float* yg, float* sum, T* y) {
+  const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
+  const float wt = wts[rows[r]];
+  float* st = sum + t * H;
+  const float* src = yg + r * H;
+  if (rank == k - 1) {
+    const float sg = scale[t];
+    const T* sht = sh + t * H;
+    T* yt = y + t * H;
+    if (rank == 0) {
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) {
+        float v = 0.0f;
+        v += wt * src[h];
+        yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+      }
+    } else {
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) {
+        float v = st[h];
+        v += wt * src[h];
+        yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
+      }
+    }
+  } else if (rank == 0) {
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) {
+      float v = 0.0f;
+      v += wt * src[h];
+      st[h] = v;
+    }
+  } else {
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) st[h] += wt * src[h];
+  }
+}
+}  // namespace
+
 // Adds an expert's output rows yg [n, H] (fp32, grouped rows `rows` of the expert) into its tokens' outputs: each token
 // appears once per expert, so rows never collide; experts add in index order like transformers' index_add_ loop (into
 // a zero sum), and the token's last expert adds the gated shared expert and writes y.
@@ -174,68 +216,36 @@ void detail::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t*
                                  const float* wts, const float* scale, const T* sh, const float* yg, float* sum,
                                  T* y) {
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = rows[r] / k, rank = expert_rank(idx, t, k, rows[r]);
-    const float wt = wts[rows[r]];
-    float* st = sum + t * H;
-    const float* src = yg + r * H;
-    if (rank == k - 1) {
-      const float sg = scale[t];
-      const T* sht = sh + t * H;
-      T* yt = y + t * H;
-      if (rank == 0) {
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) {
-          float v = 0.0f;
-          v += wt * src[h];
-          yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
-        }
-      } else {
-#pragma omp simd
-        for (int64_t h = 0; h < H; ++h) {
-          float v = st[h];
-          v += wt * src[h];
-          yt[h] = from_f32<T>(v + sg * to_f32(sht[h]));
-        }
-      }
-    } else if (rank == 0) {
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) {
-        float v = 0.0f;
-        v += wt * src[h];
-        st[h] = v;
-      }
-    } else {
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) st[h] += wt * src[h];
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) add_expert_row(r, H, k, rows, idx, wts, scale, sh, yg, sum, y);
 }
 
 namespace {
 
+// Row r of add_expert_dx, on the calling thread.
+inline void add_expert_dx_row(int64_t r, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
+                              const float* dzt, const float* w_sg, const float* dxg, float* dx) {
+  const int64_t t = rows[r] / k;
+  float* dst = dx + t * H;
+  const float* src = dxg + r * H;
+  if (expert_rank(idx, t, k, rows[r]) == 0) {
+    const float dzv = dzt[t];
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) {
+      float v = dst[h];
+      v += dzv * w_sg[h];
+      dst[h] = v + src[h];
+    }
+  } else {
+#pragma omp simd
+    for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
+  }
+}
 // Adds an expert's input-gradient rows dxg [n, H] into dx; a token's first expert (in index order) also adds the
 // shared-expert gate's term dz * w_sg.
 inline void add_expert_dx(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* dzt,
                           const float* w_sg, const float* dxg, float* dx) {
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t t = rows[r] / k;
-    float* dst = dx + t * H;
-    const float* src = dxg + r * H;
-    if (expert_rank(idx, t, k, rows[r]) == 0) {
-      const float dzv = dzt[t];
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) {
-        float v = dst[h];
-        v += dzv * w_sg[h];
-        dst[h] = v + src[h];
-      }
-    } else {
-#pragma omp simd
-      for (int64_t h = 0; h < H; ++h) dst[h] += src[h];
-    }
-  }
+  for (int64_t r = 0; r < n; ++r) add_expert_dx_row(r, H, k, rows, idx, dzt, w_sg, dxg, dx);
 }
 
 // Where the rows of an expert-parallel exchange are. A block is the rows one rank sent for one local expert of
@@ -376,6 +386,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     int64_t* off = offset.as<int64_t>();
     int32_t* slots = row_slot.as<int32_t>();
     matmul(x, w.router, p, N, E, H, false, true);  // fp32 logits
+    profile::Scope sub(profile::Phase::MoeDispatch, "moe_route");
     detail::moe_route(N, E, k, s.norm_topk_prob, p, idx, wts);
 
     // Counting sort of the (token, slot) pairs by expert; tokens stay ascending within an expert.
@@ -396,20 +407,46 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       const int64_t* off = offset.as<int64_t>();
       const int32_t* slots = row_slot.as<int32_t>();
       T* gu = gate_up.as<T>();
+      T* xg = xe.as<T>();
+      // Expert e's input rows: gathered while the previous expert's outputs are combined, one parallel region for
+      // both (the two loops write different buffers), so each expert costs one region of its own here, not two.
+      auto next_expert = [&](int64_t e) {
+        while (e < E && off[e + 1] == off[e]) ++e;
+        return e;
+      };
+      auto gather_rows = [&](int64_t e, int64_t r) { std::copy_n(x + (slots[off[e] + r] / k) * H, H, xg + r * H); };
+      int64_t first = next_expert(0);
+      if (first < E) {
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather");
+        const int64_t n = off[first + 1] - off[first];
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+        for (int64_t r = 0; r < n; ++r) gather_rows(first, r);
+      }
       for (int64_t e = 0; e < E; ++e) {
         const typename ExpertStream<T>::Expert ex = experts.next(e);
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
         const int32_t* rows = slots + r0;
-        T* xg = xe.as<T>();
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) std::copy_n(x + (rows[r] / k) * H, H, xg + r * H);
         T* gu_e = gu + r0 * 2 * I;
         rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
-        detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+        {
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_rows");
+          detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+        }
         rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
-        detail::moe_add_expert_rows(n, H, k, rows, idx, wts, shared_scale.as<float>(), shared_out.as<T>(), ye.as<float>(),
-                        acc.as<float>(), y);
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_combine");
+        const int64_t nx = next_expert(e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
+        const float* sc = shared_scale.as<float>();
+        const T* so = shared_out.as<T>();
+        const float* yv = ye.as<float>();
+        float* sum = acc.as<float>();
+#pragma omp parallel if ((n + n_next) * H > kMinParallelWork)
+        {
+#pragma omp for schedule(static) nowait
+          for (int64_t r = 0; r < n; ++r) add_expert_row(r, H, k, rows, idx, wts, sc, so, yv, sum, y);
+#pragma omp for schedule(static)
+          for (int64_t r = 0; r < n_next; ++r) gather_rows(nx, r);
+        }
       }
     } else {
       for (int64_t e = 0; e < E; ++e) experts.next(e);
@@ -517,6 +554,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
     const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
     if (real) {
+      profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_dy");
       T* d = dy_shared.as<T>();
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
       for (int64_t t = 0; t < N; ++t)
@@ -527,6 +565,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
                                  real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
                                  mem, dz.as<float>(), accumulate_dx);  // the first writer of dx
     if (real) {
+      profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_gate_grad");
       float* dzt = dz.as<float>();
       for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
       // d w_sg[h] += sum_t dz[t] x[t, h], column blocks so each thread owns its outputs.
@@ -573,30 +612,55 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       float* rd = rdot.as<float>();
       T* dyg = dy_rows.as<T>();
       T* xg = x_rows.as<T>();
+      // Expert e's dy (cast to T) and x rows and routing weights: gathered while the previous expert's dx rows are
+      // added into dx, one parallel region for both (they write different buffers).
+      auto next_expert = [&](int64_t e) {
+        while (e < E && off[e + 1] == off[e]) ++e;
+        return e;
+      };
+      auto gather_rows = [&](int64_t e, int64_t r) {
+        const int32_t slot = slots[off[e] + r];
+        wr[r] = wts[slot];
+        const int64_t t = slot / k;
+        const float* src = dy + t * H;
+        T* dst = dyg + r * H;
+#pragma omp simd
+        for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+        std::copy_n(x + t * H, H, xg + r * H);
+      };
+      int64_t first = next_expert(0);
+      if (first < E) {
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather_dy");
+        const int64_t n = off[first + 1] - off[first];
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+        for (int64_t r = 0; r < n; ++r) gather_rows(first, r);
+      }
       for (int64_t e = 0; e < E; ++e) {
         const typename ExpertStream<T>::Expert ex = experts.next(e);
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
         const int32_t* rows = slots + r0;
         const T* gu_e = gu + r0 * 2 * I;
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) {
-          wr[r] = wts[rows[r]];
-          const int64_t t = rows[r] / k;
-          const float* src = dy + t * H;
-          T* dst = dyg + r * H;
-#pragma omp simd
-          for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
-          std::copy_n(x + t * H, H, xg + r * H);
-        }
         rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
-        // w act (recomputed) and d(gate | up) in one pass.
-        detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
-        for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
+        {
+          // w act (recomputed) and d(gate | up) in one pass.
+          profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_grad_rows");
+          detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
+          for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
+        }
         rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
         rows_reduce_matmul(dgu.as<T>(), xg, ex.dgate_up, n, 2 * I, H);
         rows_matmul(dgu.as<T>(), ex.gate_up, dxe.as<float>(), n, H, 2 * I, false);
-        add_expert_dx(n, H, k, rows, idx, dzt, w.shared_expert_gate, dxe.as<float>(), dx);
+        profile::Scope sub(profile::Phase::MoeDispatch, "moe_scatter_dx");
+        const int64_t nx = next_expert(e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
+        const float* dxv = dxe.as<float>();
+#pragma omp parallel if ((n + n_next) * H > kMinParallelWork)
+        {
+#pragma omp for schedule(static) nowait
+          for (int64_t r = 0; r < n; ++r) add_expert_dx_row(r, H, k, rows, idx, dzt, w.shared_expert_gate, dxv, dx);
+#pragma omp for schedule(static)
+          for (int64_t r = 0; r < n_next; ++r) gather_rows(nx, r);
+        }
       }
     } else {
       for (int64_t e = 0; e < E; ++e) experts.next(e);
@@ -704,6 +768,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   if constexpr (!std::is_same_v<T, float>)
     dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
   if (!real) return;
+  profile::Scope router_scope(profile::Phase::MoeDispatch, "moe_router_backward");
   const float* probs = sv.probs.as<float>();
   const int32_t* idx = sv.topk_index.as<int32_t>();
   const float* wts = sv.topk_weight.as<float>();
