@@ -2,8 +2,11 @@
 // byte of it in the accountant, the tensors' data pointers inside the files' map), native scanned stacks and Hugging
 // Face per-layer tensors alike; only what must be converted or reordered is copied. All give the same generation.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <span>
 
 #include "checkpoint/convert.h"
@@ -235,6 +238,26 @@ TEST(InferenceWeights, CopyModeHoldsEveryTensorInMemory) {
       EXPECT_EQ(f->mapped_bytes, 0u);  // the bf16 embedding converted too
       EXPECT_EQ(other.live_total(), f->params->nbytes());
     }
+  }
+}
+
+// A config.json that does not match the weights (experts wider than stored): a clear error naming the shapes in both
+// modes, and nothing read past a stored tensor first (copy mode once copied the layout's bytes before the check).
+TEST(InferenceWeights, AConfigWiderThanTheStoredTensorsIsAClearErrorInEveryMode) {
+  HfExport x("qwen3_5_L7");
+  const std::filesystem::path bad = x.dir / "hf-bad";
+  std::filesystem::copy(x.dir / "hf", bad);
+  nlohmann::json cfg = nlohmann::json::parse(std::ifstream(bad / "config.json"));
+  nlohmann::json& text = cfg.contains("text_config") ? cfg["text_config"] : cfg;
+  text["moe_intermediate_size"] = text["moe_intermediate_size"].get<int>() * 2;
+  std::ofstream(bad / "config.json") << cfg.dump(2);
+  for (WeightsMemory how : {WeightsMemory::Map, WeightsMemory::Copy}) {
+    SCOPED_TRACE(weights_memory_name(how));
+    const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(bad);
+    MemoryAccountant mem;
+    const std::string e = test::error_of([&] { load_weights(d, std::nullopt, mem, how); });
+    EXPECT_NE(e.find("shape"), std::string::npos) << e;
+    EXPECT_NE(e.find("expected"), std::string::npos) << e;
   }
 }
 

@@ -1,6 +1,5 @@
 #include "checkpoint/convert.h"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -64,16 +63,6 @@ ExpertLayout parse_expert_layout(const std::string& s) {
   if (s == "fused") return ExpertLayout::Fused;
   if (s == "per_expert") return ExpertLayout::PerExpert;
   throw std::runtime_error("unknown expert layout '" + s + "' in hybridscan.json");
-}
-
-// Drops the pages of a span of a read-only file mapping from this process (they are re-read from the file if
-// touched again), so streaming a checkpoint larger than RAM keeps a bounded resident set.
-void release_pages(std::span<const std::byte> s) {
-  if (s.empty()) return;
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  uintptr_t a = reinterpret_cast<uintptr_t>(s.data()) & ~(page - 1);
-  uintptr_t b = (reinterpret_cast<uintptr_t>(s.data()) + s.size() + page - 1) & ~(page - 1);
-  madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
 }
 
 // A source checkpoint bound to the stacked coordinates: for every stacked tensor, the pieces of source tensors
@@ -245,7 +234,7 @@ std::vector<std::string> load_parameters(const CheckpointDir& d, model::ParamSet
       if (dst.dtype == DType::F32) std::copy_n(buf.data() + run.hf_at, run.count, static_cast<float*>(dst.data) + run.stacked_at);
       else convert(buf.data() + run.hf_at, static_cast<bf16*>(dst.data) + run.stacked_at, static_cast<size_t>(run.count));
     }
-    release_pages(r.bytes(t.name));
+    release_mapped_pages(r.bytes(t.name));
   }
   return notes;
 }
@@ -308,7 +297,7 @@ ConvertReport convert_checkpoint(const fs::path& from, const fs::path& to, const
         source.for_range(run.stacked, run.stacked_at, run.count, [&](size_t s, int64_t at, int64_t n) {
           auto bytes = source.file[s]->bytes(*source.info[s]).subspan(static_cast<size_t>(at) * es, static_cast<size_t>(n) * es);
           w.write(d.name, bytes);
-          release_pages(bytes);
+          release_mapped_pages(bytes);
         });
       rep.bytes += d.nbytes();
       ++rep.tensors;

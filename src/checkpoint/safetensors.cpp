@@ -525,4 +525,12 @@ void SafetensorsWriter::commit() {
   guarded([&] { file_.commit(); });
 }
 
+void release_mapped_pages(std::span<const std::byte> s) {
+  if (s.empty()) return;
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t a = reinterpret_cast<uintptr_t>(s.data()) & ~(page - 1);
+  const uintptr_t b = (reinterpret_cast<uintptr_t>(s.data()) + s.size() + page - 1) & ~(page - 1);
+  madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
+}
+
 }  // namespace hs::checkpoint

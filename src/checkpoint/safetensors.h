@@ -117,6 +117,11 @@ class SafetensorsReader {
   std::map<std::string, size_t, std::less<>> by_name_;
 };
 
+// Drops the pages of a span of a read-only file mapping (a reader's bytes) from this process: they are read from the
+// file again if touched, so streaming a checkpoint larger than RAM keeps a bounded resident set. The pages the span
+// shares with its neighbours go too (they come back the same way).
+void release_mapped_pages(std::span<const std::byte> s);
+
 // Converts `n` little-endian elements of an F32, BF16 or F16 tensor at `src` (any alignment) to fp32.
 void convert_to_f32(FileDType src_dtype, const std::byte* src, float* dst, size_t n);
 

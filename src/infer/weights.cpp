@@ -1,8 +1,5 @@
 #include "infer/weights.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -26,15 +23,38 @@ WeightsMemory parse_weights_memory(const std::string& s) {
   throw std::invalid_argument("weights memory '" + s + "': use map, copy or auto");
 }
 
+namespace {
+// The first number in a file (0 when it is missing or not a number, e.g. cgroup v2's "max").
+uint64_t read_number(const char* path) {
+  std::ifstream f(path);
+  uint64_t v = 0;
+  return (f >> v) ? v : 0;
+}
+}  // namespace
+
 uint64_t available_memory_bytes() {
   std::ifstream f("/proc/meminfo");
   std::string key;
-  uint64_t kib = 0;
+  uint64_t kib = 0, avail = 0;
   while (f >> key) {
-    if (key == "MemAvailable:" && (f >> kib)) return kib * 1024;
+    if (key == "MemAvailable:" && (f >> kib)) {
+      avail = kib * 1024;
+      break;
+    }
     f.ignore(1 << 10, '\n');
   }
-  return 0;
+  // A container's limit (cgroup v2 memory.max, v1 memory.limit_in_bytes) is below the host's MemAvailable: what the
+  // process may still take is the limit less what its group uses now.
+  const uint64_t v2_max = read_number("/sys/fs/cgroup/memory.max");
+  const uint64_t v1_max = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+  const uint64_t limit = v2_max ? v2_max : v1_max;
+  if (limit && limit < (uint64_t{1} << 60)) {  // v1 reports "no limit" as ~2^63
+    const uint64_t used = v2_max ? read_number("/sys/fs/cgroup/memory.current")
+                                 : read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");
+    const uint64_t left = limit > used ? limit - used : 0;
+    if (avail == 0 || left < avail) avail = left;
+  }
+  return avail;
 }
 
 bool auto_copies(uint64_t weight_bytes, uint64_t available_bytes) {
@@ -82,19 +102,17 @@ std::string place_layers(const checkpoint::CheckpointReader& r, const model::Sta
     if (checkpoint::to_engine_dtype(t.dtype) != sp.dtype)
       return "'" + s->file->name + "' is stored as " + std::string(checkpoint::file_dtype_name(t.dtype)) + ", wanted " +
              std::string(dtype_name(sp.dtype));
-    const std::byte* p = r.bytes(s->file->name).data() + static_cast<size_t>(s->run->hf_at + j * per - s->run->stacked_at) * es;
+    // The layout config.json implies must lie inside the stored tensor: a smaller one (a config that does not match
+    // the weights) is left to load_parameters, which names the shapes, before anything is read from it.
+    const std::span<const std::byte> file = r.bytes(s->file->name);
+    const size_t offset = static_cast<size_t>(s->run->hf_at + j * per - s->run->stacked_at) * es;
+    if (s->run->hf_at + j * per - s->run->stacked_at < 0 || offset + static_cast<size_t>(per) * es > file.size())
+      return "'" + s->file->name + "' is smaller than the layout needs";
+    const std::byte* p = file.data() + offset;
     if (reinterpret_cast<uintptr_t>(p) % es != 0) return "'" + s->file->name + "' is not aligned";
     at[static_cast<size_t>(j)] = const_cast<std::byte*>(p);
   }
   return "";
-}
-
-// Drops the pages of a span of a read-only file mapping from this process (the whole pages inside it).
-void drop_pages(const void* p, size_t bytes) {
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
-  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED);
 }
 
 }  // namespace
@@ -131,7 +149,7 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
         for (size_t o = 0; o < layer_bytes; o += kPiece) {
           const size_t n = std::min(kPiece, layer_bytes - o);
           std::memcpy(dst + j * layer_bytes + o, static_cast<const std::byte*>(at[j]) + o, n);
-          drop_pages(static_cast<const std::byte*>(at[j]) + o, n);
+          checkpoint::release_mapped_pages({static_cast<const std::byte*>(at[j]) + o, n});
         }
       w->copied_bytes += sp.tensor.nbytes();
       continue;

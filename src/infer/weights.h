@@ -34,7 +34,8 @@ enum class WeightsMemory { Map, Copy, Auto };
 const char* weights_memory_name(WeightsMemory m);
 // "map" | "copy" | "auto"; throws std::invalid_argument otherwise.
 WeightsMemory parse_weights_memory(const std::string& s);
-// This machine's available memory (MemAvailable of /proc/meminfo), 0 when unknown.
+// The memory this process may still take: MemAvailable of /proc/meminfo, or less where a cgroup limit (a container) leaves
+// less; 0 when unknown.
 uint64_t available_memory_bytes();
 // Auto's choice: copy when the weights plus a 1 GiB margin take at most half of the available memory (the rest stays
 // for the caches, the workspace, the page cache and other processes); map when the available memory is unknown.

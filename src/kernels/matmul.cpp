@@ -197,11 +197,11 @@ template <typename TC> void store(TC* c, float v, bool acc) {
 constexpr int64_t kSkinnyParallelWork = int64_t{1} << 22;
 
 // One row's N dot products over K with A's row already in fp32 (a) and B dense fp32 [N, K]: C_j = sum_k a_k B_jk, in
-// the order GCC gives the scalar loop's `omp simd reduction` on AVX-512 builds (read off its code): 16 lanes, lane l
-// summing k = l (mod 16) over the whole 16-element chunks with fused multiply-adds, then the K % 16 tail fused into
-// lane 0, then s = 0 + lane 0 + lane 1 + ... + lane 15 in order. Both vector paths keep that order (AVX2 as two
-// 8-lane halves), so on such a build they give the scalar loop's bits (tests/matmul_test.cpp checks it where the
-// build targets AVX-512); elsewhere they agree with it to rounding.
+// the order GCC gave the previous scalar loop's `omp simd reduction` on this AMD AVX-512 build (read off its code): 16
+// lanes, lane l summing k = l (mod 16) over the whole 16-element chunks with fused multiply-adds, then the K % 16 tail
+// fused into lane 0, then s = 0 + lane 0 + lane 1 + ... + lane 15 in order. Both vector paths keep that order (AVX2 as
+// two 8-lane halves) and the scalar path now spells it out (GCC picks 8 lanes for the same loop when tuning for Intel
+// parts), so every path gives the same bits on every build (tests/matmul_test.cpp).
 inline float lanes_in_order(const float* lane, const float* a, const float* b, int64_t k, int64_t K) {
   float l0 = lane[0];
   for (; k < K; ++k) l0 = std::fma(a[k], b[k], l0);
@@ -263,12 +263,15 @@ inline void row_dots(SkinnyIsa isa, const float* a, const float* b, int64_t N, i
 #else
   (void)isa;
 #endif
+  // The scalar path spells the vector paths' order out (16 lanes of fused multiply-adds, the tail into lane 0, the
+  // lanes summed in order), so every path and every compiler gives the same bits.
   for (int64_t j = 0; j < N; ++j) {
     const float* br = b + j * K;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t k = 0; k < K; ++k) s += a[k] * br[k];
-    out[j] = s;
+    float lane[16] = {};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      for (int l = 0; l < 16; ++l) lane[l] = std::fma(a[k + l], br[k + l], lane[l]);
+    out[j] = lanes_in_order(lane, a, br, k, K);
   }
 }
 
