@@ -78,7 +78,8 @@ std::vector<float> to_float(const Vec& x) { return cast<float>(x); }
 
 // The fast kernels with storage type T; gradients start from a non-zero fill to check they accumulate.
 template <typename T>
-Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0, bool keep_states = false) {
+Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0, bool keep_states = false,
+                     DeltaRuleProducts products = DeltaRuleProducts::Fp32) {
   const auto& s = p.s;
   const auto q = cast<T>(p.q), k = cast<T>(p.k), v = cast<T>(p.v);
   const auto beta = to_float(p.beta), g = to_float(p.g), d_o = to_float(p.d_o);
@@ -86,10 +87,11 @@ Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill =
   std::vector<float> dq(p.q.size(), float(grad_fill)), dk(p.k.size(), float(grad_fill)),
       dv(p.v.size(), float(grad_fill)), dbeta(p.beta.size(), float(grad_fill)), dg(p.g.size(), float(grad_fill));
   DeltaRuleSaved saved;
-  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem, keep_states);
+  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem, keep_states,
+                     products);
   EXPECT_EQ(saved.W.empty(), !keep_states);
   delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), dq.data(), dk.data(),
-                      dv.data(), dbeta.data(), dg.data(), mem);
+                      dv.data(), dbeta.data(), dg.data(), mem, true, products);
   Result r{widen(o), widen(dq), widen(dk), widen(dv), widen(dbeta), widen(dg)};
   if (grad_fill != 0.0)
     for (Vec* x : {&r.dq, &r.dk, &r.dv, &r.dbeta, &r.dg})
@@ -303,6 +305,38 @@ TEST(DeltaRuleBackward, WritingEqualsAddingToZeros) {
             << "gradient " << i << ", " << threads << " threads";
       return 0;
     });
+  }
+}
+
+// ---- bf16-input products (DeltaRuleProducts::Bf16) ----
+
+#define HS_NEED_BF16_PRODUCTS() \
+  if (!delta_rule_bf16_products_available()) GTEST_SKIP() << "this CPU lacks AVX-512-BF16"
+
+// Rounds to bf16 and back (nearest even), as the packing does.
+double round_bf16(double x) { return to_f32(bf16(static_cast<float>(x))); }
+
+TEST(DeltaRuleBf16Products, ErrorsReport) {
+  HS_NEED_BF16_PRODUCTS();
+  for (const DeltaRuleShape& s : {DeltaRuleShape{1, 150, 2, 4, 64, 64}, DeltaRuleShape{2, 300, 2, 4, 128, 128},
+                                  DeltaRuleShape{1, 130, 1, 2, 48, 100}}) {
+   for (double gs : {0.1, 1.0, 10.0}) {
+    const Problem exact = make_problem(s, gs, 21);
+    Problem rounded = exact;
+    for (Vec* x : {&rounded.q, &rounded.k, &rounded.v})
+      for (double& e : *x) e = round_bf16(e);
+    MemoryAccountant mem;
+    const Result b = kernel_result<bf16>(exact, mem, 0.0, true, DeltaRuleProducts::Bf16);
+    const Result f = kernel_result<bf16>(exact, mem, 0.0, true);
+    const Result ref = reference_result(rounded);
+    auto pr = [&](const char* w, const Result& x) {
+      std::printf("%s dk%ld gs%.1f: o %.2e dq %.2e dk %.2e dv %.2e dbeta %.2e dg %.2e\n", w, long(s.dk), gs,
+        rel_rms(x.o, ref.o), rel_rms(x.dq, ref.dq), rel_rms(x.dk, ref.dk), rel_rms(x.dv, ref.dv),
+        rel_rms(x.dbeta, ref.dbeta), rel_rms(x.dg, ref.dg));
+    };
+    pr("bf16prod", b);
+    pr("fp32prod", f);
+   }
   }
 }
 
