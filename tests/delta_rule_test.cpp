@@ -458,10 +458,11 @@ TEST(DeltaRuleMemory, Bf16ProductsPlannedAsMeasured) {
       const size_t planned = peak_bytes<bf16>(s, true, DeltaRuleProducts::Bf16, keep);
       EXPECT_EQ(planned, peak_bytes<bf16>(s, false, DeltaRuleProducts::Bf16, keep)) << s.dk << " " << keep;
       const size_t fp32 = peak_bytes<bf16>(s, true, DeltaRuleProducts::Fp32, keep);
-      if (delta_rule_bf16_products_available())
+      if (delta_rule_bf16_products_available()) {
         EXPECT_GT(planned, fp32);
-      else
+      } else {
         EXPECT_EQ(planned, fp32);
+      }
     }
 }
 
