@@ -412,6 +412,7 @@ TEST(DeltaRuleBf16Products, SameBitsForAnyThreadCountAndKeptStates) {
   }
 }
 
+
 // Forward + backward peak (saved + workspace), planned or measured.
 template <typename T = float>
 size_t peak_bytes(const DeltaRuleShape& s, bool planning, DeltaRuleProducts products = DeltaRuleProducts::Fp32,
@@ -464,6 +465,29 @@ TEST(DeltaRuleMemory, Bf16ProductsPlannedAsMeasured) {
         EXPECT_EQ(planned, fp32);
       }
     }
+}
+
+// HS_DELTA_RULE_BF16_PRODUCTS=off takes the path of a CPU without AVX-512-BF16: Bf16 asked for, fp32 products run, the
+// same bits as Fp32 (and the plan drops the packs).
+TEST(DeltaRuleBf16Products, FallbackWithoutTheInstructionsIsTheFp32Kernel) {
+  const DeltaRuleShape s{2, 100, 1, 2, 32, 48};
+  const Problem p = make_problem(s, 1.0, 81);
+  MemoryAccountant mem;
+  const Result f = kernel_result<bf16>(p, mem, 0.25);
+  const size_t planned_fp32 = peak_bytes<bf16>(s, true, DeltaRuleProducts::Fp32, true);
+  ::setenv("HS_DELTA_RULE_BF16_PRODUCTS", "off", 1);
+  const bool available = delta_rule_bf16_products_available();
+  const Result b = kernel_result<bf16>(p, mem, 0.25, false, DeltaRuleProducts::Bf16);
+  const size_t planned = peak_bytes<bf16>(s, true, DeltaRuleProducts::Bf16, true);
+  ::unsetenv("HS_DELTA_RULE_BF16_PRODUCTS");
+  EXPECT_FALSE(available);
+  EXPECT_EQ(planned, planned_fp32);
+  EXPECT_EQ(f.o, b.o);
+  EXPECT_EQ(f.dq, b.dq);
+  EXPECT_EQ(f.dk, b.dk);
+  EXPECT_EQ(f.dv, b.dv);
+  EXPECT_EQ(f.dbeta, b.dbeta);
+  EXPECT_EQ(f.dg, b.dg);
 }
 
 }  // namespace

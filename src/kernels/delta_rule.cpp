@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
@@ -258,7 +259,8 @@ HS_BF16_TARGET void pack_pairs_bf16(int64_t K, int64_t N, const float* src, int6
 }
 #endif
 
-// Whether this CPU runs the bf16-input products (read once).
+// Whether this CPU runs the bf16-input products (the CPU read once) and HS_DELTA_RULE_BF16_PRODUCTS is not "off" (read
+// at every kernel call, so that a test can take the fallback on a CPU that has them).
 bool cpu_has_bf16_products() {
 #if defined(HS_DELTA_BF16)
   static const bool has = [] {
@@ -266,7 +268,8 @@ bool cpu_has_bf16_products() {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
   }();
-  return has;
+  const char* cap = std::getenv("HS_DELTA_RULE_BF16_PRODUCTS");
+  return has && !(cap && std::strcmp(cap, "off") == 0);
 #else
   return false;
 #endif

@@ -40,7 +40,8 @@ struct DeltaRuleSaved {
 //         lose their low 16 bits there. Elsewhere (fp32 storage, or a CPU without AVX-512-BF16) it runs Fp32.
 enum class DeltaRuleProducts { Fp32, Bf16 };
 
-// Whether this CPU runs the Bf16 products (else Bf16 falls back to Fp32).
+// Whether this CPU runs the Bf16 products (else Bf16 falls back to Fp32); HS_DELTA_RULE_BF16_PRODUCTS=off forces the
+// fallback (read at every call).
 bool delta_rule_bf16_products_available();
 
 // q, k: [B, T, Hk, dk] (q already L2-normalised and scaled by dk^-0.5, k L2-normalised, by the caller);
