@@ -1,4 +1,5 @@
-// The chunked gated delta rule (WY form, chunk C = 64), forward and backward, in fp32.
+// The chunked gated delta rule (WY form, chunk C = 64), forward and backward, in fp32 (optionally with bf16-input
+// products).
 //
 // Per chunk, with G the chunk-local cumulative gate and S0 the state at chunk start (spec/model.md):
 //   D_ij = exp(G_i - G_j) (i >= j),  M = strictly_lower((beta K) K^T o D),  Tinv = (I + M)^-1,
@@ -19,8 +20,10 @@
 // only read on and below the diagonal (Q K^T, K K^T, dO Vn^T and the dM chain) compute just the 16-column
 // groups that reach it; terms known to be zero are skipped (the first chunk's zero start state, the last
 // chunk's zero dS1, and the last chunk's end state, which nobody reads); the backward's dKbg comes from
-// d(beta V) directly (-d(beta V) S0^T) instead of through dW. Everything stays fp32 (bf16 storage is only
-// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values.
+// d(beta V) directly (-d(beta V) S0^T) instead of through dW. By default everything stays fp32 (bf16 storage is only
+// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values. With
+// DeltaRuleProducts::Bf16 (bf16 storage, AVX-512-BF16) every product packs its operands rounded to bf16 and runs on
+// vdpbf16ps into fp32 sums (twice the FMA rate); all else is unchanged.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
