@@ -7,6 +7,7 @@
 #include <ostream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kernels/delta_rule.h"
@@ -78,7 +79,8 @@ std::vector<float> to_float(const Vec& x) { return cast<float>(x); }
 
 // The fast kernels with storage type T; gradients start from a non-zero fill to check they accumulate.
 template <typename T>
-Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0, bool keep_states = false) {
+Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill = 0.0, bool keep_states = false,
+                     DeltaRuleProducts products = DeltaRuleProducts::Fp32) {
   const auto& s = p.s;
   const auto q = cast<T>(p.q), k = cast<T>(p.k), v = cast<T>(p.v);
   const auto beta = to_float(p.beta), g = to_float(p.g), d_o = to_float(p.d_o);
@@ -86,10 +88,11 @@ Result kernel_result(const Problem& p, MemoryAccountant& mem, double grad_fill =
   std::vector<float> dq(p.q.size(), float(grad_fill)), dk(p.k.size(), float(grad_fill)),
       dv(p.v.size(), float(grad_fill)), dbeta(p.beta.size(), float(grad_fill)), dg(p.g.size(), float(grad_fill));
   DeltaRuleSaved saved;
-  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem, keep_states);
+  delta_rule_forward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), o.data(), &saved, mem, keep_states,
+                     products);
   EXPECT_EQ(saved.W.empty(), !keep_states);
   delta_rule_backward(s, q.data(), k.data(), v.data(), beta.data(), g.data(), saved, d_o.data(), dq.data(), dk.data(),
-                      dv.data(), dbeta.data(), dg.data(), mem);
+                      dv.data(), dbeta.data(), dg.data(), mem, true, products);
   Result r{widen(o), widen(dq), widen(dk), widen(dv), widen(dbeta), widen(dg)};
   if (grad_fill != 0.0)
     for (Vec* x : {&r.dq, &r.dk, &r.dv, &r.dbeta, &r.dg})
@@ -306,16 +309,122 @@ TEST(DeltaRuleBackward, WritingEqualsAddingToZeros) {
   }
 }
 
+// ---- bf16-input products (DeltaRuleProducts::Bf16) ----
+
+#define HS_NEED_BF16_PRODUCTS() \
+  if (!delta_rule_bf16_products_available()) GTEST_SKIP() << "this CPU lacks AVX-512-BF16"
+
+// Rounds to bf16 and back (nearest even), as the packing does.
+double round_bf16(double x) { return to_f32(bf16(static_cast<float>(x))); }
+
+// The kernels' own products against a double product of the operands as they see them (fp32: as given; bf16: rounded
+// to bf16 first): both sum exact products in fp32, so |C - C_exact| <= K 2^-24 sum_k |a_k b_k| (the usual bound for
+// a length-K fp32 sum). A wrong pack (a swapped pair, a row off by one) breaks it by orders of magnitude. Shapes cover
+// K % 32 == 16 (the half-width tail of the row pack), narrow 8-row blocks and 3-vector-wide ones.
+TEST(DeltaRuleProduct, WithinTheSummationBoundOfItsInputs) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (DeltaRuleProducts kind : {DeltaRuleProducts::Fp32, DeltaRuleProducts::Bf16}) {
+    if (kind == DeltaRuleProducts::Bf16 && !delta_rule_bf16_products_available()) continue;
+    for (auto [M, N, K] : {std::tuple<int64_t, int64_t, int64_t>{64, 64, 64}, {16, 48, 16}, {128, 64, 48},
+                           {8, 16, 32}, {64, 128, 128}, {4, 32, 80}}) {
+      std::vector<float> A(M * K), B(K * N), Cm(M * N);
+      for (auto& x : A) x = nd(rng);
+      for (auto& x : B) x = nd(rng);
+      detail::delta_rule_product(M, N, K, A.data(), B.data(), Cm.data(), kind);
+      auto seen = [&](float x) { return kind == DeltaRuleProducts::Bf16 ? round_bf16(x) : double(x); };
+      for (int64_t i = 0; i < M; ++i)
+        for (int64_t j = 0; j < N; ++j) {
+          double exact = 0, mag = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double t = seen(A[i * K + k]) * seen(B[k * N + j]);
+            exact += t;
+            mag += std::abs(t);
+          }
+          ASSERT_LE(std::abs(Cm[i * N + j] - exact), K * std::ldexp(mag, -24))
+              << (kind == DeltaRuleProducts::Bf16 ? "bf16 " : "fp32 ") << M << "x" << N << "x" << K << " at " << i
+              << "," << j;
+        }
+    }
+  }
+  EXPECT_THROW(detail::delta_rule_product(6, 16, 16, nullptr, nullptr, nullptr, DeltaRuleProducts::Fp32),
+               std::invalid_argument);
+}
+
+// The whole kernel with bf16-input products, forward and backward, against the double oracle fed the same bf16 inputs
+// and against the fp32-product kernel. Every product rounds its two operands to bf16 (at most 2^-9 relative each,
+// ~1.1e-3 RMS), and a result passes through a few products in a chain (e.g. dq <- dP <- dO Vn^T, or o <- P Vn <- Tinv
+// (beta V)): observed relative RMS errors 2.5e-3 - 3.5e-3 for the output and every gradient, at head dims 48-128 and
+// gate scales 0.1-10, against 1.7e-3 for the fp32 kernel's output (its own final rounding to bf16) and <= 1e-5 for its
+// gradients. The output's storage in bf16 already costs 1.7e-3, so the products add about as much again. Tolerance
+// 1e-2 (3x margin); the products must also differ from the fp32 ones by more than 1e-4 (so the bf16 path really ran).
+// A misplaced operand in any product gives errors of order 1.
+TEST(DeltaRuleBf16Products, CloseToTheOracleAndToTheFp32Products) {
+  HS_NEED_BF16_PRODUCTS();
+  for (const DeltaRuleShape& s : {DeltaRuleShape{1, 150, 2, 4, 64, 64}, DeltaRuleShape{1, 300, 1, 2, 128, 128},
+                                  DeltaRuleShape{2, 130, 1, 2, 48, 100}}) {
+    for (double gate_scale : {0.1, 1.0, 10.0}) {
+      const Problem exact = make_problem(s, gate_scale, 21);
+      Problem rounded = exact;
+      for (Vec* x : {&rounded.q, &rounded.k, &rounded.v})
+        for (double& e : *x) e = round_bf16(e);
+      MemoryAccountant mem;
+      const Result b = kernel_result<bf16>(exact, mem, 0.25, false, DeltaRuleProducts::Bf16);
+      const Result f = kernel_result<bf16>(exact, mem, 0.25);
+      const std::string what = "dk " + std::to_string(s.dk) + " gate " + std::to_string(gate_scale);
+      expect_close(b, reference_result(rounded), 1e-2, 1e-2, what + " vs oracle");
+      expect_close(b, f, 1e-2, 1e-2, what + " vs fp32 products");
+      EXPECT_GT(rel_rms(b.dq, f.dq), 1e-4) << what;
+      EXPECT_GT(rel_rms(b.dg, f.dg), 1e-4) << what;
+      EXPECT_EQ(mem.live_total(), 0u);
+    }
+  }
+}
+
+// The bf16 products keep the kernel's guarantees: the same bits for any thread count (r = 4 over one key head: per
+// value head partials with 3 threads, direct adds with 1) and with or without the kept chunk states; fp32 storage
+// ignores the request (the same bits as Fp32), as does a CPU without AVX-512-BF16.
+TEST(DeltaRuleBf16Products, SameBitsForAnyThreadCountAndKeptStates) {
+  const DeltaRuleShape s{1, 130, 1, 4, 32, 16};
+  const Problem p = make_problem(s, 1.0, 51);
+  MemoryAccountant mem;
+  constexpr auto kBf16 = DeltaRuleProducts::Bf16;
+  const Result one = test::with_threads(1, [&] { return kernel_result<bf16>(p, mem, 0.25, false, kBf16); });
+  const Result three = test::with_threads(3, [&] { return kernel_result<bf16>(p, mem, 0.25, false, kBf16); });
+  const Result kept = test::with_threads(3, [&] { return kernel_result<bf16>(p, mem, 0.25, true, kBf16); });
+  for (const Result* r : {&three, &kept}) {
+    EXPECT_EQ(one.o, r->o);
+    EXPECT_EQ(one.dq, r->dq);
+    EXPECT_EQ(one.dk, r->dk);
+    EXPECT_EQ(one.dv, r->dv);
+    EXPECT_EQ(one.dbeta, r->dbeta);
+    EXPECT_EQ(one.dg, r->dg);
+  }
+  const Result f32 = kernel_result<float>(p, mem, 0.25), f32_asked = kernel_result<float>(p, mem, 0.25, false, kBf16);
+  EXPECT_EQ(f32.o, f32_asked.o);
+  EXPECT_EQ(f32.dq, f32_asked.dq);
+  EXPECT_EQ(f32.dg, f32_asked.dg);
+  if (!delta_rule_bf16_products_available()) {
+    const Result b = kernel_result<bf16>(p, mem, 0.25);
+    EXPECT_EQ(b.o, one.o);
+    EXPECT_EQ(b.dq, one.dq);
+    EXPECT_EQ(b.dg, one.dg);
+  }
+}
+
+
 // Forward + backward peak (saved + workspace), planned or measured.
-size_t peak_bytes(const DeltaRuleShape& s, bool planning) {
+template <typename T = float>
+size_t peak_bytes(const DeltaRuleShape& s, bool planning, DeltaRuleProducts products = DeltaRuleProducts::Fp32,
+                  bool keep = false) {
   MemoryAccountant mem(planning);
   if (planning) {
     DeltaRuleSaved saved;
-    delta_rule_forward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &saved, mem);
-    delta_rule_backward<float>(s, nullptr, nullptr, nullptr, nullptr, nullptr, saved, nullptr, nullptr, nullptr,
-                               nullptr, nullptr, nullptr, mem);
+    delta_rule_forward<T>(s, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, &saved, mem, keep, products);
+    delta_rule_backward<T>(s, nullptr, nullptr, nullptr, nullptr, nullptr, saved, nullptr, nullptr, nullptr, nullptr,
+                           nullptr, nullptr, mem, true, products);
   } else {
-    kernel_result<float>(make_problem(s, 1.0, 41), mem);
+    kernel_result<T>(make_problem(s, 1.0, 41), mem, 0.0, keep, products);
   }
   return mem.peak_total();
 }
@@ -340,6 +449,45 @@ TEST(DeltaRuleMemory, LinearInTAndNotQuadraticInHeadDim) {
   const double growth = per_token(64) / per_token(32);
   EXPECT_GT(growth, 1.3);
   EXPECT_LT(growth, 2.5);
+}
+
+// With bf16 products each thread's scratch also holds two operand packs (max(64, dk, dv)^2 bf16 each): planned the
+// same way as measured, kept states or not; without AVX-512-BF16 nothing changes.
+TEST(DeltaRuleMemory, Bf16ProductsPlannedAsMeasured) {
+  for (const DeltaRuleShape& s : {DeltaRuleShape{2, 200, 2, 4, 64, 64}, DeltaRuleShape{1, 130, 1, 2, 48, 100}})
+    for (bool keep : {false, true}) {
+      const size_t planned = peak_bytes<bf16>(s, true, DeltaRuleProducts::Bf16, keep);
+      EXPECT_EQ(planned, peak_bytes<bf16>(s, false, DeltaRuleProducts::Bf16, keep)) << s.dk << " " << keep;
+      const size_t fp32 = peak_bytes<bf16>(s, true, DeltaRuleProducts::Fp32, keep);
+      if (delta_rule_bf16_products_available()) {
+        EXPECT_GT(planned, fp32);
+      } else {
+        EXPECT_EQ(planned, fp32);
+      }
+    }
+}
+
+// HS_DELTA_RULE_BF16_PRODUCTS=off takes the path of a CPU without AVX-512-BF16: Bf16 asked for, fp32 products run, the
+// same bits as Fp32 (and the plan drops the packs).
+TEST(DeltaRuleBf16Products, FallbackWithoutTheInstructionsIsTheFp32Kernel) {
+  const DeltaRuleShape s{2, 100, 1, 2, 32, 48};
+  const Problem p = make_problem(s, 1.0, 81);
+  MemoryAccountant mem;
+  const Result f = kernel_result<bf16>(p, mem, 0.25);
+  const size_t planned_fp32 = peak_bytes<bf16>(s, true, DeltaRuleProducts::Fp32, true);
+  ::setenv("HS_DELTA_RULE_BF16_PRODUCTS", "off", 1);
+  const bool available = delta_rule_bf16_products_available();
+  const Result b = kernel_result<bf16>(p, mem, 0.25, false, DeltaRuleProducts::Bf16);
+  const size_t planned = peak_bytes<bf16>(s, true, DeltaRuleProducts::Bf16, true);
+  ::unsetenv("HS_DELTA_RULE_BF16_PRODUCTS");
+  EXPECT_FALSE(available);
+  EXPECT_EQ(planned, planned_fp32);
+  EXPECT_EQ(f.o, b.o);
+  EXPECT_EQ(f.dq, b.dq);
+  EXPECT_EQ(f.dk, b.dk);
+  EXPECT_EQ(f.dv, b.dv);
+  EXPECT_EQ(f.dbeta, b.dbeta);
+  EXPECT_EQ(f.dg, b.dg);
 }
 
 }  // namespace

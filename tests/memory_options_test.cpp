@@ -14,6 +14,7 @@
 #include <random>
 #include <sstream>
 
+#include "kernels/delta_rule.h"
 #include "planner/plan.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
@@ -494,6 +495,38 @@ TEST(VocabPieces, PlanEqualsMeasuredToTheByteSlow) {
                                       std::string(m.name) + " " + std::string(dtype_name(wdt)) + " " +
                                           remat_name(pol) + (update ? " update in backward" : ""));
         }
+  }
+}
+
+// The delta rule's bf16-input products (train --delta-rule-products bf16) add two operand packs to each thread's delta
+// rule scratch: the step's plan equals its measured peak to the byte with them too (tiny and small, remat none, which
+// keeps the chunk states, and sublayer, which recomputes them), and the loss moves from the fp32 products' by the
+// products' rounding only (kernel level: ~3e-3 relative RMS on the layer's output, delta_rule_test.cpp), well within
+// 1e-2 relative, while a CPU without AVX-512-BF16 (fp32 products either way) gives the same loss.
+TEST(DeltaRuleProducts, Bf16PlanEqualsMeasuredAndLossFollowsFp32ProductsSlow) {
+  for (const char* name : {"tiny", "small"}) {
+    const ModelConfig c = model::preset(name);
+    for (RematPolicy pol : {RematPolicy::None, RematPolicy::Sublayer}) {
+      StepOptions o{pol, DType::BF16};
+      o.delta_rule_bf16_products = true;
+      expect_plan_equals_measured(c, DType::F32, o, false, std::string(name) + " " + remat_name(pol));
+    }
+  }
+  const ModelConfig c = model::preset("tiny");
+  const Data d = random_data(2 * 64, c.vocab, 3);
+  MemoryAccountant mem;
+  ParamSet p(c, DType::F32, mem, MemCategory::Parameters, false);
+  model::init_params(p, 1);
+  auto loss = [&](bool bf16_products) {
+    StepOptions o{RematPolicy::None, DType::BF16};
+    o.delta_rule_bf16_products = bf16_products;
+    std::unique_ptr<ParamSet> g;
+    return forward_backward(p, {d.in.data(), d.tg.data(), 2, 64}, o, mem, &g).loss;
+  };
+  const double f = loss(false), b = loss(true);
+  EXPECT_LT(std::abs(b - f), 1e-2 * std::abs(f));
+  if (!kernels::delta_rule_bf16_products_available()) {
+    EXPECT_EQ(b, f);
   }
 }
 

@@ -21,7 +21,7 @@ struct TrainArgs {
   train::TrainOptions o;
   std::string preset, config, remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", budget,
       piece = std::to_string(train::kDefaultGatherPieceBytes),
-      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
+      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights, delta_products = "fp32";
   int threads = 0;
   int64_t fsdp = 0;
   bool report_memory = false, json = false, quiet = false;
@@ -88,6 +88,10 @@ void register_train(CLI::App& app) {
                 "on | off: reorder each sub-layer's weights once into oneDNN's packed layout for its products "
                 "(the same bits; default: HS_PACKED_WEIGHTS, else off)")
       ->check(CLI::IsMember({"on", "off"}));
+  c->add_option("--delta-rule-products", a->delta_products,
+                "fp32 | bf16: the delta rule's matrix products in fp32, or with bf16 inputs and fp32 sums (vdpbf16ps; "
+                "bf16 compute on a CPU with AVX-512-BF16, else fp32)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
@@ -130,6 +134,7 @@ void register_train(CLI::App& app) {
     x.o.step.gather_piece_bytes = parse_bytes(x.piece);
     x.o.step.pack_weights = x.packed_weights.empty() ? kernels::weight_packing_default() : x.packed_weights == "on";
     x.o.step.vocab_piece_bytes = parse_bytes(x.vocab_piece);
+    x.o.step.delta_rule_bf16_products = x.delta_products == "bf16";
     // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
     std::unique_ptr<mpi::Runtime> rt;
     mpi::Groups groups;
@@ -167,6 +172,7 @@ void register_train(CLI::App& app) {
       r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
       r.prefetch = x.o.step.prefetch;
       r.pack_weights = x.o.step.pack_weights;
+      r.delta_rule_bf16_products = x.o.step.delta_rule_bf16_products;
       r.gather_piece_bytes = x.o.step.gather_piece_bytes;
       r.vocab_piece_bytes = x.o.step.vocab_piece_bytes;
       r.seq = x.o.seq;

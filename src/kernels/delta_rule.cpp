@@ -1,4 +1,5 @@
-// The chunked gated delta rule (WY form, chunk C = 64), forward and backward, in fp32.
+// The chunked gated delta rule (WY form, chunk C = 64), forward and backward, in fp32 (optionally with bf16-input
+// products).
 //
 // Per chunk, with G the chunk-local cumulative gate and S0 the state at chunk start (spec/model.md):
 //   D_ij = exp(G_i - G_j) (i >= j),  M = strictly_lower((beta K) K^T o D),  Tinv = (I + M)^-1,
@@ -19,16 +20,21 @@
 // only read on and below the diagonal (Q K^T, K K^T, dO Vn^T and the dM chain) compute just the 16-column
 // groups that reach it; terms known to be zero are skipped (the first chunk's zero start state, the last
 // chunk's zero dS1, and the last chunk's end state, which nobody reads); the backward's dKbg comes from
-// d(beta V) directly (-d(beta V) S0^T) instead of through dW. Everything stays fp32 (bf16 storage is only
-// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values.
+// d(beta V) directly (-d(beta V) S0^T) instead of through dW. By default everything stays fp32 (bf16 storage is only
+// widened on load), so the bf16 path computes exactly what the fp32 path does on the same values. With
+// DeltaRuleProducts::Bf16 (bf16 storage, AVX-512-BF16) every product packs its operands rounded to bf16 and runs on
+// vdpbf16ps into fp32 sums (twice the FMA rate); all else is unchanged.
 #include "kernels/delta_rule.h"
 
 #include <omp.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
+#include <type_traits>
+#include <vector>
 
 #include "core/profile.h"
 #include "kernels/simd.h"
@@ -76,8 +82,13 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t k = kb; k < ke; ++k) {
     __m512 b[NV];
+    // Pinned in registers: otherwise GCC folds each load into every row's FMA (MR loads of one vector instead of
+    // one), and the loop runs at the load ports' rate, ~55% of the FMA peak on Zen 4.
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+    for (int v = 0; v < NV; ++v) {
+      b[v] = _mm512_loadu_ps(B + k * ldb + 16 * v);
+      __asm__("" : "+v"(b[v]));
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(A[r * ars + k * aks]);
@@ -123,15 +134,15 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
 #endif
 }
 
-// Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N]; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
+// The register blocks of Cm[M, N] = op(A)[M, K] B[K, N] (N % 16 == 0, M % 4 == 0 in kMR-row blocks, 8-row ones
+// where at most two vectors are wanted), visited in order: run(mr, nv, i0, j0, kb, ke) for each block of mr rows
+// from i0 and nv 16-column vectors from j0, reading k in [kb, ke) (kb, ke even: rows blocks start at multiples of 4).
 // Column panels outermost: a K x 64 panel of B (32 KiB at K = 128) stays in L1 while A's rows stream by.
 // out == Tri::Lower: only the lower triangle of Cm (j <= i) is wanted; each block of rows stops at the 16-column
 // group holding its diagonal, so entries above the diagonal are partly computed and partly left untouched
 // (stale): a consumer must mask them, never multiply them by zero.
-void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
-          float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None,
-          Tri out = Tri::None) {
-  const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
+template <typename Run>
+void for_each_block(int64_t M, int64_t N, int64_t K, Tri tri, Tri out, Run&& run) {
   for (int64_t j0 = 0; j0 < N; j0 += 64) {
     for (int64_t i0 = 0; i0 < M;) {
       // Narrow blocks (one or two vectors wide) take 8 rows, to keep enough independent accumulators.
@@ -145,27 +156,170 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta,
       if (nv > 0) {
         const int64_t kb = tri == Tri::Upper ? std::min(i0, K) : 0;
         const int64_t ke = tri == Tri::Lower ? std::min(i0 + mr, K) : K;
-        const float* a = A + i0 * ars;
-        const float* b = B + j0;
-        float* c = Cm + i0 * ldc + j0;
-        if (mr == 8) {
-          if (nv == 2)
-            gemm_block<8, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
-          else
-            gemm_block<8, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
-        } else {
-          switch (nv) {
-            case 4: gemm_block<kMR, 4>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-            case 3: gemm_block<kMR, 3>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-            case 2: gemm_block<kMR, 2>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-            default: gemm_block<kMR, 1>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate); break;
-          }
-        }
+        run(mr, nv, i0, j0, kb, ke);
       }
       i0 += mr;
     }
   }
 }
+
+// Calls kernel.template operator()<MR, NV>() for the block shape (mr, nv) for_each_block chose.
+template <typename Kernel>
+void dispatch_block(int64_t mr, int64_t nv, Kernel&& kernel) {
+  if (mr == 8) {
+    if (nv == 2)
+      kernel.template operator()<8, 2>();
+    else
+      kernel.template operator()<8, 1>();
+    return;
+  }
+  switch (nv) {
+    case 4: kernel.template operator()<kMR, 4>(); break;
+    case 3: kernel.template operator()<kMR, 3>(); break;
+    case 2: kernel.template operator()<kMR, 2>(); break;
+    default: kernel.template operator()<kMR, 1>(); break;
+  }
+}
+
+// Cm[M, N] (= or +=) alpha op(A)[M, K] B[K, N] in fp32; A is [M, K] (lda) or, with ta, [K, M]. N % 16 == 0.
+void gemm_f32(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
+              float* Cm, int64_t ldc, float alpha, bool accumulate, Tri tri, Tri out) {
+  const int64_t ars = ta ? 1 : lda, aks = ta ? lda : 1;
+  for_each_block(M, N, K, tri, out, [&](int64_t mr, int64_t nv, int64_t i0, int64_t j0, int64_t kb, int64_t ke) {
+    const float* a = A + i0 * ars;
+    const float* b = B + j0;
+    float* c = Cm + i0 * ldc + j0;
+    dispatch_block(mr, nv, [&]<int MR, int NV>() {
+      gemm_block<MR, NV>(kb, ke, a, ars, aks, b, ldb, c, ldc, alpha, accumulate);
+    });
+  });
+}
+
+// ---- bf16-input products (AVX-512-BF16), fp32 accumulation ------------------------------------------------
+// vdpbf16ps multiplies pairs of bf16 along k exactly and adds both products into an fp32 lane, so a product
+// reads A as pairs (A[i, k], A[i, k + 1]) broadcast as one 32-bit value and B as rows of pairs: B2[k / 2, n] =
+// (B[k, n], B[k + 1, n]) ("VNNI" layout). Operands are rounded to bf16 (nearest even) when they are packed; every
+// K here (64, dk and dv rounded up to 16) is even. Only compiled into functions with the target attribute and
+// called after a run-time check of the CPU, whatever -march says.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HS_DELTA_BF16 1
+#define HS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+template <int MR, int NV>
+HS_BF16_TARGET __attribute__((noinline)) void gemm_block_bf16(int64_t kb, int64_t ke, const int32_t* A, int64_t ars,
+                                                              int64_t aks, const int32_t* B, int64_t ldb, float* Cm,
+                                                              int64_t ldc, float alpha, bool accumulate) {
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = kb; k < ke; ++k) {  // k counts pairs
+    __m512bh b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(B + k * ldb + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(A[r * ars + k * aks]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+    }
+  }
+  const __m512 al = _mm512_set1_ps(alpha);
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) {
+      float* cp = Cm + r * ldc + 16 * v;
+      __m512 c = _mm512_mul_ps(al, acc[r][v]);
+      if (accumulate) c = _mm512_add_ps(c, _mm512_loadu_ps(cp));
+      _mm512_storeu_ps(cp, c);
+    }
+}
+
+// dst[i, 0 .. K/2) = the pairs of row i of src [M, K] (lds) in bf16: a row-major A operand. K % 16 == 0.
+HS_BF16_TARGET void pack_rows_bf16(int64_t M, int64_t K, const float* src, int64_t lds, int32_t* dst) {
+  for (int64_t i = 0; i < M; ++i) {
+    const float* s = src + i * lds;
+    int32_t* d = dst + i * (K / 2);
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(d + k / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + k + 16), _mm512_loadu_ps(s + k)));
+    if (k < K) _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + k / 2), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + k)));
+  }
+}
+
+// dst[k / 2, n] = (src[k, n], src[k + 1, n]) in bf16 for src [K, N] (lds): a B operand, or a transposed A one
+// (then pair (i, k) sits at dst[k / 2, i]). K even, N % 16 == 0.
+HS_BF16_TARGET void pack_pairs_bf16(int64_t K, int64_t N, const float* src, int64_t lds, int32_t* dst) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t k = 0; k < K; k += 2) {
+    const float* s0 = src + k * lds;
+    const float* s1 = s0 + lds;
+    int32_t* d = dst + (k / 2) * N;
+    for (int64_t n = 0; n < N; n += 16) {
+      // words 0-15: row k, 16-31: row k + 1; then interleaved into pairs.
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s1 + n), _mm512_loadu_ps(s0 + n));
+      _mm512_storeu_si512(d + n, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+#endif
+
+// Whether this CPU runs the bf16-input products (the CPU read once) and HS_DELTA_RULE_BF16_PRODUCTS is not "off" (read
+// at every kernel call, so that a test can take the fallback on a CPU that has them).
+bool cpu_has_bf16_products() {
+#if defined(HS_DELTA_BF16)
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  }();
+  const char* cap = std::getenv("HS_DELTA_RULE_BF16_PRODUCTS");
+  return has && !(cap && std::strcmp(cap, "off") == 0);
+#else
+  return false;
+#endif
+}
+
+// The largest operand one product packs: a pack holds at most max(64, dkp, dvp)^2 bf16 (half as many floats).
+int64_t pack_floats(int64_t dkp, int64_t dvp) {
+  const int64_t d = std::max({C, dkp, dvp});
+  return d * d / 2;
+}
+
+// The products of one thread's chunk work: fp32, or bf16 inputs packed into its own two pack buffers.
+struct Products {
+  bool bf16 = false;
+  int32_t *pa = nullptr, *pb = nullptr;
+
+  void operator()(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, bool ta, const float* B, int64_t ldb,
+                  float* Cm, int64_t ldc, float alpha = 1.0f, bool accumulate = false, Tri tri = Tri::None,
+                  Tri out = Tri::None) const {
+#if defined(HS_DELTA_BF16)
+    if (bf16) {
+      // Only the k range a triangular A reads is packed and read; the rest of the pack stays unread.
+      if (ta)
+        pack_pairs_bf16(K, M, A, lda, pa);
+      else
+        pack_rows_bf16(M, K, A, lda, pa);
+      pack_pairs_bf16(K, N, B, ldb, pb);
+      const int64_t ars = ta ? 1 : K / 2, aks = ta ? M : 1;
+      for_each_block(M, N, K, tri, out, [&](int64_t mr, int64_t nv, int64_t i0, int64_t j0, int64_t kb, int64_t ke) {
+        const int32_t* a = pa + i0 * ars;
+        const int32_t* b = pb + j0;
+        float* c = Cm + i0 * ldc + j0;
+        dispatch_block(mr, nv, [&]<int MR, int NV>() {
+          gemm_block_bf16<MR, NV>(kb / 2, ke / 2, a, ars, aks, b, N, c, ldc, alpha, accumulate);
+        });
+      });
+      return;
+    }
+#endif
+    gemm_f32(M, N, K, A, lda, ta, B, ldb, Cm, ldc, alpha, accumulate, tri, out);
+  }
+};
 
 // dst[cols, rows] = src[rows, cols]^T, rows and cols multiples of 16, through a 16x16 tile on the stack
 // (twice as fast as the plain strided loop).
@@ -307,7 +461,13 @@ struct ChunkTiles {
   int64_t dkp, dvp;
   float *q, *k, *v, *kt, *beta, *G, *eG, *eKd, *D, *kkt, *tinv, *kbg, *bv, *qg, *kd, *qkt;
   const float* T = nullptr;  // the chunk's Tinv in use: tinv, or the forward's saved copy
-  ChunkTiles(Carver& cv, int64_t dkp_, int64_t dvp_) : dkp(dkp_), dvp(dvp_) {
+  Products mm;               // this thread's products (bf16: with its pack buffers)
+  ChunkTiles(Carver& cv, int64_t dkp_, int64_t dvp_, bool bf16) : dkp(dkp_), dvp(dvp_) {
+    if (bf16) {
+      mm.bf16 = true;
+      mm.pa = reinterpret_cast<int32_t*>(cv.take(pack_floats(dkp, dvp)));
+      mm.pb = reinterpret_cast<int32_t*>(cv.take(pack_floats(dkp, dvp)));
+    }
     q = cv.take(C * dkp);
     k = cv.take(C * dkp);
     v = cv.take(C * dvp);
@@ -433,6 +593,12 @@ struct HeadView {
   }
 };
 
+// The bf16-input products run when asked for, the storage is bf16 and the CPU has AVX-512-BF16; else fp32.
+template <typename T>
+bool bf16_products(DeltaRuleProducts p) {
+  return p == DeltaRuleProducts::Bf16 && std::is_same_v<T, bf16> && cpu_has_bf16_products();
+}
+
 void check_shape(const DeltaRuleShape& s) {
   if (s.batch < 0 || s.seq < 0 || s.k_heads <= 0 || s.v_heads <= 0 || s.dk <= 0 || s.dv <= 0 ||
       s.v_heads % s.k_heads != 0)
@@ -449,7 +615,7 @@ int64_t worker_count(const DeltaRuleShape& s) {
 struct ForwardScratch {
   ChunkTiles t;
   float *S, *W, *vn, *out;
-  ForwardScratch(Carver& cv, int64_t dkp, int64_t dvp) : t(cv, dkp, dvp) {
+  ForwardScratch(Carver& cv, int64_t dkp, int64_t dvp, bool bf16) : t(cv, dkp, dvp, bf16) {
     S = cv.take(dkp * dvp);
     W = cv.take(C * dkp);
     vn = cv.take(C * dvp);
@@ -472,16 +638,16 @@ void load_chunk(const HeadView& hv, int64_t c, const T* q, const T* k, const T* 
 // S0 == nullptr stands for a zero start state (the first chunk).
 void chunk_values_and_state(ChunkTiles& t, float* W, float* vn, const float* S0, float* S1) {
   t.wy_operands();
-  gemm(C, t.dkp, C, t.T, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
-  gemm(C, t.dvp, C, t.T, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
-  if (S0) gemm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
+  t.mm(C, t.dkp, C, t.T, C, false, t.kbg, t.dkp, W, t.dkp, 1.0f, false, Tri::Lower);
+  t.mm(C, t.dvp, C, t.T, C, false, t.bv, t.dvp, vn, t.dvp, 1.0f, false, Tri::Lower);
+  if (S0) t.mm(C, t.dvp, t.dkp, W, t.dkp, false, S0, t.dvp, vn, t.dvp, -1.0f, true);
   if (!S1) return;
   scale_rows(t.eKd, t.k, t.kd, t.dkp);
   const float decay = exp_nonpositive(t.gl());
   const int64_t n = t.dkp * t.dvp;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) S1[i] = S0 ? decay * S0[i] : 0.0f;
-  gemm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
+  t.mm(t.dkp, t.dvp, C, t.kd, t.dkp, true, vn, t.dvp, S1, t.dvp, 1.0f, true);
 }
 
 // states (optional): where to keep every chunk's W, V_new and start state (DeltaRuleSaved's layout for this head).
@@ -511,7 +677,7 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     t.decay_matrix();
 
     transpose(t.k, C, dkp, dkp, t.kt, C);
-    gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
+    t.mm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
     float* M = t.qkt;  // scratch until Q K^T is formed below
     for (int64_t i = 1; i < C; ++i)  // unit_lower_inverse reads M only below the diagonal
       for (int64_t j0 = 0; j0 < i; j0 += kLanes) {
@@ -532,12 +698,12 @@ void forward_head(const HeadView& hv, const T* q, const T* k, const T* v, const 
     float* vn = keep.vn ? keep.vn + c * C * dvp : w.vn;
     if (S0) {
       scale_rows(t.eG, t.q, t.qg, dkp);
-      gemm(C, dvp, dkp, t.qg, dkp, false, S0, dvp, w.out, dvp);
+      t.mm(C, dvp, dkp, t.qg, dkp, false, S0, dvp, w.out, dvp);
     }
     chunk_values_and_state(t, Wc, vn, S0, S1);
-    gemm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
+    t.mm(C, C, dkp, t.q, dkp, false, t.kt, C, t.qkt, C, 1.0f, false, Tri::None, Tri::Lower);
     mask_decay(t.qkt, t.D);
-    gemm(C, dvp, C, t.qkt, C, false, vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
+    t.mm(C, dvp, C, t.qkt, C, false, vn, dvp, w.out, dvp, 1.0f, S0 != nullptr, Tri::Lower);
 
     T* dst = o + hv.vo_offset(t0);
     for (int64_t i = 0; i < n; ++i)
@@ -556,7 +722,8 @@ struct BackwardScratch {
   float *dS, *dSt, *S0t, *vnt, *bvt, *kbgt, *tinvt, *dO, *dvn, *dqg, *dq, *dk, *dv, *dP, *dkd, *X, *dM,
       *dbv, *dkbg, *dbeta, *dG;
   // recompute: room for the head's W, Vn and start states (not needed when the forward kept them).
-  BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks, bool recompute) : t(cv, dkp, dvp) {
+  BackwardScratch(Carver& cv, int64_t dkp, int64_t dvp, int64_t nchunks, bool recompute, bool bf16)
+      : t(cv, dkp, dvp, bf16) {
     W_all = recompute ? cv.take(nchunks * C * dkp) : nullptr;
     vn_all = recompute ? cv.take(nchunks * C * dvp) : nullptr;
     S_all = recompute ? cv.take(nchunks * dkp * dvp) : nullptr;
@@ -611,21 +778,21 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   std::fill_n(w.dbeta, C, 0.0f);
 
   transpose(t.k, C, dkp, dkp, t.kt, C);
-  gemm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C, 1.0f, false, Tri::None, Tri::Lower);
+  t.mm(C, C, dkp, t.q, dkp, false, t.kt, C, P, C, 1.0f, false, Tri::None, Tri::Lower);
   mask_decay(P, t.D);
-  gemm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
+  t.mm(C, C, dkp, t.k, dkp, false, t.kt, C, t.kkt, C, 1.0f, false, Tri::None, Tri::Lower);
   scale_rows(t.eG, t.q, t.qg, dkp);
   scale_rows(t.eKd, t.k, t.kd, dkp);
   t.wy_operands();
 
   // dVn = P^T dO + Kd dS1.
-  gemm(C, dvp, C, P, C, true, w.dO, dvp, w.dvn, dvp, 1.0f, false, Tri::Upper);
-  if (!ds_zero) gemm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
+  t.mm(C, dvp, C, P, C, true, w.dO, dvp, w.dvn, dvp, 1.0f, false, Tri::Upper);
+  if (!ds_zero) t.mm(C, dvp, dkp, t.kd, dkp, false, w.dS, dvp, w.dvn, dvp, 1.0f, true);
 
   // Through O = Qg S0: dQg = dO S0^T.
   if (S0) {
     transpose(S0, dkp, dvp, dvp, w.S0t, dkp);
-    gemm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
+    t.mm(C, dkp, dvp, w.dO, dvp, false, w.S0t, dkp, w.dqg, dkp);
     for (int64_t i = 0; i < C; ++i) {
       dG[i] += dot(t.qg + i * dkp, w.dqg + i * dkp, dkp);
       const float e = t.eG[i];
@@ -638,7 +805,7 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
 
   // Through O += P Vn: dP = dO Vn^T (lower), then P = (Q K^T) o D.
   transpose(vn, C, dvp, dvp, w.vnt, C);
-  gemm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C, 1.0f, false, Tri::None, Tri::Lower);
+  t.mm(C, C, dvp, w.dO, dvp, false, w.vnt, C, w.dP, C, 1.0f, false, Tri::None, Tri::Lower);
   for (int64_t i = 0; i < C; ++i)
     for (int64_t j0 = 0; j0 < C; j0 += kLanes) {
       const int64_t o = i * C + j0;
@@ -651,14 +818,14 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
       mul_masked(w.dP + o, w.dP + o, t.D + o, 1.0f, j0, i);
     }
   decay_gate_grad(w.X, dG);
-  gemm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
-  gemm(C, dkp, C, w.dP, C, true, t.q, dkp, w.dk, dkp, 1.0f, false, Tri::Upper);
+  t.mm(C, dkp, C, w.dP, C, false, t.k, dkp, w.dq, dkp, 1.0f, true, Tri::Lower);
+  t.mm(C, dkp, C, w.dP, C, true, t.q, dkp, w.dk, dkp, 1.0f, false, Tri::Upper);
 
   // Through S1 = exp(G_last) S0 + Kd^T Vn with Kd = exp(G_last - G) K.
   const float gl = t.gl(), decay = exp_nonpositive(gl);
   if (!ds_zero) {
     transpose(w.dS, dkp, dvp, dvp, w.dSt, dkp);
-    gemm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
+    t.mm(C, dkp, dvp, vn, dvp, false, w.dSt, dkp, w.dkd, dkp);
     float dgl = S0 ? decay * dot(w.dS, S0, dkp * dvp) : 0.0f;
     for (int64_t i = 0; i < C; ++i) {
       const float x = dot(t.kd + i * dkp, w.dkd + i * dkp, dkp);
@@ -675,14 +842,14 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   const int64_t nS = dkp * dvp;
 #pragma omp simd
   for (int64_t i = 0; i < nS; ++i) w.dS[i] = ds_zero ? 0.0f : decay * w.dS[i];
-  gemm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
-  gemm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
+  t.mm(dkp, dvp, C, t.qg, dkp, true, w.dO, dvp, w.dS, dvp, 1.0f, true);
+  t.mm(dkp, dvp, C, W, dkp, true, w.dvn, dvp, w.dS, dvp, -1.0f, true);
 
   // Through U = Tinv (beta V) and W = Tinv Kbg: d(beta V) = Tinv^T dU, and with dW = -dU S0^T,
   // dKbg = Tinv^T dW = -d(beta V) S0^T.
-  gemm(C, dvp, C, t.T, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
+  t.mm(C, dvp, C, t.T, C, true, w.dvn, dvp, w.dbv, dvp, 1.0f, false, Tri::Upper);
   if (S0)
-    gemm(C, dkp, dvp, w.dbv, dvp, false, w.S0t, dkp, w.dkbg, dkp, -1.0f);
+    t.mm(C, dkp, dvp, w.dbv, dvp, false, w.S0t, dkp, w.dkbg, dkp, -1.0f);
   else
     std::fill_n(w.dkbg, C * dkp, 0.0f);
   for (int64_t i = 0; i < C; ++i) {
@@ -704,10 +871,10 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
   // of Tinv).
   transpose(t.bv, C, dvp, dvp, w.bvt, C);
   transpose(t.kbg, C, dkp, dkp, w.kbgt, C);
-  gemm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C, 1.0f, false, Tri::None, Tri::Lower);
-  gemm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true, Tri::None, Tri::Lower);
+  t.mm(C, C, dvp, w.dbv, dvp, false, w.bvt, C, w.X, C, 1.0f, false, Tri::None, Tri::Lower);
+  t.mm(C, C, dkp, w.dkbg, dkp, false, w.kbgt, C, w.X, C, 1.0f, true, Tri::None, Tri::Lower);
   transpose(t.T, C, C, C, w.tinvt, C);
-  gemm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f, false, Tri::Lower, Tri::Lower);
+  t.mm(C, C, C, w.X, C, false, w.tinvt, C, w.dM, C, -1.0f, false, Tri::Lower, Tri::Lower);
   float* E = w.dM;  // becomes beta_i dM_ij D_ij in place
   float* F = w.X;
   for (int64_t i = 0; i < C; ++i) {
@@ -729,8 +896,8 @@ void chunk_backward(BackwardScratch& w, const float* W, const float* vn, const f
     w.dbeta[i] += db;
   }
   decay_gate_grad(F, dG);
-  gemm(C, dkp, C, E, C, false, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Lower);
-  gemm(C, dkp, C, E, C, true, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Upper);
+  t.mm(C, dkp, C, E, C, false, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Lower);
+  t.mm(C, dkp, C, E, C, true, t.k, dkp, w.dk, dkp, 1.0f, true, Tri::Upper);
 
   // G is the chunk-local cumulative sum of g.
   for (int64_t i = C - 2; i >= 0; --i) dG[i] += dG[i + 1];
@@ -813,11 +980,12 @@ void backward_head(const HeadView& hv, const T* q, const T* k, const T* v, const
 // The forwards' per-thread scratch from the accountant (planned as well), then head(view, index, scratch) for every
 // (sequence, value head) on the workers.
 template <typename PerHead>
-void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, MemoryAccountant& mem, PerHead&& head) {
+void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, bool bf16, MemoryAccountant& mem,
+                   PerHead&& head) {
   const int64_t heads = s.batch * s.v_heads;
   const int64_t workers = worker_count(s);
   Carver sizing(nullptr);
-  ForwardScratch{sizing, dkp, dvp};
+  ForwardScratch{sizing, dkp, dvp, bf16};
   const int64_t per_thread = sizing.used();
   Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.forward_scratch");
   if (mem.planning() || heads == 0 || s.seq == 0) return;
@@ -825,7 +993,7 @@ void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, MemoryAcco
 #pragma omp parallel num_threads(static_cast<int>(workers))
   {
     Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
-    ForwardScratch w(cv, dkp, dvp);
+    ForwardScratch w(cv, dkp, dvp, bf16);
 #pragma omp for schedule(static)
     for (int64_t hh = 0; hh < heads; ++hh) head(HeadView{s, hh / s.v_heads, hh % s.v_heads}, hh, w);
   }
@@ -835,7 +1003,8 @@ void for_each_head(const DeltaRuleShape& s, int64_t dkp, int64_t dvp, MemoryAcco
 
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
-                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem, bool keep_chunk_states) {
+                        const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem, bool keep_chunk_states,
+                        DeltaRuleProducts products) {
   profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_forward");
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks();
@@ -850,7 +1019,7 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
     saved->vn = mem.allocate_n<float>(heads * nchunks * C * dvp, MemCategory::Activations, "delta_rule.vn");
     saved->S = mem.allocate_n<float>(heads * nchunks * dkp * dvp, MemCategory::Activations, "delta_rule.states");
   }
-  for_each_head(s, dkp, dvp, mem, [&](const HeadView& hv, int64_t hh, ForwardScratch& w) {
+  for_each_head(s, dkp, dvp, bf16_products<T>(products), mem, [&](const HeadView& hv, int64_t hh, ForwardScratch& w) {
     float* tinv = saved ? saved->tinv.as<float>() + hh * nchunks * C * C : nullptr;
     float* gcum = saved ? saved->gcum.as<float>() + hh * nchunks * C : nullptr;
     ChunkStates states;
@@ -863,11 +1032,12 @@ void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T
 
 template <typename T>
 void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
-                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem) {
+                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem,
+                               DeltaRuleProducts products) {
   profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_forward_cached");
   check_shape(s);
   const int64_t dkp = round_up(s.dk, kLanes), dvp = round_up(s.dv, kLanes);
-  for_each_head(s, dkp, dvp, mem, [&](const HeadView& hv, int64_t, ForwardScratch& w) {
+  for_each_head(s, dkp, dvp, bf16_products<T>(products), mem, [&](const HeadView& hv, int64_t, ForwardScratch& w) {
     float* carry = state + (int64_t{slots[hv.b]} * s.v_heads + hv.h) * s.dk * s.dv;
     forward_head(hv, q, k, v, beta, g, o, nullptr, nullptr, ChunkStates{}, w, carry);
   });
@@ -877,7 +1047,7 @@ template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* /*g: read back from saved.gcum*/, const DeltaRuleSaved& saved, const float* d_o,
                          float* dq, float* dk, float* dv, float* dbeta, float* dg, MemoryAccountant& mem,
-                         bool accumulate) {
+                         bool accumulate, DeltaRuleProducts products) {
   profile::Scope profile_scope(profile::Phase::DeltaRule, "delta_rule_backward");
   check_shape(s);
   const int64_t heads = s.batch * s.v_heads, nchunks = s.chunks(), r = s.ratio();
@@ -902,7 +1072,8 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
   const int64_t heads_per_unit = per_key_head ? r : 1;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), units));
   Carver sizing(nullptr);
-  BackwardScratch{sizing, dkp, dvp, nchunks, !kept};
+  const bool bf16 = bf16_products<T>(products);
+  BackwardScratch{sizing, dkp, dvp, nchunks, !kept, bf16};
   const int64_t per_thread = sizing.used();
   Buffer ws = mem.allocate_n<float>(workers * per_thread, MemCategory::Workspace, "delta_rule.backward_scratch");
   Buffer partial;
@@ -918,7 +1089,7 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
 #pragma omp parallel num_threads(static_cast<int>(workers))
   {
     Carver cv(ws.as<float>() + omp_get_thread_num() * per_thread);
-    BackwardScratch w(cv, dkp, dvp, nchunks, !kept);
+    BackwardScratch w(cv, dkp, dvp, nchunks, !kept, bf16);
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; ++u)
       for (int64_t j = 0; j < heads_per_unit; ++j) {
@@ -955,14 +1126,33 @@ void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const 
   }
 }
 
+bool delta_rule_bf16_products_available() { return cpu_has_bf16_products(); }
+
+void detail::delta_rule_product(int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* Cm,
+                                DeltaRuleProducts products) {
+  if (M % 4 != 0 || N % 16 != 0 || K % 16 != 0)
+    throw std::invalid_argument("delta_rule_product: M must be a multiple of 4, N and K of 16");
+  Products mm;
+  if (products == DeltaRuleProducts::Bf16) {
+    if (!cpu_has_bf16_products()) throw std::invalid_argument("delta_rule_product: this CPU lacks AVX-512-BF16");
+    thread_local std::vector<int32_t> ta, tb;  // reused: the bench calls this in a loop
+    ta.resize(M * K / 2);
+    tb.resize(K * N / 2);
+    mm = Products{true, ta.data(), tb.data()};
+  }
+  mm(M, N, K, A, K, false, B, N, Cm, N);
+}
+
 #define HS_INSTANTIATE(T)                                                                                       \
   template void delta_rule_forward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,         \
-                                      const float*, T*, DeltaRuleSaved*, MemoryAccountant&, bool);               \
+                                      const float*, T*, DeltaRuleSaved*, MemoryAccountant&, bool,                \
+                                      DeltaRuleProducts);                                                        \
   template void delta_rule_forward_cached<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,  \
-                                             const float*, T*, float*, const int32_t*, MemoryAccountant&);       \
+                                             const float*, T*, float*, const int32_t*, MemoryAccountant&,        \
+                                             DeltaRuleProducts);                                                 \
   template void delta_rule_backward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,        \
                                        const float*, const DeltaRuleSaved&, const float*, float*, float*, float*, \
-                                       float*, float*, MemoryAccountant&, bool);
+                                       float*, float*, MemoryAccountant&, bool, DeltaRuleProducts);
 HS_INSTANTIATE(float)
 HS_INSTANTIATE(bf16)
 #undef HS_INSTANTIATE

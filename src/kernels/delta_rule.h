@@ -31,6 +31,19 @@ struct DeltaRuleSaved {
   Buffer W, vn, S;
 };
 
+// The inputs of the chunked kernels' matrix products (their sums are fp32 either way; the state S, the gates' cumulative
+// sums, Tinv's solve and every elementwise step stay fp32):
+//   Fp32: every product in fp32 (bf16 storage widened exactly on load) - the default.
+//   Bf16: with bf16 storage (T = bf16) on a CPU with AVX-512-BF16, every product rounds its two operands to bf16
+//         (nearest even) and multiplies them with vdpbf16ps into fp32 sums, as flash-linear-attention's kernels run
+//         tl.dot on bf16 inputs; the operands derived in fp32 (Tinv, W, V_new, S, the scaled q and k, the gradients)
+//         lose their low 16 bits there. Elsewhere (fp32 storage, or a CPU without AVX-512-BF16) it runs Fp32.
+enum class DeltaRuleProducts { Fp32, Bf16 };
+
+// Whether this CPU runs the Bf16 products (else Bf16 falls back to Fp32); HS_DELTA_RULE_BF16_PRODUCTS=off forces the
+// fallback (read at every call).
+bool delta_rule_bf16_products_available();
+
 // q, k: [B, T, Hk, dk] (q already L2-normalised and scaled by dk^-0.5, k L2-normalised, by the caller);
 // v, o: [B, T, Hv, dv]; beta, g: [B, T, Hv] fp32 (g <= 0 is the log-decay). Value head h reads key
 // head h / r (repeat_interleave). saved == nullptr: inference, keep nothing.
@@ -39,14 +52,15 @@ struct DeltaRuleSaved {
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem,
-                        bool keep_chunk_states = false);
+                        bool keep_chunk_states = false, DeltaRuleProducts products = DeltaRuleProducts::Fp32);
 
 // Inference that continues sequences (src/infer's prefill): the same chunked forward, nothing saved, starting from
 // state[slots[b]] ([slots, Hv, dk, dv] fp32, one [dk, dv] state per value head) instead of zero, and leaving each
 // sequence's end state there, so a sequence processed in pieces gives what it gives processed at once.
 template <typename T>
 void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
-                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem);
+                               const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem,
+                               DeltaRuleProducts products = DeltaRuleProducts::Fp32);
 
 // Accumulates (+=) into dq, dk [B, T, Hk, dk], dv [B, T, Hv, dv], dbeta, dg [B, T, Hv] (all fp32; with accumulate
 // false it writes them, so the caller clears nothing; the same bits as adding to zeros), given
@@ -59,7 +73,16 @@ void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, 
 template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* g, const DeltaRuleSaved& saved, const float* d_o, float* dq, float* dk,
-                         float* dv, float* dbeta, float* dg, MemoryAccountant& mem, bool accumulate = true);
+                         float* dv, float* dbeta, float* dg, MemoryAccountant& mem, bool accumulate = true,
+                         DeltaRuleProducts products = DeltaRuleProducts::Fp32);
+
+namespace detail {
+// One of the kernels' own register-blocked products, Cm[M, N] = A[M, K] B[K, N] (row-major, leading dimensions K, N
+// and N; M % 4 == 0, N and K multiples of 16), with the products' input kind (Bf16 includes packing both operands;
+// it throws where the CPU lacks AVX-512-BF16). For bench/delta_rule_bench's peak figures and the tests.
+void delta_rule_product(int64_t M, int64_t N, int64_t K, const float* A, const float* B, float* Cm,
+                        DeltaRuleProducts products);
+}  // namespace detail
 
 namespace reference {
 

@@ -330,6 +330,10 @@ void merge_gate(const float* dgate, D* dqg, int64_t N, int64_t heads, int64_t hd
     }
 }
 
+kernels::DeltaRuleProducts delta_rule_products(const LayerContext& ctx) {
+  return ctx.delta_rule_bf16_products ? kernels::DeltaRuleProducts::Bf16 : kernels::DeltaRuleProducts::Fp32;
+}
+
 template <typename T>
 void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h_in, T* mix, LayerSaved<T>& s,
                  bool keep) {
@@ -383,7 +387,7 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
   if (!ctx.cache) {
     delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
-                       keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables);
+                       keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables, delta_rule_products(ctx));
   } else if (ctx.seq == 1) {  // one token per sequence: the recurrent step (the chunked form would pad it to 64)
     if (!P)
       delta_rule_step(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
@@ -426,7 +430,7 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
   delta_rule_backward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), s.delta,
                       ptr<float>(d_o), ptr<float>(dqn), ptr<float>(dkn), ptr<float>(dv), ptr<float>(dbeta),
-                      ptr<float>(dg), mem, /*accumulate=*/false);
+                      ptr<float>(dg), mem, /*accumulate=*/false, delta_rule_products(ctx));
   d_o.reset();
   Buffer db = scratch<float>(mem, N * Hv, "gdn.db", true);
   Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);

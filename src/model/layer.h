@@ -56,6 +56,9 @@ struct LayerContext {
   // the products that read them: the forward's (x W^T) for the forward's duration, the backward's (dy W) for the
   // backward's, each accounted as MemCategory::WeightCasts. Decoding leaves it off (its products run on gemv).
   bool pack_weights = false;
+  // Training: the delta rule's products take bf16 inputs (kernels::DeltaRuleProducts::Bf16, train
+  // --delta-rule-products bf16) when the compute dtype is bf16 and the CPU has AVX-512-BF16; else fp32.
+  bool delta_rule_bf16_products = false;
   int64_t tokens() const { return batch * seq; }
 };
 

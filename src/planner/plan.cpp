@@ -50,6 +50,7 @@ PlanResult plan(const PlanRequest& r) {
   train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
   opt.prefetch = r.prefetch;
   opt.pack_weights = r.pack_weights;
+  opt.delta_rule_bf16_products = r.delta_rule_bf16_products;
   opt.gather_piece_bytes = r.gather_piece_bytes;
   opt.vocab_piece_bytes = r.vocab_piece_bytes;
   // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates only the replicas'

@@ -31,6 +31,7 @@ struct PlanRequest {
   // train --packed-weights: this CPU's oneDNN packed forms of each sub-layer's weights (sized by oneDNN's memory
   // descriptors here, so only meaningful for a run on this machine; plan --chip leaves it off).
   bool pack_weights = false;
+  bool delta_rule_bf16_products = false;  // train --delta-rule-products bf16 (train::StepOptions)
 };
 
 struct PlanResult {

@@ -99,6 +99,7 @@ struct Runner {
   bool keep_recomputables = false;  // remat none: the layers keep what their kernels would recompute
   bool prefetch = false;
   bool pack_weights = false;
+  bool delta_rule_bf16_products = false;
   size_t piece_bytes = 0;
   size_t vocab_piece_bytes = 0;  // StepOptions::vocab_piece_bytes
   GradientSink* sink = nullptr;  // StepOptions::update
@@ -133,7 +134,7 @@ struct Runner {
   }
   model::LayerContext ctx() const {
     return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
-            /*slots=*/nullptr, piece_bytes, ep_group, pack_weights};
+            /*slots=*/nullptr, piece_bytes, ep_group, pack_weights, delta_rule_bf16_products};
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }
@@ -679,6 +680,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
     r.ep_group = ep_group;
     r.prefetch = opt.prefetch;
     r.pack_weights = opt.pack_weights;
+    r.delta_rule_bf16_products = opt.delta_rule_bf16_products;
     r.piece_bytes = opt.gather_piece_bytes;
     r.vocab_piece_bytes = opt.vocab_piece_bytes;
     r.sink = opt.update;

@@ -78,6 +78,9 @@ struct StepOptions {
   // Each sub-layer's matrix weights reordered into oneDNN's packed layout for its products (model::LayerContext::
   // pack_weights, train --packed-weights): the same bits, the packed forms accounted as weight casts.
   bool pack_weights = false;
+  // The delta rule's products with bf16 inputs and fp32 sums (model::LayerContext::delta_rule_bf16_products, train
+  // --delta-rule-products bf16): bf16 compute on a CPU with AVX-512-BF16 only, else fp32.
+  bool delta_rule_bf16_products = false;
 };
 
 struct StepResult {
