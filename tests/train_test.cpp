@@ -7,6 +7,7 @@
 
 #include "planner/plan.h"
 #include "train/trainer.h"
+#include "test_util.h"
 #include "train_util.h"
 
 namespace hs::train {
@@ -55,6 +56,28 @@ TEST(Train, ResumeIsBitExact) {
 // A resume takes the compute dtype and the remat policy back from the checkpoint: saved with fp32 compute and remat
 // none, resumed with the defaults (bf16, sublayer) left in the options, the rest of the curve is the same bits; a
 // command line that names other ones is refused with a clear error before any step.
+// --delta-rule-products is the step's arithmetic too: saved in the options, taken back by a resume that leaves it out,
+// and refused when a resume names the other one.
+TEST(Train, ResumeTakesTheDeltaRuleProductsBack) {
+  TrainOptions saved = tiny_options(fs::temp_directory_path() / "unused");
+  saved.step.delta_rule_bf16_products = true;
+  const nlohmann::json j = options_to_json(saved);
+  EXPECT_EQ(j.at("delta_rule_products"), "bf16");
+  TrainOptions resumed = tiny_options(fs::temp_directory_path() / "unused");
+  options_from_json(j, resumed);
+  EXPECT_TRUE(resumed.step.delta_rule_bf16_products);
+  TrainOptions named = tiny_options(fs::temp_directory_path() / "unused");
+  named.delta_products_given = true;  // --delta-rule-products fp32 on the command line
+  EXPECT_NE(test::error_of([&] { options_from_json(j, named); })
+                .find("--delta-rule-products fp32 differs from the checkpoint's bf16"),
+            std::string::npos);
+  TrainOptions old = tiny_options(fs::temp_directory_path() / "unused");
+  nlohmann::json before = j;
+  before.erase("delta_rule_products");  // a checkpoint from before the option: fp32 products
+  options_from_json(before, old);
+  EXPECT_FALSE(old.step.delta_rule_bf16_products);
+}
+
 TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
   const fs::path root = fs::temp_directory_path() / ("hs_resume_dtype_" + std::to_string(::getpid()));
   fs::remove_all(root);

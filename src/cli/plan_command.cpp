@@ -13,7 +13,7 @@ namespace {
 struct PlanArgs {
   std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", chip, hbm,
       piece = std::to_string(train::kDefaultGatherPieceBytes),
-      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights;
+      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights, delta_products = "fp32";
   int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
   bool compare = false, json = false, generate = false, prefetch = false, fit = false, update_in_backward = false;
 };
@@ -84,6 +84,10 @@ void register_plan(CLI::App& app) {
                 "(default: as train without --chip / --hbm, off with them: the sizes are this CPU's oneDNN layouts); it "
                 "must match train's for plan = measured")
       ->check(CLI::IsMember({"on", "off"}));
+  c->add_option("--delta-rule-products", a->delta_products,
+                "As train --delta-rule-products: fp32 | bf16 (bf16 plans the products' pack buffers where this CPU "
+                "would run them)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
   auto* chip = c->add_option("--chip", a->chip, "v5p | v6e | tpu7x | h100 | h200 (sets the HBM per device)");
   auto* hbm = c->add_option("--hbm", a->hbm, "HBM per device, e.g. 95GiB or 80GB");
   chip->excludes(hbm);
@@ -126,6 +130,7 @@ void register_plan(CLI::App& app) {
     r.compute_dtype = train::parse_dtype(a->compute_dtype);
     r.moment_dtype = train::parse_dtype(a->moment_dtype);
     r.update_in_backward = a->update_in_backward;
+    r.delta_rule_bf16_products = a->delta_products == "bf16";
     r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);
     std::vector<planner::PlanResult> plans;
     if (a->fit) {

@@ -190,6 +190,7 @@ void register_train(CLI::App& app) {
     }
     x.o.compute_given = c->get_option("--compute-dtype")->count() > 0;
     x.o.remat_given = x.remat != "auto" && c->get_option("--remat")->count() > 0;
+    x.o.delta_products_given = c->get_option("--delta-rule-products")->count() > 0;
     x.o.progress = !x.quiet;
     if (x.threads > 0) omp_set_num_threads(x.threads);
     train::TrainSummary s;

@@ -141,6 +141,7 @@ nlohmann::json options_to_json(const TrainOptions& o) {
           {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
           {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
+          {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
           {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
 }
 
@@ -179,6 +180,14 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
       throw std::invalid_argument("--remat " + remat_name(o.step.remat) + " differs from the checkpoint's " +
                                   remat_name(r) + " (a resume continues the same schedule; leave the option out)");
     o.step.remat = r;
+  }
+  if (j.contains("delta_rule_products")) {
+    const bool bf16 = j["delta_rule_products"].get<std::string>() == "bf16";
+    if (o.delta_products_given && bf16 != o.step.delta_rule_bf16_products)
+      throw std::invalid_argument(std::string("--delta-rule-products ") + (bf16 ? "fp32" : "bf16") +
+                                  " differs from the checkpoint's " + (bf16 ? "bf16" : "fp32") +
+                                  " (a resume continues the same arithmetic; leave the option out)");
+    o.step.delta_rule_bf16_products = bf16;
   }
 }
 

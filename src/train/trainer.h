@@ -55,7 +55,7 @@ struct TrainOptions {
   const Distributed* dist = nullptr;  // null: one process
   // --resume takes the compute dtype and the remat policy back from the checkpoint; these say whether the command
   // line named them, in which case they must agree with it (a clear error otherwise).
-  bool compute_given = false, remat_given = false;
+  bool compute_given = false, remat_given = false, delta_products_given = false;
 };
 
 // The options a training checkpoint records, and the ones a resume takes back from it.
