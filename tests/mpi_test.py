@@ -39,8 +39,8 @@ TOL = {"fp32": 1e-6, "bf16": 2e-3}
 # from identical weights (a checkpoint resumed on 1 and on 2 ranks) one step agrees to 3e-9. So 1e-6 over 20 steps
 # would need 2 ranks to be bit-identical to one process, i.e. the same summation order for every gradient, which a
 # split of the rows over ranks cannot give. How far the amplification goes depends on where the rounding lands (the
-# router's near-ties: one flipped top-k choice moves every later loss): with the vectorised skinny products (the
-# router's logits) the sanitizer build's 2 and 4 ranks reached 8.6e-5 / 9.5e-5 over 20 steps, the Release build's
+# router's near-ties: one flipped top-k choice moves every later loss): after session 7's kernel changes (which moved
+# rounding in the router's logits and elsewhere; not bisected) the sanitizer build's 2 and 4 ranks reached 8.6e-5 / 9.5e-5 over 20 steps, the Release build's
 # 5.7e-6 / 1.0e-6, every step before the first flip within 2e-6; an earlier build's one-ulp probe moved this model's
 # own curve by 1.7e-3. So the model is held to 1e-4: a wrong exchange (an expert's rows or gradient lost, a shard
 # summed twice) moves the first losses by orders of magnitude more, and the other models stay at 1e-6.
