@@ -250,32 +250,39 @@ TEST(UpdateInBackward, SameLossParametersAndMomentsToTheBitAsTheStep) {
   }
 }
 
+// One step measured (real buffers) and planned (over shapes) with the same options, AdamW in the backward when
+// `update`: the peaks must be equal to the byte (and with AdamW in the backward no gradient is left behind).
+void expect_plan_equals_measured(const ModelConfig& c, DType wdt, StepOptions o, bool update, const std::string& what) {
+  const Data d = random_data(2 * 24, c.vocab, 4);
+  MemoryAccountant real(false), plan(true);
+  ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
+  model::init_params(pr, 1);
+  OptimizerConfig oc;
+  oc.clip = 0;
+  AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
+  InBackwardAdamW ur(or_, pr), up(op, pp);
+  real.reset_peak();
+  plan.reset_peak();
+  std::unique_ptr<ParamSet> g1, g2;
+  if (update) o.update = &ur;
+  forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
+  if (update) o.update = &up;
+  forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
+  EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
+  if (update) EXPECT_EQ(real.live(MemCategory::Gradients), 0u) << what;
+}
+
 // The step with AdamW in the backward, run for real and over shapes: the same live bytes per category at the peak.
 TEST(UpdateInBackward, PlanEqualsMeasuredToTheByte) {
   for (const Model& m : kModels) {
     const ModelConfig c = moe_model(m.preset, m.many);
-    const Data d = random_data(2 * 24, c.vocab, 4);
     for (DType wdt : {DType::F32, DType::BF16})
       for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer}) {
-        MemoryAccountant real(false), plan(true);
-        ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
-        model::init_params(pr, 1);
-        OptimizerConfig oc;
-        oc.clip = 0;
-        AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
-        InBackwardAdamW ur(or_, pr), up(op, pp);
         StepOptions o{pol, DType::BF16};
         o.gather_piece_bytes = experts_bytes(c, 1);
-        real.reset_peak();
-        plan.reset_peak();
-        o.update = &ur;
-        forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, nullptr);
-        o.update = &up;
-        forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, nullptr);
-        const std::string what = std::string(m.preset) + (m.many ? " 64 experts " : " ") + std::string(dtype_name(wdt)) +
-                                 " " + remat_name(pol);
-        EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
-        EXPECT_EQ(real.live(MemCategory::Gradients), 0u) << what;  // nothing left behind
+        expect_plan_equals_measured(c, wdt, o, /*update=*/true,
+                                    std::string(m.preset) + (m.many ? " 64 experts " : " ") +
+                                        std::string(dtype_name(wdt)) + " " + remat_name(pol));
       }
   }
 }
@@ -452,26 +459,6 @@ TEST(VocabPieces, RangeCollectivesOfOneProcessAndRangeParts) {
   EXPECT_EQ(VirtualCollectives(4).range_scratch_elems(3), 4);   // at least one element a rank
 }
 
-// One step measured (real buffers) and planned (over shapes) with the same options, AdamW in the backward when
-// `update`: the peaks must be equal to the byte.
-void expect_plan_equals_measured(const ModelConfig& c, DType wdt, StepOptions o, bool update, const std::string& what) {
-  const Data d = random_data(2 * 24, c.vocab, 4);
-  MemoryAccountant real(false), plan(true);
-  ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
-  model::init_params(pr, 1);
-  OptimizerConfig oc;
-  oc.clip = 0;
-  AdamWOptimizer or_(pr, oc, real), op(pp, oc, plan);
-  InBackwardAdamW ur(or_, pr), up(op, pp);
-  real.reset_peak();
-  plan.reset_peak();
-  std::unique_ptr<ParamSet> g1, g2;
-  if (update) o.update = &ur;
-  forward_backward(pr, {d.in.data(), d.tg.data(), 2, 24}, o, real, update ? nullptr : &g1);
-  if (update) o.update = &up;
-  forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
-  EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
-}
 
 // Measured against planned, to the byte: tiny, tiny with 64 experts and small, every remat policy, with and without
 // AdamW in the backward, fp32 and bf16 weights (fp32 weights: the LM head cast piece by piece; bf16 weights: nothing
