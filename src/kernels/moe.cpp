@@ -221,6 +221,23 @@ void detail::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t*
 
 namespace {
 
+// The first expert at or after e that has rows (E when none); off holds the experts' row offsets [E + 1].
+inline int64_t next_expert_with_rows(const int64_t* off, int64_t E, int64_t e) {
+  while (e < E && off[e + 1] == off[e]) ++e;
+  return e;
+}
+
+// gather(e, r) for every row r of expert e in one parallel region, timed under `label` (nothing when e == E). The
+// experts after it gather inside the previous expert's combine / scatter region instead.
+template <typename Gather>
+void gather_expert_rows(const int64_t* off, int64_t E, int64_t e, int64_t H, const char* label, Gather&& gather) {
+  if (e >= E) return;
+  profile::Scope sub(profile::Phase::MoeDispatch, label);
+  const int64_t n = off[e + 1] - off[e];
+#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
+  for (int64_t r = 0; r < n; ++r) gather(e, r);
+}
+
 // Row r of add_expert_dx, on the calling thread.
 inline void add_expert_dx_row(int64_t r, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
                               const float* dzt, const float* w_sg, const float* dxg, float* dx) {
@@ -410,18 +427,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       T* xg = xe.as<T>();
       // Expert e's input rows: gathered while the previous expert's outputs are combined, one parallel region for
       // both (the two loops write different buffers), so each expert costs one region of its own here, not two.
-      auto next_expert = [&](int64_t e) {
-        while (e < E && off[e + 1] == off[e]) ++e;
-        return e;
-      };
       auto gather_rows = [&](int64_t e, int64_t r) { std::copy_n(x + (slots[off[e] + r] / k) * H, H, xg + r * H); };
-      int64_t first = next_expert(0);
-      if (first < E) {
-        profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather");
-        const int64_t n = off[first + 1] - off[first];
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) gather_rows(first, r);
-      }
+      gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather", gather_rows);
       for (int64_t e = 0; e < E; ++e) {
         const typename ExpertStream<T>::Expert ex = experts.next(e);
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
@@ -435,7 +442,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         }
         rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
         profile::Scope sub(profile::Phase::MoeDispatch, "moe_combine");
-        const int64_t nx = next_expert(e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
+        const int64_t nx = next_expert_with_rows(off, E, e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
         const float* sc = shared_scale.as<float>();
         const T* so = shared_out.as<T>();
         const float* yv = ye.as<float>();
@@ -614,10 +621,6 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       T* xg = x_rows.as<T>();
       // Expert e's dy (cast to T) and x rows and routing weights: gathered while the previous expert's dx rows are
       // added into dx, one parallel region for both (they write different buffers).
-      auto next_expert = [&](int64_t e) {
-        while (e < E && off[e + 1] == off[e]) ++e;
-        return e;
-      };
       auto gather_rows = [&](int64_t e, int64_t r) {
         const int32_t slot = slots[off[e] + r];
         wr[r] = wts[slot];
@@ -628,13 +631,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
         std::copy_n(x + t * H, H, xg + r * H);
       };
-      int64_t first = next_expert(0);
-      if (first < E) {
-        profile::Scope sub(profile::Phase::MoeDispatch, "moe_gather_dy");
-        const int64_t n = off[first + 1] - off[first];
-#pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
-        for (int64_t r = 0; r < n; ++r) gather_rows(first, r);
-      }
+      gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather_dy", gather_rows);
       for (int64_t e = 0; e < E; ++e) {
         const typename ExpertStream<T>::Expert ex = experts.next(e);
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
@@ -652,7 +649,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         rows_reduce_matmul(dgu.as<T>(), xg, ex.dgate_up, n, 2 * I, H);
         rows_matmul(dgu.as<T>(), ex.gate_up, dxe.as<float>(), n, H, 2 * I, false);
         profile::Scope sub(profile::Phase::MoeDispatch, "moe_scatter_dx");
-        const int64_t nx = next_expert(e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
+        const int64_t nx = next_expert_with_rows(off, E, e + 1), n_next = nx < E ? off[nx + 1] - off[nx] : 0;
         const float* dxv = dxe.as<float>();
 #pragma omp parallel if ((n + n_next) * H > kMinParallelWork)
         {
