@@ -136,7 +136,7 @@ for m in $MODELS; do
       while IFS= read -r line; do args+=(--prompt-ids "$line"); done < <(head -n "$b" "$PROMPTS")
       j=$("$HS" generate --checkpoint "$HF" "${args[@]}" --max-new-tokens "$NEW" --ignore-eos --threads "$THREADS" \
           --json 2>"$OUT/hybridscan.stderr" | tail -n 1)
-      record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='hybridscan', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['prefill_tokens_per_s'], decode_tokens_per_s=j['decode_tokens_per_s'], peak_rss_bytes=j['peak_rss_bytes'], weights_mapped_bytes=j.get('weights_mapped_bytes'), weights_copied_bytes=j.get('weights_copied_bytes'), weights_memory=j.get('weights_memory'), tokens=j['tokens'][0][:32])))" "$j")"
+      record "$("$PY" -c "import json,sys; j=json.loads(sys.argv[1]); print(json.dumps(dict(kind='run', engine='hybridscan', model='$m', batch=$b, round=$r, prefill_tokens_per_s=j['prefill_tokens_per_s'], decode_tokens_per_s=j['decode_tokens_per_s'], peak_rss_bytes=j['peak_rss_bytes'], weights_mapped_bytes=j.get('weights_mapped_bytes'), weights_copied_bytes=j.get('weights_copied_bytes'), weights_memory=j.get('weights_memory'), thread_wait=j.get('thread_wait'), tokens=j['tokens'][0][:32])))" "$j")"
       # llama.cpp
       if [[ $b == 1 ]]; then
         pp=$("$LLAMA/build/bin/llama-bench" -m "$GGUF" -p "$PLEN" -n 0 -t "$THREADS" -lm "$LLAMA_LOAD_MODE" -r 1 -o json 2>/dev/null)

@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -21,6 +22,15 @@
 namespace hs::cli {
 
 namespace {
+
+// How idle OpenMP threads wait in this process (chosen in main.cpp from the machine's load, or set by the user):
+// "spin N" (GOMP_SPINCOUNT, then sleep), "passive" (sleep at once), "active", or "default".
+std::string thread_wait() {
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  if (spin && *spin) return std::string("spin ") + spin;
+  return policy && *policy ? policy : "default";
+}
 
 struct GenerateArgs {
   std::string checkpoint, prompt, prompts_file, weight_dtype, weights_memory = "auto";
@@ -213,7 +223,8 @@ void run_generate(const GenerateArgs& a) {
                                         {"weights_bytes", params.nbytes()}, {"weights_mapped", weights->mapped},
                                         {"weights_memory", infer::weights_memory_name(weights->memory)},
                                         {"weights_mapped_bytes", weights->mapped_bytes},
-                                        {"weights_copied_bytes", weights->copied_bytes}})
+                                        {"weights_copied_bytes", weights->copied_bytes},
+                                        {"thread_wait", thread_wait()}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
   }

@@ -11,29 +11,39 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "core/cpu_load.h"
 
 int main(int argc, char** argv) {
   // OpenMP threads that wait for work by spinning (libgomp's default, ~300k spins) lose most of their time when the
   // cores are shared with other work: measured on a loaded 2-core machine, `small` trained at ~250 tokens/s spinning
   // against ~2500 sleeping. Sleeping at once (OMP_WAIT_POLICY=passive) costs a futex wake-up per parallel region
-  // instead, ~25% of a training step on an idle machine. A bounded spin, GOMP_SPINCOUNT=30000 (measured against
-  // 1000-100000 on the idle machine: the fastest, within noise of 100000), covers the gaps between consecutive
-  // parallel regions; on a busy machine OMP_WAIT_POLICY=passive is still better (README). libgomp reads these once,
-  // when it is loaded, so set them by re-executing ourselves once; a policy or spin count the user set is kept.
+  // instead: ~25% of a training step, and ~35% of a `small` 512-token prefill (7900 against 11000-13000 tokens/s
+  // warm) on an idle machine. A bounded spin, GOMP_SPINCOUNT=30000 (measured against 1000-100000 on the idle
+  // machine: the fastest, within noise of 100000), covers the gaps between consecutive parallel regions. So the
+  // choice is made at start from the machine's load (core/cpu_load.h): spin when the processors not taken by other
+  // runnable tasks hold one thread each, else sleep at once (with one busy process beside it on the 2-core machine,
+  // the `small` prefill ran 5158 tokens/s sleeping, 1705 spinning 30000). libgomp reads these once, when it is loaded,
+  // so set them by re-executing ourselves once; a policy or spin count the user set is kept. A decode step is one
+  // parallel region whose threads wait for each other with their own short spin and a futex
+  // (src/infer/fused_step.h), whichever is chosen here.
   //
   // glibc's malloc is also asked to back its heap with transparent huge pages (glibc.malloc.hugetlb=1; THP in its
   // usual "madvise" mode only backs regions that ask, and glibc reads the tunable at startup). A step streams
   // hundreds of MB of weights, activations and gradients through the heap; with 4 KiB pages the `small` training
   // step ran ~16-19% slower on this machine (bench/README.md). Tunables the user set are kept as they are.
-  //
-  // `generate` sleeps at once (no spin count): a decode step is ~10 short parallel regions per layer, and a thread
-  // that spins 30000 times at each while the cores are shared keeps the thread it waits for off the core. Measured
-  // on the loaded 2-core machine, `small` decoded 87-135 tokens/s with the bounded spin against 435-622 passive.
   bool reexec = false;
-  const bool generating = argc > 1 && std::string_view(argv[1]) == "generate";
   if (!std::getenv("OMP_WAIT_POLICY") && !std::getenv("GOMP_SPINCOUNT")) {
+    const int cpus = hs::usable_cpus();
+    int threads = cpus;  // every subcommand's --threads: 0 (the default) means all of them
+    for (int i = 1; i < argc; ++i) {
+      const std::string_view a = argv[i];
+      const char* v = a == "--threads" && i + 1 < argc     ? argv[i + 1]
+                      : a.rfind("--threads=", 0) == 0 ? argv[i] + 10
+                                                        : nullptr;
+      if (v && std::atoi(v) > 0) threads = std::atoi(v);
+    }
     setenv("OMP_WAIT_POLICY", "passive", 1);
-    if (!generating) setenv("GOMP_SPINCOUNT", "30000", 1);
+    if (hs::spin_while_waiting(hs::other_runnable_tasks(), threads, cpus)) setenv("GOMP_SPINCOUNT", "30000", 1);
     reexec = true;
   }
   if (!std::getenv("GLIBC_TUNABLES")) {
