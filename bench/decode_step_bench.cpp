@@ -22,6 +22,7 @@
 #include "checkpoint/convert.h"
 #include "core/profile.h"
 #include "infer/decoder.h"
+#include "infer/fused_step.h"
 #include "infer/weights.h"
 #include "kernels/gemv.h"
 
@@ -161,7 +162,7 @@ int main(int argc, char** argv) {
     e[k].w = infer::load_weights(d, std::nullopt, e[k].mem, k ? infer::WeightsMemory::Copy : infer::WeightsMemory::Map);
     const model::ParamSet& ps = *e[k].w->params;
     const DType dt = ps.global(model::g::kLmHead).dtype;
-    e[k].dec = std::make_unique<infer::Decoder>(ps, dt, batch, context + steps + 8, e[k].mem);
+    e[k].dec = std::make_unique<infer::Decoder>(ps, dt, batch, context + 2 * steps + 8, e[k].mem);
     const int64_t V = ps.config().vocab;
     logits.resize(static_cast<size_t>(batch * V));
     std::vector<int32_t> prompt(static_cast<size_t>(context));
@@ -200,5 +201,22 @@ int main(int argc, char** argv) {
                 1e3 * Times::median(g.step.wall), 1e3 * Times::best(g.step.cpu), 1e3 * Times::median(g.step.cpu),
                 1e3 * Times::best(g.head.wall), 1e3 * Times::best(g.head.cpu),
                 head_bytes / Times::best(g.head.wall) * 1e-9);
+  if (e[1].dec->fused()) {
+    // Where a copied step's wall time goes, phase by phase (thread 0's view, summed over --steps more steps).
+    infer::fused_step_timing(true);
+    const auto t0 = Clock::now();
+    for (int64_t it = 0; it < steps; ++it) {
+      for (int64_t s = 0; s < batch; ++s) ids[size_t(s)] = int32_t(((it + 3) * 37 + s * 11 + 1) % V);
+      e[1].dec->step(slots, ids, logits.data());
+    }
+    const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+    auto times = infer::fused_step_phase_times();
+    infer::fused_step_timing(false);
+    std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
+    std::printf("copy, fused step phases over %lld more steps (%.2f ms a step):\n", (long long)steps, 1e3 * wall / steps);
+    for (const auto& t : times)
+      std::printf("  %-24s %8.3f ms a step %5.1f%% %5lld a step\n", t.name.c_str(), 1e3 * t.seconds / steps,
+                  100 * t.seconds / wall, (long long)(t.count / steps));
+  }
   return 0;
 }

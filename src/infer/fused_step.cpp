@@ -6,10 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "kernels/decode.h"
 #include "kernels/embedding.h"
@@ -61,6 +66,23 @@ struct alignas(64) Phase {
   alignas(64) std::atomic<int> done{0};
 };
 
+// Thread 0's clock over one step's phases while timing is on (fused_step_timing): each phase's span from the end of
+// the one before (the step's from before the parallel region), in order.
+struct PhaseClock {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point last = Clock::now();
+  std::vector<std::pair<const char*, double>> spans;
+  void stamp(const char* name) {
+    const Clock::time_point now = Clock::now();
+    spans.emplace_back(name, std::chrono::duration<double>(now - last).count());
+    last = now;
+  }
+};
+
+std::atomic<bool> g_timing{false};
+std::mutex g_times_mu;
+std::vector<FusedPhaseTime> g_times;
+
 // One product of a phase: y[M, N] = x[M, K] W^T (x packed), y fp32 or T with row stride ldy.
 template <typename T> struct Job {
   const T* x;
@@ -78,11 +100,19 @@ template <typename T> struct Team {
   int64_t nphases;
   std::atomic<int>& sleepers;
   kernels::GemvIsa isa;
+  PhaseClock* clock = nullptr;  // thread 0's, when timing is on (fused_step_timing)
   int64_t phase = 0;
 
   // Runs chunks f(c) of the next phase as they come, then waits until all `total` are done.
-  template <typename F> void run_phase(int64_t total, F&& f) {
+  template <typename F> void run_phase(const char* name, int64_t total, F&& f) {
     if (phase >= nphases) throw std::logic_error("fused step: more phases than planned");
+    struct Stamp {
+      PhaseClock* c;
+      const char* name;
+      ~Stamp() {
+        if (c) c->stamp(name);
+      }
+    } stamp{clock, name};
     Phase& ph = phases[phase++];
     for (int64_t c = ph.next.fetch_add(1, std::memory_order_relaxed); c < total;
          c = ph.next.fetch_add(1, std::memory_order_relaxed)) {
@@ -101,15 +131,15 @@ template <typename T> struct Team {
     sleepers.fetch_sub(1, std::memory_order_relaxed);
   }
   // Work done by whichever thread comes first.
-  template <typename F> void serial(F&& f) {
-    run_phase(1, [&](int64_t) { f(); });
+  template <typename F> void serial(const char* name, F&& f) {
+    run_phase(name, 1, [&](int64_t) { f(); });
   }
   // f(u0, u1) over n units in chunks of `per` units.
-  template <typename F> void units(int64_t n, int64_t per, F&& f) {
-    run_phase((n + per - 1) / per, [&](int64_t c) { f(c * per, std::min(n, (c + 1) * per)); });
+  template <typename F> void units(const char* name, int64_t n, int64_t per, F&& f) {
+    run_phase(name, (n + per - 1) / per, [&](int64_t c) { f(c * per, std::min(n, (c + 1) * per)); });
   }
   // The products of one phase, in chunks of ~kFusedChunkBytes of weight rows.
-  void products(Job<T>* jobs, int n) {
+  void products(const char* name, Job<T>* jobs, int n) {
     // Chunks of ~1/(8 threads) of the phase's weights, between kFusedChunkBytes and 32x that: small enough that the
     // threads finish together, large enough that taking one (two atomics) costs nothing next to streaming it.
     int64_t bytes = 0;
@@ -126,7 +156,7 @@ template <typename T> struct Team {
     }
     int j = 0;
     int64_t base = 0;  // chunks of jobs before j
-    run_phase(total, [&](int64_t c) {
+    run_phase(name, total, [&](int64_t c) {
       while (c >= base + jobs[j].chunks) base += jobs[j++].chunks;  // a thread's chunks come in ascending order
       const Job<T>& b = jobs[j];
       const int64_t n0 = (c - base) * b.chunk_rows, n1 = std::min(b.N, n0 + b.chunk_rows);
@@ -270,9 +300,9 @@ struct FusedStep<T>::Impl {
                   Hv = c.v_heads;
     Job<T> jobs[4] = {job(w.xn, W.mat(p::kQkv), w.qkv, B, CD, H), job(w.xn, W.mat(p::kZ), w.z, B, VD, H),
                       job(w.xn, W.mat(p::kB), w.b, B, Hv, H), job(w.xn, W.mat(p::kA), w.a, B, Hv, H)};
-    tm.products(jobs, 4);
+    tm.products("gdn.in_proj", jobs, 4);
     // The conv over each row's window, the q/k norms and the gates (thread 0: a few thousand values per row).
-    tm.serial([&] {
+    tm.serial("gdn.conv_norms_gates", [&] {
       const auto cols = kernels::ColumnBlocks<T>().add(w.q, KD).add(w.k, KD).add(w.v, VD);
       kernels::causal_conv_silu_cached(w.qkv, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots, B, 1, CD,
                                        c.conv_width);
@@ -283,13 +313,13 @@ struct FusedStep<T>::Impl {
     });
     // Per (row, value head): the delta-rule step and the gated norm of its output.
     const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
-    tm.units(B * Hv, 1, [&](int64_t u0, int64_t u1) {
+    tm.units("gdn.delta_step_norm", B * Hv, 1, [&](int64_t u0, int64_t u1) {
       kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
       kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
                                      w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
     });
     Job<T> out = job(w.y, W.mat(p::kOut), w.mix, B, H, VD);
-    tm.products(&out, 1);
+    tm.products("gdn.out_proj", &out, 1);
   }
 
   // Layer li's gated attention from xn to mix; ends after a barrier.
@@ -300,9 +330,9 @@ struct FusedStep<T>::Impl {
     const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
     Job<T> jobs[3] = {job(w.xn, W.mat(p::kQ), w.qg, B, nH * 2 * hd, H), job(w.xn, W.mat(p::kK), w.kraw, B, nKV * hd, H),
                       job(w.xn, W.mat(p::kV), w.vv, B, nKV * hd, H)};
-    tm.products(jobs, 3);
+    tm.products("attn.qkv_proj", jobs, 3);
     const kernels::KvCacheShape kc{nKV, hd, cache.capacity};
-    tm.serial([&] {
+    tm.serial("attn.norms_rope_cache", [&] {
       // [rows, heads, 2hd]: per head hd query values then hd gate values (split_query_gate of the layered path).
       for (int64_t u = 0; u < B * nH; ++u) {
         std::copy_n(w.qg + u * 2 * hd, hd, w.qraw + u * hd);
@@ -314,12 +344,12 @@ struct FusedStep<T>::Impl {
       kernels::rope_forward(w.ak, positions, B, nKV, hd, c.rotary_dim(), float(c.rope_theta));
       kernels::kv_cache_write(kc, w.ak, w.vv, ptr<T>(cache.k), ptr<T>(cache.v), slots, positions, B, 1);
     });
-    tm.units(B * nH, 1, [&](int64_t u0, int64_t u1) {
+    tm.units("attn.cached", B * nH, 1, [&](int64_t u0, int64_t u1) {
       kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
                                       positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
     });
     Job<T> out = job(w.attn, W.mat(p::kO), w.mix, B, H, nH * hd);
-    tm.products(&out, 1);
+    tm.products("attn.o_proj", &out, 1);
   }
 
   // Router products at most this big run on thread 0 with the routing (one barrier fewer).
@@ -349,7 +379,7 @@ struct FusedStep<T>::Impl {
     const int64_t H = c.hidden;
     const bool serial_router = c.moe() && c.experts * H * int64_t(sizeof(T)) <= kSerialRouterBytes;
     const int64_t* off = w.off + li * (c.experts + 1);  // this layer's routing (see Phase)
-    tm.serial([&] {
+    tm.serial("ffn.add_norm_route", [&] {
       model::add(w.h, w.mix, w.hmid, B * H);
       kernels::rmsnorm_forward(w.hmid, W.vec(p::kPostNorm), w.xn, w.rstd, B, H, float(c.rms_eps));
       if (serial_router) route(w, li, B, false);
@@ -358,18 +388,18 @@ struct FusedStep<T>::Impl {
       const int64_t I = c.intermediate;
       Job<T> gu[2] = {job(w.xn, W.mat(f + p::kMlpGate), w.gu, B, I, H, 2 * I),
                       job(w.xn, W.mat(f + p::kMlpUp), w.gu + I, B, I, H, 2 * I)};
-      tm.products(gu, 2);
-      tm.units(B, 4, [&](int64_t r0, int64_t r1) {
+      tm.products("mlp.gate_up", gu, 2);
+      tm.units("mlp.swiglu", B, 4, [&](int64_t r0, int64_t r1) {
         kernels::detail::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
       });
       Job<T> down = job(w.act, W.mat(f + p::kMlpDown), w.ffn, B, H, I);
-      tm.products(&down, 1);
+      tm.products("mlp.down", &down, 1);
     } else {
       const int64_t E = c.experts, k = c.top_k, I = c.expert_inter, Is = c.shared_inter;
       if (!serial_router) {
         Job<T> router = job_f32(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H);
-        tm.products(&router, 1);
-        tm.serial([&] { route(w, li, B, true); });
+        tm.products("moe.router", &router, 1);
+        tm.serial("moe.route", [&] { route(w, li, B, true); });
       }
       const T* gate_up = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kGateUp)].data);
       const T* down = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kDown)].data);
@@ -384,8 +414,8 @@ struct FusedStep<T>::Impl {
       }
       add(job(w.xn, W.mat(f + p::kSharedGate), w.sgu, B, Is, H, 2 * Is));
       add(job(w.xn, W.mat(f + p::kSharedUp), w.sgu + Is, B, Is, H, 2 * Is));
-      tm.products(jobs.data(), n);
-      tm.units(B * k + B, 4, [&](int64_t a0, int64_t a1) {  // the routed rows, then the shared expert's
+      tm.products("moe.gate_up", jobs.data(), n);
+      tm.units("moe.swiglu", B * k + B, 4, [&](int64_t a0, int64_t a1) {  // the routed rows, then the shared expert's
         const int64_t e0 = std::min(a0, B * k), e1 = std::min(a1, B * k);
         if (e1 > e0) kernels::detail::swiglu_act_rows(e1 - e0, I, w.gu + e0 * 2 * I, nullptr, w.act + e0 * I);
         const int64_t s0 = std::max(a0, B * k) - B * k, s1 = std::max(a1, B * k) - B * k;
@@ -397,9 +427,9 @@ struct FusedStep<T>::Impl {
         if (m > 0) add(job_f32(w.act + a * I, down + e * H * I, w.ye + a * H, m, H, I));
       }
       add(job(w.sact, W.mat(f + p::kSharedDown), w.sout, B, H, Is));
-      tm.products(jobs.data(), n);
+      tm.products("moe.down", jobs.data(), n);
     }
-    tm.serial([&] {
+    tm.serial("ffn.combine_add_norm", [&] {
       if (c.moe())
         for (int64_t e = 0; e < c.experts; ++e) {
           const int64_t a = off[e], m = off[e + 1] - a;
@@ -434,11 +464,14 @@ struct FusedStep<T>::Impl {
     const int64_t H = c.hidden, V = c.vocab;
     const TensorView& embed = params.global(model::g::kEmbed);
     const T* head = static_cast<const T*>(params.global(model::g::kLmHead).data);
+    std::optional<PhaseClock> clock;
+    if (g_timing.load(std::memory_order_relaxed)) clock.emplace().spans.reserve(phases.size());
 #pragma omp parallel num_threads(threads)
     {
       Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa};
+      if (clock && tm.tid == 0) tm.clock = &*clock;
       // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
-      tm.serial([&] {
+      tm.serial("embedding_norm", [&] {
         if (embed.dtype == DType::F32)
           kernels::embedding_forward(ids, B, static_cast<const float*>(embed.data), V, H, w.h);
         else kernels::embedding_forward(ids, B, static_cast<const bf16*>(embed.data), V, H, w.h);
@@ -452,11 +485,31 @@ struct FusedStep<T>::Impl {
       }
       if (logits) {
         Job<T> lm = job_f32(w.xf, head, logits, B, V, H);
-        tm.products(&lm, 1);
+        tm.products("lm_head", &lm, 1);
+      }
+    }
+    if (clock) {
+      std::lock_guard<std::mutex> lock(g_times_mu);
+      for (const auto& [name, sec] : clock->spans) {
+        auto it = std::find_if(g_times.begin(), g_times.end(), [&](const FusedPhaseTime& t) { return t.name == name; });
+        if (it == g_times.end()) it = g_times.insert(g_times.end(), FusedPhaseTime{name, 0, 0});
+        it->seconds += sec;
+        ++it->count;
       }
     }
   }
 };
+
+void fused_step_timing(bool on) {
+  std::lock_guard<std::mutex> lock(g_times_mu);
+  g_times.clear();
+  g_timing.store(on, std::memory_order_relaxed);
+}
+
+std::vector<FusedPhaseTime> fused_step_phase_times() {
+  std::lock_guard<std::mutex> lock(g_times_mu);
+  return g_times;
+}
 
 template <typename T>
 bool FusedStep<T>::supported(const model::ParamSet& params, DType compute) {

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/memory.h"
@@ -29,6 +30,17 @@
 namespace hs::infer {
 
 inline constexpr int64_t kFusedChunkBytes = int64_t{1} << 15;
+
+// The wall time of the fused step's phases as thread 0 sees them (each from the end of the phase before), summed by
+// phase name ("gdn.in_proj", "moe.gate_up", "lm_head", ...) over the steps run while timing is on: a measuring aid
+// for bench/decode_step_bench. Off by default; on, it costs a clock read per phase. Turning it on or off clears them.
+struct FusedPhaseTime {
+  std::string name;
+  double seconds = 0;
+  int64_t count = 0;  // phases of that name timed
+};
+void fused_step_timing(bool on);
+std::vector<FusedPhaseTime> fused_step_phase_times();  // in the order first seen
 
 template <typename T>
 class FusedStep {

@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -24,6 +25,13 @@ namespace {
 // on the AVX-512 paths 2 x 8 for more than 4 x rows (so a block of W is loaded once for 8 rows instead of once per 4)
 // and 8 x 1 for one x row (8 weight rows in flight: at M = 1, the decode of one sequence, measured 5-15% more weight
 // bandwidth than 4 x 1 on the loaded 2-core machine, same run). Within the 32 vector registers either way.
+//
+// A block's weight rows are read in memory order: all of row 0, then all of row 1, ... (the x rows, from L1, read
+// again for each), not a vector of every row in turn. Each row is one stream either way and its sums come in the
+// same order, so the bits are the same; but rows of 256-512 bf16 (the `small` widths, the experts' down projections)
+// are 8 short streams a block in turn order, which the prefetchers serve badly: one bf16 x row against 64 MiB of
+// weights on the 2-core EPYC, 2 threads, streamed 11-15 GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn order,
+// 29-36 and 36-40 GB/s in memory order (same run, alternated).
 constexpr int kRowsPerBlock = 8;  // the most
 constexpr int kXRows = 8;
 // Below this many weight bytes one thread does the whole product: a fork/join costs more than it saves.
@@ -89,20 +97,17 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, f
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t K8 = b.K / 8 * 8;
-  for (int64_t k = 0; k < K8; k += 8) {
-    __m256 w[R];
-    for (int r = 0; r < R; ++r) w[r] = load8_avx2(b.w[r] + k);
-    if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-    for (int m = 0; m < MB; ++m) {
-      const __m256 xv = _mm256_loadu_ps(b.x + m * b.ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, w[r], acc[m][r]);
+  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+    for (int64_t k = 0; k < K8; k += 8) {
+      const __m256 w = load8_avx2(b.w[r] + k);
+      if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+      for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(b.x + m * b.ldx + k), w, acc[m][r]);
     }
-  }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) {
       float t = hsum8(acc[m][r]);
-      for (int64_t k = K8; k < b.K; ++k) t += b.x[m * b.ldx + k] * to_f32(b.w[r][k]);
+      for (int64_t k = K8; k < b.K; ++k) t = std::fma(b.x[m * b.ldx + k], to_f32(b.w[r][k]), t);
       s[m][r] = t;
     }
 }
@@ -121,17 +126,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Blo
   __m512 acc[MB][R];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < b.K; k += 16) {
-    const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
-    __m512 w[R];
-    for (int r = 0; r < R; ++r) w[r] = load16(b.w[r] + k, mask);
-    if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-    for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, w[r], acc[m][r]);
+  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+    for (int64_t k = 0; k < b.K; k += 16) {
+      const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
+      const __m512 w = load16(b.w[r] + k, mask);
+      if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+      for (int m = 0; m < MB; ++m)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k), w, acc[m][r]);
     }
-  }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
@@ -143,17 +146,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_avx51
   __m512 acc[MB][R];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < b.K; k += 32) {
-    const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
-    __m512bh w[R];
-    for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
-    if (b.pf[0])
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
+  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+    for (int64_t k = 0; k < b.K; k += 32) {
+      const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
+      const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
+      if (b.pf[0]) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+      for (int m = 0; m < MB; ++m)
+        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k), w);
     }
-  }
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
