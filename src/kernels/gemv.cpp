@@ -62,7 +62,7 @@ std::atomic<int>& prefetch_setting() {
 }
 int prefetch_blocks(int R) {
   const int n = prefetch_setting().load(std::memory_order_relaxed);
-  return n >= 0 ? n : R == 2 ? 2 : 0;  // only where measured to help: 2 x 8 blocks
+  return n >= 0 ? n : R == 2 || R == 3 ? 2 : 0;  // only where measured to help: 2 x 8 (and 3 x 8) blocks
 }
 
 // ---- scalar -------------------------------------------------------------------------------------------------------
@@ -93,23 +93,25 @@ __attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
 }
 template <int MB, int R, typename TW>
 __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
-  __m256 acc[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t K8 = b.K / 8 * 8;
-  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
+    __m256 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K8; k += 8) {
       const __m256 w = load8_avx2(b.w[r] + k);
       if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-      for (int m = 0; m < MB; ++m) acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(b.x + m * b.ldx + k), w, acc[m][r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(b.x + m * b.ldx + k), w, acc[m]);
     }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) {
-      float t = hsum8(acc[m][r]);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      float t = hsum8(acc[m]);
       for (int64_t k = K8; k < b.K; ++k) t = std::fma(b.x[m * b.ldx + k], to_f32(b.w[r][k]), t);
       s[m][r] = t;
     }
+  }
 }
 
 // ---- AVX-512F: 16 lanes, x in fp32, W fp32 or bf16 widened on load; the tail is a masked load (zeros add +0).
@@ -123,39 +125,97 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const 
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
-  __m512 acc[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
+    __m512 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < b.K; k += 16) {
       const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
       const __m512 w = load16(b.w[r] + k, mask);
       if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-      for (int m = 0; m < MB; ++m)
-        acc[m][r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k), w, acc[m][r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k), w, acc[m]);
     }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) s[m][r] = _mm512_reduce_add_ps(acc[m]);
+  }
 }
 
 // ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
+// One row's sums over x rows: the full 32-element chunks with plain loads, then the masked tail (as one loop with a
+// mask per chunk would sum them: same operations, same order).
+template <int MB, bool Prefetch>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void row_avx512bf16(
+    const Block<bf16, bf16>& b, const bf16* w, const bf16* pf, __m512 acc[MB]) {
+  const int64_t K32 = b.K / 32 * 32;
+  for (int64_t k = 0; k < K32; k += 32) {
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(b.x + m * b.ldx + k), wv);
+  }
+  if (K32 < b.K) {
+    const __mmask32 mask = __mmask32((1u << (b.K - K32)) - 1);
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + K32);
+    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + K32), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + K32), wv);
+  }
+}
+// More than 4 x rows (R = 3): the block's rows in turn within each 32-element chunk, R * MB sums in registers. One
+// row in turn has only MB chains of vdpbf16ps (6 cycles each here) in flight; 3 x 8 keeps 24. 8 x rows against
+// 32 MiB of bf16 weights, K = 2048, 2 threads, same run: 90 GFLOP/s one row at a time, 151 with three in turn
+// (cache-resident, one thread: 82 against 161). The sums are the same either way.
+template <int MB, int R>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void rows_in_turn_avx512bf16(
+    const Block<bf16, bf16>& b, float s[kXRows][kRowsPerBlock]) {
+  __m512 acc[MB][R];
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < b.K; k += 32) {
+    const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
+    __m512bh w[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) w[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
+    if (b.pf[0])
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, w[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);  // unrolled: acc stays in registers
+}
 template <int MB, int R>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_avx512bf16(
     const Block<bf16, bf16>& b, float s[kXRows][kRowsPerBlock]) {
-  __m512 acc[MB][R];
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  for (int r = 0; r < R; ++r)  // each row in turn, in memory order (see kRowsPerBlock)
+  if constexpr (R == 3) return rows_in_turn_avx512bf16<MB, R>(b, s);
+  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
+    __m512 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < b.K; k += 32) {
       const __mmask32 mask = b.K - k >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (b.K - k)) - 1);
       const __m512bh w = (__m512bh)_mm512_maskz_loadu_epi16(mask, b.w[r] + k);
       if (b.pf[0]) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+#pragma GCC unroll 8
       for (int m = 0; m < MB; ++m)
-        acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k), w);
+        acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + k), w);
     }
-  for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) s[m][r] = _mm512_reduce_add_ps(acc[m]);
+  }
 }
 #endif
 
@@ -178,10 +238,22 @@ void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBloc
   }
 }
 
-// mb x rows against R weight rows: R = 8 with mb = 1, R = 4 with mb <= 4, R = 2 with mb <= 8.
+// mb x rows against R weight rows: R = 8 with mb = 1, R = 4 with mb <= 4, R = 2 or 3 with mb <= 8.
 template <typename TX, typename TW>
 void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   if (R == 8) return run_block<TX, TW, 1, 8>(isa, b, s);
+  if (R == 3) {
+    switch (mb) {
+      case 1: run_block<TX, TW, 1, 3>(isa, b, s); return;
+      case 2: run_block<TX, TW, 2, 3>(isa, b, s); return;
+      case 3: run_block<TX, TW, 3, 3>(isa, b, s); return;
+      case 4: run_block<TX, TW, 4, 3>(isa, b, s); return;
+      case 5: run_block<TX, TW, 5, 3>(isa, b, s); return;
+      case 6: run_block<TX, TW, 6, 3>(isa, b, s); return;
+      case 7: run_block<TX, TW, 7, 3>(isa, b, s); return;
+      default: run_block<TX, TW, 8, 3>(isa, b, s); return;
+    }
+  }
   if (R == 4) {
     switch (mb) {
       case 1: run_block<TX, TW, 1, 4>(isa, b, s); return;
@@ -230,13 +302,15 @@ void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, i
   }
 }
 
-// Weight rows per block and x rows per pass: on an AVX-512 path 8 x 1 for one x row, 2 x 8 for more than 4; else 4 x 4.
+// Weight rows per block and x rows per pass: on an AVX-512 path 8 x 1 for one x row, 3 x 8 (AVX-512-BF16) or 2 x 8 for
+// more than 4; else 4 x 4.
 struct Blocking {
   int R, XR;
 };
 inline Blocking blocking(GemvIsa isa, int64_t M) {
   const bool avx512 = isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16;
   if (avx512 && M == 1) return {8, 1};
+  if (isa == GemvIsa::Avx512Bf16 && M > 4) return {3, 8};
   if (avx512 && M > 4) return {2, 8};
   return {4, 4};
 }
