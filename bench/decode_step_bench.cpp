@@ -98,8 +98,11 @@ int main(int argc, char** argv) {
     else if (a == "--prefill") prefill = std::atoll(argv[i + 1]);
     else ck.clear(), i = argc;
   }
-  if (ck.empty() || batch < 1 || batch > kernels::kGemvMaxRows || steps < 1 || context < 1) {
-    std::fprintf(stderr, "usage: %s --checkpoint DIR [--batch 1..16] [--steps N] [--context N]\n", argv[0]);
+  if (ck.empty() || (cold && prefill <= 0) || batch < 1 || batch > kernels::kGemvMaxRows || steps < 1 || context < 1) {
+    std::fprintf(stderr,
+                 "usage: %s --checkpoint DIR [--batch 1..16] [--steps N] [--context N]\n"
+                 "       %s --checkpoint DIR --prefill N [--steps N] [--cold]\n",
+                 argv[0], argv[0]);
     return 2;
   }
   const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(ck);
@@ -214,9 +217,14 @@ int main(int argc, char** argv) {
     infer::fused_step_timing(false);
     std::sort(times.begin(), times.end(), [](const auto& a, const auto& b) { return a.seconds > b.seconds; });
     std::printf("copy, fused step phases over %lld more steps (%.2f ms a step):\n", (long long)steps, 1e3 * wall / steps);
-    for (const auto& t : times)
+    double phases = 0;
+    for (const auto& t : times) {
+      phases += t.seconds;
       std::printf("  %-24s %8.3f ms a step %5.1f%% %5lld a step\n", t.name.c_str(), 1e3 * t.seconds / steps,
                   100 * t.seconds / wall, (long long)(t.count / steps));
+    }
+    std::printf("  %-24s %8.3f ms a step %5.1f%% (around the parallel region: the step's workspace, the call)\n",
+                "outside the phases", 1e3 * (wall - phases) / steps, 100 * (wall - phases) / wall);
   }
   return 0;
 }

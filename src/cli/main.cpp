@@ -17,8 +17,8 @@ int main(int argc, char** argv) {
   // OpenMP threads that wait for work by spinning (libgomp's default, ~300k spins) lose most of their time when the
   // cores are shared with other work: measured on a loaded 2-core machine, `small` trained at ~250 tokens/s spinning
   // against ~2500 sleeping. Sleeping at once (OMP_WAIT_POLICY=passive) costs a futex wake-up per parallel region
-  // instead: ~25% of a training step, and ~35% of a `small` 512-token prefill (7900 against 11000-13000 tokens/s
-  // warm) on an idle machine. A bounded spin, GOMP_SPINCOUNT=30000 (measured against 1000-100000 on the idle
+  // instead: ~25% of a training step, and of a `small` 512-token prefill 6900 against 8700-9500 tokens/s (medians of
+  // 6-8 runs) on an idle machine. A bounded spin, GOMP_SPINCOUNT=30000 (measured against 1000-100000 on the idle
   // machine: the fastest, within noise of 100000), covers the gaps between consecutive parallel regions. So the
   // choice is made at start from the machine's load (core/cpu_load.h): spin when the processors not taken by other
   // runnable tasks hold one thread each, else sleep at once (with one busy process beside it on the 2-core machine,
@@ -31,26 +31,41 @@ int main(int argc, char** argv) {
   // usual "madvise" mode only backs regions that ask, and glibc reads the tunable at startup). A step streams
   // hundreds of MB of weights, activations and gradients through the heap; with 4 KiB pages the `small` training
   // step ran ~16-19% slower on this machine (bench/README.md). Tunables the user set are kept as they are.
-  bool reexec = false;
+  bool reexec = false, chose_wait = false;
   if (!std::getenv("OMP_WAIT_POLICY") && !std::getenv("GOMP_SPINCOUNT")) {
-    const int cpus = hs::usable_cpus();
-    int threads = cpus;  // every subcommand's --threads: 0 (the default) means all of them
+    const int usable = hs::usable_cpus();
+    // The threads the subcommand will run: its --threads N when N > 0, else OpenMP's default (OMP_NUM_THREADS's
+    // first value when set, else one per processor of its affinity mask, whatever a CPU quota allows).
+    auto positive = [](const char* v) {
+      char* end = nullptr;
+      const long n = v ? std::strtol(v, &end, 10) : 0;
+      return v && end != v && n > 0 && n <= (1 << 20) ? static_cast<int>(n) : 0;
+    };
+    int threads = positive(std::getenv("OMP_NUM_THREADS"));
+    if (threads == 0) threads = hs::affinity_cpus();
     for (int i = 1; i < argc; ++i) {
       const std::string_view a = argv[i];
       const char* v = a == "--threads" && i + 1 < argc     ? argv[i + 1]
                       : a.rfind("--threads=", 0) == 0 ? argv[i] + 10
                                                         : nullptr;
-      if (v && std::atoi(v) > 0) threads = std::atoi(v);
+      if (positive(v) > 0) threads = positive(v);
     }
     setenv("OMP_WAIT_POLICY", "passive", 1);
-    if (hs::spin_while_waiting(hs::other_runnable_tasks(), threads, cpus)) setenv("GOMP_SPINCOUNT", "30000", 1);
-    reexec = true;
+    if (hs::spin_while_waiting(hs::other_runnable_tasks(), threads, usable, hs::online_cpus()))
+      setenv("GOMP_SPINCOUNT", "30000", 1);
+    reexec = chose_wait = true;
   }
   if (!std::getenv("GLIBC_TUNABLES")) {
     setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1", 1);
     reexec = true;
   }
-  if (reexec) execv("/proc/self/exe", argv);  // only returns on failure: carry on with the defaults
+  if (reexec) {
+    execv("/proc/self/exe", argv);  // only returns on failure: carry on with the defaults
+    if (chose_wait) {  // libgomp has read its defaults already: say so (generate --json's thread_wait)
+      unsetenv("OMP_WAIT_POLICY");
+      unsetenv("GOMP_SPINCOUNT");
+    }
+  }
   // A training step allocates and frees the same large buffers every step. Keep them in the heap instead of
   // returning them to the kernel (glibc maps blocks above 128 KiB-32 MiB fresh each time), so steps after the first
   // do not pay for zeroed pages again.

@@ -31,9 +31,12 @@ namespace hs::infer {
 
 inline constexpr int64_t kFusedChunkBytes = int64_t{1} << 15;
 
-// The wall time of the fused step's phases as thread 0 sees them (each from the end of the phase before), summed by
-// phase name ("gdn.in_proj", "moe.gate_up", "lm_head", ...) over the steps run while timing is on: a measuring aid
-// for bench/decode_step_bench. Off by default; on, it costs a clock read per phase. Turning it on or off clears them.
+// The wall time of the fused step's phases as thread 0 sees them (each from the end of the phase before; the first
+// from before the parallel region, so it holds the fork), summed by phase name ("gdn.in_proj", "moe.gate_up",
+// "lm_head", ...) over the steps run while timing is on: a measuring aid for bench/decode_step_bench, meaningful on
+// a quiet machine (a descheduled thread 0 charges the delay to the phase it was in and ~0 to the phases the others
+// finished meanwhile). Off by default; on, it costs a clock read per phase. Turning it on or off clears them; do not
+// toggle it while a step runs.
 struct FusedPhaseTime {
   std::string name;
   double seconds = 0;

@@ -3,8 +3,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -21,17 +21,20 @@
 namespace hs::kernels {
 namespace {
 
-// Output rows per block (one weight row each, streamed together) and x rows per pass over a block: 4 x 4 sums, or
-// on the AVX-512 paths 2 x 8 for more than 4 x rows (so a block of W is loaded once for 8 rows instead of once per 4)
-// and 8 x 1 for one x row (8 weight rows in flight: at M = 1, the decode of one sequence, measured 5-15% more weight
-// bandwidth than 4 x 1 on the loaded 2-core machine, same run). Within the 32 vector registers either way.
-//
-// A block's weight rows are read in memory order: all of row 0, then all of row 1, ... (the x rows, from L1, read
-// again for each), not a vector of every row in turn. Each row is one stream either way and its sums come in the
-// same order, so the bits are the same; but rows of 256-512 bf16 (the `small` widths, the experts' down projections)
-// are 8 short streams a block in turn order, which the prefetchers serve badly: one bf16 x row against 64 MiB of
-// weights on the 2-core EPYC, 2 threads, streamed 11-15 GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn order,
-// 29-36 and 36-40 GB/s in memory order (same run, alternated).
+// A block: R weight rows against up to XR x rows per pass (x rows from L1/L2, read again for each weight row). Every
+// output is one accumulator per (x row, weight row) fed chunk by chunk in ascending k, then reduced across its lanes,
+// so the order in which a block visits its rows never changes a bit. Blocks: 8 x 1 for one x row, 3 x 8 (AVX-512-BF16)
+// or 2 x 8 (AVX-512F) for more than 4, else 4 x 4. Measured on the 2-core EPYC (Zen 4 class; AVX-512-BF16; 2 threads;
+// same runs, alternated; bf16 weights out of DRAM):
+//  * Up to 4 x rows, a block reads its rows in memory order, all of one row and then the next: 8 short rows read a
+//    vector of each in turn are 8 short streams that the prefetchers serve badly. One x row against 64 MiB: 11-15
+//    GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn, 29-36 and 36-40 GB/s in memory order.
+//  * More than 4 x rows, the rows go in turn within each chunk (rows_in_turn_avx512bf16): one row at a time keeps
+//    only XR chains of 6-cycle vdpbf16ps in flight, 3 x 8 keeps 24 (8 x rows against 32 MiB, K = 2048: 90 against
+//    151 GFLOP/s; real-width b8 decode 59.6 -> 81.7 tokens/s). At 2-4 x rows the same in turn order was slower at
+//    K = 512 (the experts' down products of a real b8 step 6.6-7.3 -> 9.2-9.5 ms) and left as memory order.
+// Every kernel's sums stay in registers: the loops over x rows and weight rows are unrolled (GCC otherwise kept the
+// accumulator arrays on the stack and stored them every iteration).
 constexpr int kRowsPerBlock = 8;  // the most
 constexpr int kXRows = 8;
 // Below this many weight bytes one thread does the whole product: a fork/join costs more than it saves.
@@ -49,10 +52,11 @@ template <typename TX, typename TW> struct Block {
 };
 
 // Which later block a block prefetches (0: none): HS_GEMV_PREFETCH or set_gemv_prefetch_blocks, else (-1) by the
-// blocking. Measured on the 2-core EPYC, LM-head product 248320 x 2048 bf16, same interleaved run
-// (bench/weight_pages_bench.cpp): with 2 weight rows in flight (M > 4) prefetching the block 2 ahead streamed 17-19
-// GB/s against 14.5 without; with 8 rows in flight (M = 1) the hardware prefetchers keep up (1 ahead: 0.92-0.97x,
-// 2 or 4 ahead: 0.97-1.0x), so none there. Not measured at 4 x 4 blocks (M 2-4, and every M on AVX2): none by default.
+// blocking: 2 blocks ahead for the blocks of more than 4 x rows, none for the others. Measured with the rows in turn
+// (before the orders above): LM-head product 248320 x 2048 bf16, bench/weight_pages_bench.cpp: 2 x 8 blocks streamed
+// 17-19 GB/s 2 ahead against 14.5 without, 8 x 1 blocks 0.92-1.0x with any distance. Since: 3 x 8 blocks, K = 2048
+// out of DRAM, 19.0-20.3 GB/s 2 ahead against 17.3-17.6 without (gemv_bench 35b.in_proj_qkv b8). Not measured at
+// 4 x 4 blocks (M 2-4, and every M on AVX2).
 std::atomic<int>& prefetch_setting() {
   static std::atomic<int> n = [] {
     const char* e = std::getenv("HS_GEMV_PREFETCH");
