@@ -99,6 +99,60 @@ TEST(Gemv, BitIdenticalAcrossThreadsAndRowCounts) {
   }
 }
 
+// The fp32-lane paths' sums, emulated in scalar code operation by operation (IEEE fused multiply-adds and adds, so
+// any correct build gives these bits): AVX-512F keeps 16 lanes, lane l summing x_k w_k for k = l mod 16 in ascending
+// k (fused multiply-adds; the masked tail adds zeros), then adds lane l + 8 to lane l, l + 4, l + 2 and l + 1 (GCC's
+// _mm512_reduce_add_ps); AVX2 keeps 8 lanes over the first K - K mod 8 terms, adds the halves, then pairs (0+2,
+// 1+3) and those two, then the last K mod 8 terms in order (fused). Whatever order a block visits its rows and x rows
+// in, these are the bits: a reordering inside the kernels that changed a sum fails here.
+float avx512_lanes_sum(const float* x, const float* w, int64_t K) {
+  float a[16] = {};
+  for (int64_t k = 0; k < K; ++k) a[k % 16] = std::fma(x[k], w[k], a[k % 16]);
+  for (int h = 8; h >= 1; h /= 2)
+    for (int l = 0; l < h; ++l) a[l] = a[l] + a[l + h];
+  return a[0];
+}
+float avx2_lanes_sum(const float* x, const float* w, int64_t K) {
+  float a[8] = {};
+  const int64_t K8 = K / 8 * 8;
+  for (int64_t k = 0; k < K8; ++k) a[k % 8] = std::fma(x[k], w[k], a[k % 8]);
+  float q[4];
+  for (int l = 0; l < 4; ++l) q[l] = a[l] + a[l + 4];
+  const float p0 = q[0] + q[2], p1 = q[1] + q[3];
+  float t = p0 + p1;
+  for (int64_t k = K8; k < K; ++k) t = std::fma(x[k], w[k], t);
+  return t;
+}
+
+TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
+  std::vector<GemvIsa> isas;
+  for (GemvIsa i : {GemvIsa::Avx2, GemvIsa::Avx512})
+    if (gemv_isa_supported(i)) isas.push_back(i);
+  if (isas.empty()) GTEST_SKIP() << "no AVX2 or AVX-512 on this CPU";
+  uint32_t seed = 40;
+  for (GemvIsa isa : isas)
+    for (int64_t M : {1, 2, 4, 5, 8, 9})
+      for (int64_t K : {7, 16, 31, 33, 256, 300})
+        for (int64_t N : {1, 9, 20}) {
+          const std::vector<float> xf = test::randn(static_cast<size_t>(M * K), seed++);
+          const std::vector<float> Wf = test::randn(static_cast<size_t>(N * K), seed++);
+          const std::vector<bf16> Wb = test::cast<bf16>(Wf), xb = test::cast<bf16>(xf);
+          std::vector<float> y(static_cast<size_t>(M * N)), yb(static_cast<size_t>(M * N));
+          gemv(xf.data(), Wf.data(), y.data(), M, N, K, 0, 0, isa);
+          gemv(xb.data(), Wb.data(), yb.data(), M, N, K, 0, 0, isa);
+          const std::vector<float> xbf(xb.begin(), xb.end()), Wbf(Wb.begin(), Wb.end());  // exact widenings
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = 0; n < N; ++n) {
+              const size_t o = static_cast<size_t>(m * N + n), xo = static_cast<size_t>(m * K), wo = static_cast<size_t>(n * K);
+              auto sum = isa == GemvIsa::Avx512 ? avx512_lanes_sum : avx2_lanes_sum;
+              ASSERT_EQ(y[o], sum(xf.data() + xo, Wf.data() + wo, K))
+                  << gemv_isa_name(isa) << " fp32 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+              ASSERT_EQ(yb[o], sum(xbf.data() + xo, Wbf.data() + wo, K))
+                  << gemv_isa_name(isa) << " bf16 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+            }
+        }
+}
+
 // Software prefetch (gemv_prefetch_blocks) changes no value: every distance, every path, every blocking (M = 1, 3,
 // 8), fp32 and bf16 weights, a last block shorter than the others (N = 301). The default prefetches 2 blocks ahead
 // for the AVX-512 paths' 2 x 8 blocks (M > 4) only.

@@ -51,6 +51,9 @@ int main(int argc, char** argv) {
       if (positive(v) > 0) threads = positive(v);
     }
     setenv("OMP_WAIT_POLICY", "passive", 1);
+    // An MPI launch's ranks on this machine each run `threads`: they share the processors (and, started together,
+    // may be in one process group, where other_runnable_tasks does not see them).
+    threads *= hs::local_processes();
     if (hs::spin_while_waiting(hs::other_runnable_tasks(), threads, usable, hs::online_cpus()))
       setenv("GOMP_SPINCOUNT", "30000", 1);
     reexec = chose_wait = true;

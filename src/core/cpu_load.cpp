@@ -47,16 +47,27 @@ int parse_procs_running(std::istream& in) {
   return -1;
 }
 
-int other_runnable_tasks(int readings) {
+int other_runnable_tasks(int readings, int spacing_ms) {
   int least = -1;
   for (int i = 0; i < std::max(1, readings); ++i) {
-    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(spacing_ms));
     std::ifstream in("/proc/stat");
     const int n = parse_procs_running(in);
     if (n < 0) return -1;
-    least = least < 0 ? n : std::min(least, n);
+    const int others = std::max(0, n - 1);  // the caller is running while it reads
+    least = least < 0 ? others : std::min(least, others);
+    if (least == 0) break;  // an idle machine is seen at once
   }
-  return std::max(0, least - 1);  // the caller is running while it reads
+  return least;
+}
+
+int local_processes() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+    if (const char* e = std::getenv(v)) {
+      const long n = std::strtol(e, nullptr, 10);
+      if (n > 0 && n < (1 << 20)) return static_cast<int>(n);
+    }
+  return 1;
 }
 
 bool spin_while_waiting(int others, int threads, int usable, int online) {

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <optional>
@@ -105,7 +106,10 @@ template <typename T> struct Team {
 
   // Runs chunks f(c) of the next phase as they come, then waits until all `total` are done.
   template <typename F> void run_phase(const char* name, int64_t total, F&& f) {
-    if (phase >= nphases) throw std::logic_error("fused step: more phases than planned");
+    if (phase >= nphases) {  // a bug, inside the parallel region (where a throw would end the process unexplained)
+      std::fprintf(stderr, "hybridscan: fused step: more phases than planned (%lld)\n", static_cast<long long>(nphases));
+      std::abort();
+    }
     struct Stamp {
       PhaseClock* c;
       const char* name;

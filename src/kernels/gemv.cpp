@@ -242,39 +242,32 @@ void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBloc
   }
 }
 
+// mb (1..8) x rows against the R weight rows of a 2 x 8 or 3 x 8 block.
+template <typename TX, typename TW, int R>
+void dispatch_up_to_8_rows(GemvIsa isa, int mb, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+  switch (mb) {
+    case 1: run_block<TX, TW, 1, R>(isa, b, s); return;
+    case 2: run_block<TX, TW, 2, R>(isa, b, s); return;
+    case 3: run_block<TX, TW, 3, R>(isa, b, s); return;
+    case 4: run_block<TX, TW, 4, R>(isa, b, s); return;
+    case 5: run_block<TX, TW, 5, R>(isa, b, s); return;
+    case 6: run_block<TX, TW, 6, R>(isa, b, s); return;
+    case 7: run_block<TX, TW, 7, R>(isa, b, s); return;
+    default: run_block<TX, TW, 8, R>(isa, b, s); return;
+  }
+}
+
 // mb x rows against R weight rows: R = 8 with mb = 1, R = 4 with mb <= 4, R = 2 or 3 with mb <= 8.
 template <typename TX, typename TW>
 void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   if (R == 8) return run_block<TX, TW, 1, 8>(isa, b, s);
-  if (R == 3) {
-    switch (mb) {
-      case 1: run_block<TX, TW, 1, 3>(isa, b, s); return;
-      case 2: run_block<TX, TW, 2, 3>(isa, b, s); return;
-      case 3: run_block<TX, TW, 3, 3>(isa, b, s); return;
-      case 4: run_block<TX, TW, 4, 3>(isa, b, s); return;
-      case 5: run_block<TX, TW, 5, 3>(isa, b, s); return;
-      case 6: run_block<TX, TW, 6, 3>(isa, b, s); return;
-      case 7: run_block<TX, TW, 7, 3>(isa, b, s); return;
-      default: run_block<TX, TW, 8, 3>(isa, b, s); return;
-    }
-  }
-  if (R == 4) {
-    switch (mb) {
-      case 1: run_block<TX, TW, 1, 4>(isa, b, s); return;
-      case 2: run_block<TX, TW, 2, 4>(isa, b, s); return;
-      case 3: run_block<TX, TW, 3, 4>(isa, b, s); return;
-      default: run_block<TX, TW, 4, 4>(isa, b, s); return;
-    }
-  }
+  if (R == 3) return dispatch_up_to_8_rows<TX, TW, 3>(isa, mb, b, s);
+  if (R == 2) return dispatch_up_to_8_rows<TX, TW, 2>(isa, mb, b, s);
   switch (mb) {
-    case 1: run_block<TX, TW, 1, 2>(isa, b, s); return;
-    case 2: run_block<TX, TW, 2, 2>(isa, b, s); return;
-    case 3: run_block<TX, TW, 3, 2>(isa, b, s); return;
-    case 4: run_block<TX, TW, 4, 2>(isa, b, s); return;
-    case 5: run_block<TX, TW, 5, 2>(isa, b, s); return;
-    case 6: run_block<TX, TW, 6, 2>(isa, b, s); return;
-    case 7: run_block<TX, TW, 7, 2>(isa, b, s); return;
-    default: run_block<TX, TW, 8, 2>(isa, b, s); return;
+    case 1: run_block<TX, TW, 1, 4>(isa, b, s); return;
+    case 2: run_block<TX, TW, 2, 4>(isa, b, s); return;
+    case 3: run_block<TX, TW, 3, 4>(isa, b, s); return;
+    default: run_block<TX, TW, 4, 4>(isa, b, s); return;
   }
 }
 
