@@ -163,8 +163,8 @@ TEST(DecodeKernels, DeltaRuleStepTakesOneToken) {
 }
 
 template <typename T>
-void attention_case(double tol) {
-  const int64_t B = 2, S = 150, nH = 4, nKV = 2, hd = 32;
+void attention_case(double tol, int64_t hd = 32) {
+  const int64_t B = 2, S = 150, nH = 4, nKV = 2;
   const AttentionShape as{B, S, nH, nKV, hd};
   std::mt19937 rng(5);
   const Vec q = widen(cast<T>(test::randn(B * S * nH * hd, rng))), gate = widen(cast<T>(test::randn(q.size(), rng)));
@@ -196,8 +196,13 @@ void attention_case(double tol) {
 
 // fp32: one softmax in fp32 over <= 150 scores (its error ~1e-7 relative per term): 1e-5. bf16: the output rounded
 // to bf16 (at most 2^-9 relative): 4e-3.
-TEST(DecodeKernels, AttentionAgainstTheCacheEqualsCausalAttentionFp32) { attention_case<float>(1e-5); }
-TEST(DecodeKernels, AttentionAgainstTheCacheEqualsCausalAttentionBf16) { attention_case<bf16>(4e-3); }
+// Head dims 64 and 256 (multiples of 64) take the AVX-512 path on CPUs that have it, 32 the portable loop.
+TEST(DecodeKernels, AttentionAgainstTheCacheEqualsCausalAttentionFp32) {
+  for (int64_t hd : {32, 64, 256}) attention_case<float>(1e-5, hd);
+}
+TEST(DecodeKernels, AttentionAgainstTheCacheEqualsCausalAttentionBf16) {
+  for (int64_t hd : {32, 64, 256}) attention_case<bf16>(4e-3, hd);
+}
 
 }  // namespace
 }  // namespace hs::kernels

@@ -155,7 +155,7 @@ TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
 
 // Software prefetch (gemv_prefetch_blocks) changes no value: every distance, every path, every blocking (M = 1, 3,
 // 8), fp32 and bf16 weights, a last block shorter than the others (N = 301). The default prefetches 2 blocks ahead
-// for the AVX-512 paths' 2 x 8 blocks (M > 4) only.
+// for the AVX-512 paths' 2 x 8 and 3 x 8 blocks (M > 4) only.
 TEST(Gemv, PrefetchChangesNoBit) {
   const int64_t N = 301, K = 1000;
   const std::vector<float> xf = test::randn(8 * K, 7), Wf = test::randn(N * K, 8);

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -50,11 +51,13 @@ int main(int argc, char** argv) {
                                                         : nullptr;
       if (positive(v) > 0) threads = positive(v);
     }
+    // An MPI launch's ranks on this machine each run `threads`, on the same processors.
+    threads = static_cast<int>(std::min<long long>(1 << 20, static_cast<long long>(threads) * hs::local_processes()));
+    const int online = hs::online_cpus();
     setenv("OMP_WAIT_POLICY", "passive", 1);
-    // An MPI launch's ranks on this machine each run `threads`: they share the processors (and, started together,
-    // may be in one process group, where other_runnable_tasks does not see them).
-    threads *= hs::local_processes();
-    if (hs::spin_while_waiting(hs::other_runnable_tasks(), threads, usable, hs::online_cpus()))
+    // More threads than processors sleep whatever the load (no readings); else the load decides.
+    if (threads <= usable && threads <= online &&
+        hs::spin_while_waiting(hs::other_runnable_tasks(5, 50, online - threads), threads, usable, online))
       setenv("GOMP_SPINCOUNT", "30000", 1);
     reexec = chose_wait = true;
   }

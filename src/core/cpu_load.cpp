@@ -24,15 +24,53 @@ int affinity_cpus() {
   return online_cpus();
 }
 
-int usable_cpus() {
-  int n = affinity_cpus();
-  // cgroup v2: "max 100000" (no quota) or "200000 100000" (two processors' worth).
-  std::ifstream q("/sys/fs/cgroup/cpu.max");
+namespace {
+// Processors' worth of a CPU quota: floor(quota / period), at least 1; 0 for none.
+int quota_cpus(long long quota, long long period) {
+  if (quota <= 0 || period <= 0) return 0;
+  return static_cast<int>(std::max<long long>(1, quota / period));
+}
+int read_cpu_max(const std::string& path) {
+  std::ifstream in(path);
+  return in ? parse_cpu_max(in) : 0;
+}
+}  // namespace
+
+int parse_cpu_max(std::istream& in) {
   std::string quota;
   long long period = 0;
-  if (q >> quota >> period && quota != "max" && period > 0) {
-    const long long us = std::atoll(quota.c_str());
-    if (us > 0) n = std::min<long long>(n, std::max<long long>(1, (us + period - 1) / period));
+  if (!(in >> quota >> period) || quota == "max") return 0;
+  char* end = nullptr;
+  const long long q = std::strtoll(quota.c_str(), &end, 10);
+  return end != quota.c_str() && *end == 0 ? quota_cpus(q, period) : 0;
+}
+
+int usable_cpus() {
+  int n = affinity_cpus();
+  auto limit = [&](int q) {
+    if (q > 0) n = std::min(n, q);
+  };
+  // cgroup v2: this process's cgroup ("0::/path" in /proc/self/cgroup) and every parent up to the root.
+  std::ifstream self("/proc/self/cgroup");
+  for (std::string line; std::getline(self, line);) {
+    if (line.rfind("0::", 0) != 0) continue;
+    std::string dir = "/sys/fs/cgroup" + line.substr(3);
+    while (true) {
+      limit(read_cpu_max(dir + "/cpu.max"));
+      const size_t slash = dir.rfind('/');
+      if (dir == "/sys/fs/cgroup" || slash == std::string::npos || slash < std::string("/sys/fs/cgroup").size()) break;
+      dir = dir.substr(0, slash);
+    }
+  }
+  limit(read_cpu_max("/sys/fs/cgroup/cpu.max"));  // a container's own root
+  // cgroup v1: the cpu controller's quota as this process sees its mount (-1: none).
+  for (const char* d : {"/sys/fs/cgroup/cpu,cpuacct", "/sys/fs/cgroup/cpu"}) {
+    std::ifstream qf(std::string(d) + "/cpu.cfs_quota_us"), pf(std::string(d) + "/cpu.cfs_period_us");
+    long long q = 0, p = 0;
+    if (qf >> q && pf >> p) {
+      limit(quota_cpus(q, p));
+      break;
+    }
   }
   return n;
 }
@@ -47,22 +85,22 @@ int parse_procs_running(std::istream& in) {
   return -1;
 }
 
-int other_runnable_tasks(int readings, int spacing_ms) {
+int other_runnable_tasks(int readings, int spacing_ms, int enough) {
   int least = -1;
   for (int i = 0; i < std::max(1, readings); ++i) {
     if (i > 0) std::this_thread::sleep_for(std::chrono::milliseconds(spacing_ms));
     std::ifstream in("/proc/stat");
     const int n = parse_procs_running(in);
-    if (n < 0) return -1;
-    const int others = std::max(0, n - 1);  // the caller is running while it reads
+    if (n < 1) return -1;  // the reader itself is running: 0 is not a real kernel's count
+    const int others = n - 1;
     least = least < 0 ? others : std::min(least, others);
-    if (least == 0) break;  // an idle machine is seen at once
+    if (least <= enough) break;  // no later reading can change the answer
   }
   return least;
 }
 
 int local_processes() {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
     if (const char* e = std::getenv(v)) {
       const long n = std::strtol(e, nullptr, 10);
       if (n > 0 && n < (1 << 20)) return static_cast<int>(n);

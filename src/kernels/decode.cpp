@@ -205,7 +205,8 @@ inline void attention_head(const KvCacheShape& c, int64_t q_heads, const T* q, c
       mx = std::max(mx, sc[p]);
     }
     // The weights e^(s - max) in one vectorisable pass (exp_vec: 0.9 ulp; a libm call per position was ~10 ns),
-    // summed in position order.
+    // summed in position order. (The vectorised body and its remainder may contract exp_vec's arithmetic
+    // differently, so a weight's last bit can depend on its position modulo the vector width: deterministic.)
 #pragma omp simd
     for (int64_t p = 0; p < len; ++p) sc[p] = exp_vec(sc[p] - mx);
     std::fill_n(acc, hd, 0.0f);

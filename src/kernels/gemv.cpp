@@ -147,28 +147,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Blo
 }
 
 // ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
-// One row's sums over x rows: the full 32-element chunks with plain loads, then the masked tail (as one loop with a
-// mask per chunk would sum them: same operations, same order).
-template <int MB, bool Prefetch>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void row_avx512bf16(
-    const Block<bf16, bf16>& b, const bf16* w, const bf16* pf, __m512 acc[MB]) {
-  const int64_t K32 = b.K / 32 * 32;
-  for (int64_t k = 0; k < K32; k += 32) {
-    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + k), _MM_HINT_T0);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512(b.x + m * b.ldx + k), wv);
-  }
-  if (K32 < b.K) {
-    const __mmask32 mask = __mmask32((1u << (b.K - K32)) - 1);
-    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + K32);
-    if constexpr (Prefetch) _mm_prefetch(reinterpret_cast<const char*>(pf + K32), _MM_HINT_T0);
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m)
-      acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, b.x + m * b.ldx + K32), wv);
-  }
-}
 // More than 4 x rows (R = 3): the block's rows in turn within each 32-element chunk, R * MB sums in registers. One
 // row in turn has only MB chains of vdpbf16ps (6 cycles each here) in flight; 3 x 8 keeps 24. 8 x rows against
 // 32 MiB of bf16 weights, K = 2048, 2 threads, same run: 90 GFLOP/s one row at a time, 151 with three in turn
@@ -428,7 +406,9 @@ void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, i
     for (int64_t m = 0; m < M; ++m) std::fill(y + m * ldy + n0, y + m * ldy + n1, from_f32<TY>(0.0f));
     return;
   }
-  const auto [R, XR] = blocking(isa, M);  // the same for avx512bf16 and its fp32 stand-in avx512
+  // gemv_rows' blocks are gemv_row_align(M, isa)'s, so an fp32 product on an AVX-512-BF16 CPU takes its 3 x 8
+  // blocks (M > 4) on the AVX-512F path below, where gemv() would take 2 x 8: the same sums, a different grouping.
+  const auto [R, XR] = blocking(isa, M);
   const int64_t b0 = n0 / R, b1 = (n1 + R - 1) / R;
   if constexpr (std::is_same_v<T, bf16>) {
     if (isa == GemvIsa::Avx512Bf16) return product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);

@@ -3,7 +3,8 @@
 // decode step, or an expert's rows). Such a product is bound by the bytes of W: each row of W is streamed once for
 // all M rows, sums accumulate in fp32, and threads split the rows of W (disjoint weight bytes per core). oneDNN
 // spends more on the call than on the arithmetic at these shapes (one token of a `small` model is ~100 products).
-// Blocks: on the AVX-512 paths 8 weight rows x 1 x row at M = 1, 4 x 4 up to 4 rows, 2 x 8 above; 4 x 4 elsewhere.
+// Blocks: on the AVX-512 paths 8 weight rows x 1 x row at M = 1, 4 x 4 up to 4 rows, 3 x 8 (AVX-512-BF16) or 2 x 8
+// (AVX-512F) above; 4 x 4 elsewhere.
 //
 // Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.
 // The environment variable HS_GEMV_ISA (scalar | avx2 | avx512 | avx512bf16) caps the choice, and the isa argument
@@ -42,7 +43,7 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
 int64_t gemv_row_align(int64_t M, GemvIsa isa);
 
 // Software prefetch: while a block of weight rows streams, the block `n` blocks later (within the same call's range)
-// is prefetched line by line (0: none, the hardware prefetchers alone). By default (-1) 2 ahead for the 2 x 8 blocks
+// is prefetched line by line (0: none, the hardware prefetchers alone). By default (-1) 2 ahead for the 2 x 8 and 3 x 8 blocks
 // (M > 4 on the AVX-512 paths: 2 weight rows in flight), none elsewhere; HS_GEMV_PREFETCH=n or the setter (for
 // benchmarks) fixes n for every M and path. Results do not depend on it (a prefetch changes no value).
 int gemv_prefetch_blocks(int64_t M, GemvIsa isa);
