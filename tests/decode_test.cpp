@@ -6,14 +6,17 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <random>
 #include <vector>
 
 #include "checkpoint/hf_io.h"
 #include "infer/decoder.h"
+#include "infer/fused_step.h"
 #include "infer/generate.h"
 #include "train/schedule.h"
 #include "test_util.h"
@@ -197,6 +200,60 @@ TEST(Decode, BatchedGenerationEqualsEachPromptAlone) {
 // kernels in the same order, so its logits equal the layered path's bit for bit, at 1 and 2 threads, for both
 // families (MoE) and a dense feed-forward, fp32 and bf16, one row and several (distinct positions and slots), over 16 steps (the caches it advances
 // feed the later steps, so a state written differently would show).
+// The fused step's phase timing (fused_step_timing, for bench/decode_step_bench): on, each step records every phase
+// it ran under its name (per layer of a kind, once per step for the rest), with times that add up to no more than the
+// steps' wall time; it changes no logit; off, nothing is recorded.
+TEST(Decode, FusedStepPhaseTimingCountsEveryPhaseAndChangesNoBit) {
+  auto m = init("qwen3_5_L7", DType::BF16, 3);
+  const int64_t V = m->cfg().vocab, B = 2, steps = 5;
+  int64_t gdn = 0, attn = 0;
+  for (int64_t i = 0; i < m->cfg().layers; ++i)
+    (model::slot_of_layer(m->cfg(), i).kind() == model::LayerKind::LinearAttention ? gdn : attn) += 1;
+  ASSERT_GT(gdn, 0);
+  ASSERT_GT(attn, 0);
+  auto run = [&](bool timing, double* wall) {
+    Decoder dec(*m->params, DType::BF16, B, 64, m->mem);
+    EXPECT_TRUE(dec.fused());
+    std::vector<float> logits(static_cast<size_t>(B * V)), out;
+    for (int64_t b = 0; b < B; ++b) dec.prefill(b, random_ids(9 + b, V, 4 + b), logits.data());
+    std::vector<int32_t> slots = {0, 1}, ids = {3, 5};
+    infer::fused_step_timing(timing);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t t = 0; t < steps; ++t) {
+      dec.step(slots, ids, logits.data());
+      out.insert(out.end(), logits.begin(), logits.end());
+    }
+    if (wall) *wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out;
+  };
+  double wall = 0;
+  const std::vector<float> timed = run(true, &wall);
+  const auto times = infer::fused_step_phase_times();
+  infer::fused_step_timing(false);
+  std::map<std::string, int64_t> count;
+  double sum = 0;
+  for (const auto& t : times) {
+    count[t.name] = t.count;
+    sum += t.seconds;
+    EXPECT_GE(t.seconds, 0) << t.name;
+  }
+  EXPECT_EQ(count["embedding_norm"], steps);
+  EXPECT_EQ(count["lm_head"], steps);
+  for (const char* n : {"gdn.in_proj", "gdn.conv_norms_gates", "gdn.delta_step_norm", "gdn.out_proj"})
+    EXPECT_EQ(count[n], steps * gdn) << n;
+  for (const char* n : {"attn.qkv_proj", "attn.norms_rope_cache", "attn.cached", "attn.o_proj"})
+    EXPECT_EQ(count[n], steps * attn) << n;
+  for (const char* n : {"ffn.add_norm_route", "moe.gate_up", "moe.swiglu", "moe.down", "ffn.combine_add_norm"})
+    EXPECT_EQ(count[n], steps * (gdn + attn)) << n;
+  EXPECT_GT(sum, 0);
+  EXPECT_LE(sum, wall);
+  EXPECT_TRUE(infer::fused_step_phase_times().empty());  // turning it off cleared them
+  const std::vector<float> plain = run(false, nullptr);
+  EXPECT_TRUE(infer::fused_step_phase_times().empty());  // off: nothing recorded
+  ASSERT_EQ(plain.size(), timed.size());
+  EXPECT_EQ(0, std::memcmp(plain.data(), timed.data(), plain.size() * sizeof(float)));
+}
+
 TEST(Decode, FusedStepIsBitIdenticalToTheLayeredPath) {
   for (const char* name : {"qwen3_next_L5", "qwen3_5_L7", "dense"})
     for (DType dt : {DType::F32, DType::BF16}) {

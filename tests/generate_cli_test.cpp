@@ -22,10 +22,11 @@ struct Outcome {
   int status;
   std::string out, err;
 };
-Outcome run(const std::string& args) {
+// env: a prefix for the command (`env -u VAR NAME=value`), empty for the test's own environment.
+Outcome run(const std::string& args, const std::string& env = "") {
   test::TempDir dir;
-  const std::string cmd = std::string(HS_BINARY) + " generate " + args + " >" + (dir / "out").string() + " 2>" +
-                          (dir / "err").string();
+  const std::string cmd = env + (env.empty() ? "" : " ") + std::string(HS_BINARY) + " generate " + args + " >" +
+                          (dir / "out").string() + " 2>" + (dir / "err").string();
   const int status = std::system(cmd.c_str());
   auto slurp = [&](const char* n) {
     const auto b = test::read_bytes(dir / n);
@@ -60,6 +61,24 @@ TEST(GenerateCli, GreedyIdsMatchTheLibraryAndJsonEndsTheOutput) {
   EXPECT_GT(j["decode_tokens_per_s"].get<double>(), 0);
   EXPECT_GT(j["peak_rss_bytes"].get<double>(), 1e6);
   EXPECT_NE(r.err.find("decode 11 tokens"), std::string::npos) << r.err;
+}
+
+// How idle threads wait (src/cli/main.cpp, core/cpu_load.h), as --json reports it: a policy the user set is kept; with
+// none set one is chosen at start (this test's runner sets OMP_WAIT_POLICY, so it is unset here); threads that
+// outnumber the processors (an MPI launch's many local ranks, one thread each) sleep at once whatever the load.
+TEST(GenerateCli, ThreadWaitIsTheUsersOrChosenFromTheLoad) {
+  const std::string args = "--checkpoint " + kCase + " --prompt-ids 5,6,7 --max-new-tokens 2 --threads 1 --json";
+  const std::string unset = "env -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT";
+  auto wait = [&](const std::string& env) {
+    const Outcome r = run(args, env);
+    EXPECT_EQ(r.status, 0) << r.err;
+    return r.status == 0 ? last_line(r.out)["thread_wait"].get<std::string>() : std::string();
+  };
+  EXPECT_EQ(wait(unset + " OMP_WAIT_POLICY=active"), "active");
+  EXPECT_EQ(wait(unset + " GOMP_SPINCOUNT=777"), "spin 777");
+  EXPECT_EQ(wait(unset + " OMPI_COMM_WORLD_LOCAL_SIZE=100000"), "passive");
+  const std::string chosen = wait(unset);
+  EXPECT_TRUE(chosen == "passive" || chosen == "spin 30000") << chosen;
 }
 
 // A seed reproduces a sampled run; several prompts from a file each get their tokens; a stop string ends a sequence
