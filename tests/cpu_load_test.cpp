@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstdlib>
+#include <string>
 #include <chrono>
 #include <sstream>
 #include <thread>
@@ -37,6 +39,31 @@ TEST(CpuLoad, ProcsRunningIsReadFromAStatText) {
   EXPECT_EQ(parse_procs_running(none), -1);
   std::istringstream bad("procs_running x\n");
   EXPECT_EQ(parse_procs_running(bad), -1);
+}
+
+TEST(CpuLoad, RequestedThreadsComeFromTheFlagThenOmpNumThreads) {
+  const char* omp = std::getenv("OMP_NUM_THREADS");
+  const std::string saved = omp ? omp : "";
+  setenv("OMP_NUM_THREADS", "3,1", 1);
+  auto threads = [](std::vector<const char*> args) {
+    args.insert(args.begin(), "hybridscan");
+    return requested_threads(static_cast<int>(args.size()), args.data());
+  };
+  EXPECT_EQ(threads({"train", "--steps", "4"}), 3);  // OMP_NUM_THREADS' first value
+  EXPECT_EQ(threads({"train", "--threads", "5"}), 5);
+  EXPECT_EQ(threads({"train", "--threads=6"}), 6);
+  EXPECT_EQ(threads({"train", "--threads", "2", "--threads=7"}), 7);  // the last one, as CLI11 takes it
+  EXPECT_EQ(threads({"train", "--threads", "0"}), 3);                 // 0: OpenMP's default
+  EXPECT_EQ(threads({"train", "--threads", "-2"}), 3);
+  EXPECT_EQ(threads({"train", "--threads=abc"}), 3);
+  EXPECT_EQ(threads({"train", "--threads"}), 3);  // no value: left to CLI11's error
+  unsetenv("OMP_NUM_THREADS");
+  EXPECT_EQ(threads({"train"}), affinity_cpus());
+  if (omp) setenv("OMP_NUM_THREADS", saved.c_str(), 1);
+  EXPECT_EQ(positive_count("4,2"), 4);
+  EXPECT_EQ(positive_count("99999999999"), 0);
+  EXPECT_EQ(positive_count(""), 0);
+  EXPECT_EQ(positive_count(nullptr), 0);
 }
 
 TEST(CpuLoad, CpuMaxQuotasAreRoundedDown) {

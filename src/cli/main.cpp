@@ -35,22 +35,7 @@ int main(int argc, char** argv) {
   bool reexec = false, chose_wait = false;
   if (!std::getenv("OMP_WAIT_POLICY") && !std::getenv("GOMP_SPINCOUNT")) {
     const int usable = hs::usable_cpus();
-    // The threads the subcommand will run: its --threads N when N > 0, else OpenMP's default (OMP_NUM_THREADS's
-    // first value when set, else one per processor of its affinity mask, whatever a CPU quota allows).
-    auto positive = [](const char* v) {
-      char* end = nullptr;
-      const long n = v ? std::strtol(v, &end, 10) : 0;
-      return v && end != v && n > 0 && n <= (1 << 20) ? static_cast<int>(n) : 0;
-    };
-    int threads = positive(std::getenv("OMP_NUM_THREADS"));
-    if (threads == 0) threads = hs::affinity_cpus();
-    for (int i = 1; i < argc; ++i) {
-      const std::string_view a = argv[i];
-      const char* v = a == "--threads" && i + 1 < argc     ? argv[i + 1]
-                      : a.rfind("--threads=", 0) == 0 ? argv[i] + 10
-                                                        : nullptr;
-      if (positive(v) > 0) threads = positive(v);
-    }
+    int threads = hs::requested_threads(argc, argv);
     // An MPI launch's ranks on this machine each run `threads`, on the same processors.
     threads = static_cast<int>(std::min<long long>(1 << 20, static_cast<long long>(threads) * hs::local_processes()));
     const int online = hs::online_cpus();
