@@ -4,7 +4,7 @@
 # committed HEAD into it and runs the README's two commands there under chroot, failing on any error:
 #
 #   scripts/demo.sh      (STEPS=20: the install and the whole demo path, not a long training run)
-#   scripts/test.sh      (HS_SKIP_SANITIZERS=1: the sanitizer pass proves nothing more about the install, and the
+#   scripts/test.sh      (HS_SKIP_SANITIZERS=1 HS_SKIP_AVX2_CAP=1: the sanitizer and AVX2-capped passes prove nothing more about the install, and the
 #                         caller's own scripts/test.sh runs it)
 #
 #   scripts/check_fresh_install.sh [--full] [--bench] [--keep]
@@ -100,11 +100,11 @@ for v in PIP_CERT PIP_DEFAULT_TIMEOUT PIP_INDEX_URL PIP_TRUSTED_HOST; do [ -n "$
 in_root() {
   chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb CI=true "${pip_env[@]}" \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin STEPS="$steps" \
-    HS_SKIP_SANITIZERS="$skip_sanitizers" bash -c "cd /root/hybridscan && $1"
+    HS_SKIP_SANITIZERS="$skip_sanitizers" HS_SKIP_AVX2_CAP="$skip_sanitizers" bash -c "cd /root/hybridscan && $1"
 }
 stamp "== scripts/demo.sh (STEPS=$steps)"
 in_root "scripts/demo.sh"
-stamp "== scripts/test.sh (HS_SKIP_SANITIZERS=$skip_sanitizers)"
+stamp "== scripts/test.sh (HS_SKIP_SANITIZERS=$skip_sanitizers HS_SKIP_AVX2_CAP=$skip_sanitizers)"
 in_root "scripts/test.sh"
 if [ "$bench" = 1 ]; then
   stamp "== scripts/setup.sh --bench --no-build"

@@ -33,9 +33,11 @@ done
 #   openmpi-bin libopenmpi-dev                     multi-process training (src/mpi) and its tests under mpirun
 #   python3 python3-venv ca-certificates           the .venv of the tests' Python peers, pip over HTTPS
 #   bible-kjv bible-kjv-text                       the demo's corpus
+#   qemu-user                                      tests/emulated_cpu_test.sh: the engine on an emulated AVX2-only
+#                                                  CPU (Haswell) and one without AVX (Nehalem)
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev openmpi-bin libopenmpi-dev python3 python3-venv ca-certificates
-      bible-kjv bible-kjv-text)
+      bible-kjv bible-kjv-text qemu-user)
 missing=()
 for p in "${pkgs[@]}"; do
   [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")

@@ -4,10 +4,12 @@
 #pragma once
 #include <gtest/gtest.h>
 #include <omp.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -24,6 +26,23 @@
 #include "core/dtype.h"
 
 namespace hs::test {
+
+// A shell command's exit code and its stdout and stderr together (-1: it could not be started or did not exit).
+struct CliRun {
+  int rc = -1;
+  std::string out;
+};
+inline CliRun run_command(const std::string& cmd) {
+  CliRun r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
+  const int status = pclose(p);
+  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
 
 // n draws from N(mean, stddev^2) by a generator seeded with `seed`.
 inline std::vector<float> randn(size_t n, uint32_t seed, float stddev = 1.0f, float mean = 0.0f) {

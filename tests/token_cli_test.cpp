@@ -21,23 +21,8 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct CliRun {
-  int rc = -1;
-  std::string out;  // stdout and stderr
-};
-
-CliRun hybridscan(const std::string& args) {
-  CliRun r;
-  const std::string cmd = std::string(HS_BINARY) + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.out.append(buf, n);
-  const int status = pclose(p);
-  r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using test::CliRun;
+CliRun hybridscan(const std::string& args) { return test::run_command(std::string(HS_BINARY) + " " + args); }
 
 // The last line of the output that is a JSON object.
 json last_json(const std::string& out) {

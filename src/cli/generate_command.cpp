@@ -164,6 +164,7 @@ void run_generate(const GenerateArgs& a) {
   const model::ParamSet& params = *weights->params;
   const DType wdt = params.global(model::g::kLmHead).dtype;
   opt.compute = wdt;
+  if (wdt == DType::BF16) note_bf16_widening("generate");
 
   // Streams the single prompt's text; several prompts print at the end. Stop strings end a sequence once its text
   // holds one (the text is cut before it).

@@ -13,6 +13,8 @@
 
 #include "cli/commands.h"
 #include "core/cpu_load.h"
+#include "kernels/cpu.h"
+#include "kernels/paths.h"
 
 int main(int argc, char** argv) {
   // OpenMP threads that wait for work by spinning (libgomp's default, ~300k spins) lose most of their time when the
@@ -62,9 +64,17 @@ int main(int argc, char** argv) {
   // do not pay for zeroed pages again.
   mallopt(M_MMAP_THRESHOLD, 1 << 30);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  // A bad HS_MAX_ISA stops here, before any kernel chooses a path (kernels/cpu.h).
+  if (const std::string bad = hs::kernels::cpu::cap_error(); !bad.empty()) {
+    std::fprintf(stderr, "hybridscan: error: %s\n", bad.c_str());
+    return 2;
+  }
   CLI::App app{"hybridscan: train, convert, plan and run Qwen3-Next / Qwen3.5 hybrid models\n"
                "(Gated DeltaNet + gated attention + sparse MoE) as a nested block scan."};
-  app.set_version_flag("--version", std::string("hybridscan ") + HS_VERSION);
+  app.set_version_flag("--version", [] {
+    return std::string("hybridscan ") + HS_VERSION + "\n" + hs::kernels::cpu::describe() + "\n" +
+           hs::kernels::kernel_paths_report();
+  });
   app.require_subcommand(1);
   app.footer("Run 'hybridscan SUBCOMMAND --help' for the flags of each subcommand.");
   hs::cli::register_commands(app);

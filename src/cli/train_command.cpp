@@ -193,6 +193,7 @@ void register_train(CLI::App& app) {
     x.o.delta_products_given = c->get_option("--delta-rule-products")->count() > 0;
     x.o.progress = !x.quiet;
     if (x.threads > 0) omp_set_num_threads(x.threads);
+    if (lead && (x.o.step.compute == DType::BF16 || !x.o.resume.empty())) note_bf16_widening("train");
     train::TrainSummary s;
     if (rt) {
       // A rank's error ends the job: the other ranks would wait for it in their next collective.

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include "core/profile.h"
+#include "kernels/cpu.h"
 #include "kernels/simd.h"
 
 namespace hs::kernels {
@@ -199,9 +200,8 @@ bool adamw_isa_supported(AdamWIsa isa) {
   switch (isa) {
     case AdamWIsa::Scalar: return true;
 #if defined(__x86_64__)
-    case AdamWIsa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case AdamWIsa::Avx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+    case AdamWIsa::Avx2: return cpu::allows(cpu::Level::Avx2);
+    case AdamWIsa::Avx512: return cpu::allows(cpu::Level::Avx512);
 #else
     default: return false;
 #endif

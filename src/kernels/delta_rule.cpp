@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "core/profile.h"
+#include "kernels/cpu.h"
 #include "kernels/simd.h"
 #include "kernels/vec_math.h"
 
@@ -66,15 +67,15 @@ constexpr int kMR = 4;  // rows of C per register block (8 where the block is at
 // through memcpy (unaligned), and no function takes or returns one (that would be ABI-dependent).
 using f32x16 = float __attribute__((vector_size(64)));
 
-// Cm[MR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the kMR x NV accumulators stay in registers while
-// B streams row by row.
+// Cm[MR, 16 NV] (= or +=) alpha A B over k in [kb, ke): the accumulators stay in registers while B streams row by
+// row. Every element is one fp32 accumulator fed by fused multiply-adds in ascending k, then scaled, then added to
+// the old value: the same operations on every path, so the AVX-512 and AVX2 kernels give the same bits.
 // Never inlined, and the accumulators are named registers: with `acc[..] = {}` GCC zeroes a stack copy with
 // memset on every call.
 template <int MR, int NV>
-__attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks,
-                                          const float* B, int64_t ldb, float* Cm, int64_t ldc, float alpha,
-                                          bool accumulate) {
-#if defined(__AVX512F__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"), noinline)) void gemm_block_avx512(
+    int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B, int64_t ldb, float* Cm,
+    int64_t ldc, float alpha, bool accumulate) {
   __m512 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -106,32 +107,53 @@ __attribute__((noinline)) void gemm_block(int64_t kb, int64_t ke, const float* A
       if (accumulate) c = _mm512_add_ps(c, _mm512_loadu_ps(cp));
       _mm512_storeu_ps(cp, c);
     }
-#else
-  f32x16 acc[MR][NV] = {};
-  for (int64_t k = kb; k < ke; ++k) {
-    f32x16 b[NV];
-    for (int v = 0; v < NV; ++v) {
-      f32x16 x;
-      std::memcpy(&x, B + k * ldb + 16 * v, sizeof x);
-      b[v] = x;
-    }
-    for (int r = 0; r < MR; ++r) {
-      const float a = A[r * ars + k * aks];
-      for (int v = 0; v < NV; ++v) acc[r][v] += a * b[v];
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV; ++v) {
-      float* cp = Cm + r * ldc + 16 * v;
-      f32x16 c = alpha * acc[r][v];
-      if (accumulate) {
-        f32x16 old;
-        std::memcpy(&old, cp, sizeof old);
-        c += old;
+}
+
+// AVX2 has 16 vector registers of 8 floats: the block runs as 4-row x 16-column pieces (8 accumulators, 2 B vectors,
+// a broadcast), each over the whole k range, the B piece (K x 16 floats) staying in L1 across the row pieces.
+template <int MR, int NV>
+__attribute__((target("avx2,fma"), noinline)) void gemm_block_avx2(int64_t kb, int64_t ke, const float* A,
+                                                                   int64_t ars, int64_t aks, const float* B,
+                                                                   int64_t ldb, float* Cm, int64_t ldc, float alpha,
+                                                                   bool accumulate) {
+  const __m256 al = _mm256_set1_ps(alpha);
+  for (int v = 0; v < NV; ++v)
+    for (int r0 = 0; r0 < MR; r0 += 4) {
+      __m256 acc[4][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t k = kb; k < ke; ++k) {
+        __m256 b0 = _mm256_loadu_ps(B + k * ldb + 16 * v), b1 = _mm256_loadu_ps(B + k * ldb + 16 * v + 8);
+        __asm__("" : "+x"(b0), "+x"(b1));
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 a = _mm256_set1_ps(A[(r0 + r) * ars + k * aks]);
+          acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+        }
       }
-      std::memcpy(cp, &c, sizeof c);
+#pragma GCC unroll 4
+      for (int r = 0; r < 4; ++r)
+        for (int h = 0; h < 2; ++h) {
+          float* cp = Cm + (r0 + r) * ldc + 16 * v + 8 * h;
+          __m256 c = _mm256_mul_ps(al, acc[r][h]);
+          if (accumulate) c = _mm256_add_ps(c, _mm256_loadu_ps(cp));
+          _mm256_storeu_ps(cp, c);
+        }
     }
-#endif
+}
+
+// The widest of the two this CPU runs (HS_MAX_ISA included), chosen once.
+bool wide_vectors() {
+  static const bool wide = cpu::allows(cpu::Level::Avx512);
+  return wide;
+}
+
+template <int MR, int NV>
+inline void gemm_block(int64_t kb, int64_t ke, const float* A, int64_t ars, int64_t aks, const float* B, int64_t ldb,
+                       float* Cm, int64_t ldc, float alpha, bool accumulate) {
+  if (wide_vectors()) gemm_block_avx512<MR, NV>(kb, ke, A, ars, aks, B, ldb, Cm, ldc, alpha, accumulate);
+  else gemm_block_avx2<MR, NV>(kb, ke, A, ars, aks, B, ldb, Cm, ldc, alpha, accumulate);
 }
 
 // The register blocks of Cm[M, N] = op(A)[M, K] B[K, N] (N % 16 == 0, M % 4 == 0 in kMR-row blocks, 8-row ones
@@ -267,15 +289,11 @@ HS_BF16_TARGET void pack_pairs_bf16(int64_t K, int64_t N, const float* src, int6
 }
 #endif
 
-// Whether this CPU runs the bf16-input products (the CPU read once) and HS_DELTA_RULE_BF16_PRODUCTS is not "off" (read
+// Whether this CPU runs the bf16-input products (kernels/cpu.h: HS_MAX_ISA included) and HS_DELTA_RULE_BF16_PRODUCTS is not "off" (read
 // at every kernel call, so that a test can take the fallback on a CPU that has them).
 bool cpu_has_bf16_products() {
 #if defined(HS_DELTA_BF16)
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  }();
+  static const bool has = cpu::allows(cpu::Level::Avx512Bf16);
   const char* cap = std::getenv("HS_DELTA_RULE_BF16_PRODUCTS");
   return has && !(cap && std::strcmp(cap, "off") == 0);
 #else
@@ -323,10 +341,9 @@ struct Products {
 
 // dst[cols, rows] = src[rows, cols]^T, rows and cols multiples of 16, through a 16x16 tile on the stack
 // (twice as fast as the plain strided loop).
-void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
-  for (int64_t i0 = 0; i0 < rows; i0 += kLanes)
-    for (int64_t j0 = 0; j0 < cols; j0 += kLanes) {
-#if defined(__AVX512F__)
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void transpose16_avx512(const float* src, int64_t lds,
+                                                                                     float* dst, int64_t ldd,
+                                                                                     int64_t i0, int64_t j0) {
       // In registers: pairs, then quads, then 128-bit lanes twice (48 shuffles for 256 floats).
       const float* s0 = src + i0 * lds + j0;
       __m512 r[16], t[16];
@@ -352,13 +369,22 @@ void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float*
       }
       float* d0 = dst + j0 * ldd + i0;
       for (int j = 0; j < 16; ++j) _mm512_storeu_ps(d0 + j * ldd, r[j]);
-#else
+}
+
+void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd, int64_t i0, int64_t j0) {
       float tile[kLanes][kLanes];
       for (int64_t i = 0; i < kLanes; ++i)
         for (int64_t j = 0; j < kLanes; ++j) tile[j][i] = src[(i0 + i) * lds + j0 + j];
       for (int64_t j = 0; j < kLanes; ++j)
         for (int64_t i = 0; i < kLanes; ++i) dst[(j0 + j) * ldd + i0 + i] = tile[j][i];
-#endif
+}
+
+void transpose(const float* src, int64_t rows, int64_t cols, int64_t lds, float* dst, int64_t ldd) {
+  const bool wide = wide_vectors();
+  for (int64_t i0 = 0; i0 < rows; i0 += kLanes)
+    for (int64_t j0 = 0; j0 < cols; j0 += kLanes) {
+      if (wide) transpose16_avx512(src, lds, dst, ldd, i0, j0);
+      else transpose16(src, lds, dst, ldd, i0, j0);
     }
 }
 
@@ -417,14 +443,8 @@ inline void zero16(float* dst) { std::fill_n(dst, 16, 0.0f); }
 // Widens a row of n bf16 (exactly: the bits move to the top half) or copies floats.
 inline void widen_row(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void widen_row(const bf16* src, int64_t n, float* dst) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j + kLanes <= n; j += kLanes) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j));
-    _mm512_storeu_ps(dst + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
-#endif
-  for (; j < n; ++j) dst[j] = to_f32(src[j]);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = to_f32(src[j]);
 }
 
 template <typename S>

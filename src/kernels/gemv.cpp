@@ -13,6 +13,7 @@
 
 // The intrinsics of every path are compiled with per-function target attributes, whatever -march says, and a path
 // runs only where the CPU reports its features (gemv_isa_supported).
+#include "kernels/cpu.h"
 #include "kernels/simd.h"
 #if defined(__x86_64__)
 #define HS_GEMV_X86 1
@@ -308,23 +309,14 @@ void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t 
     product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, c * chunk, std::min(blocks, (c + 1) * chunk));
 }
 
+// The widest path HS_MAX_ISA and the CPU allow (kernels/cpu.h).
 GemvIsa detect() {
 #if HS_GEMV_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-    if (__builtin_cpu_supports("avx512bf16")) return GemvIsa::Avx512Bf16;
-    return GemvIsa::Avx512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return GemvIsa::Avx2;
+  if (cpu::allows(cpu::Level::Avx512Bf16)) return GemvIsa::Avx512Bf16;
+  if (cpu::allows(cpu::Level::Avx512)) return GemvIsa::Avx512;
+  if (cpu::allows(cpu::Level::Avx2)) return GemvIsa::Avx2;
 #endif
   return GemvIsa::Scalar;
-}
-
-GemvIsa parse_cap(const char* s) {
-  const std::string v = s;
-  for (GemvIsa i : {GemvIsa::Scalar, GemvIsa::Avx2, GemvIsa::Avx512, GemvIsa::Avx512Bf16})
-    if (v == gemv_isa_name(i)) return i;
-  throw std::invalid_argument("HS_GEMV_ISA='" + v + "': use scalar, avx2, avx512 or avx512bf16");
 }
 
 }  // namespace
@@ -344,12 +336,7 @@ bool gemv_isa_supported(GemvIsa isa) {
 }
 
 GemvIsa gemv_isa() {
-  static const GemvIsa chosen = [] {
-    GemvIsa best = detect();
-    if (const char* cap = std::getenv("HS_GEMV_ISA"); cap && *cap)
-      best = static_cast<GemvIsa>(std::min(static_cast<int>(best), static_cast<int>(parse_cap(cap))));
-    return best;
-  }();
+  static const GemvIsa chosen = detect();
   return chosen;
 }
 

@@ -7,10 +7,8 @@
 // (AVX-512F) above; 4 x 4 elsewhere.
 //
 // Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.
-// The environment variable HS_GEMV_ISA (scalar | avx2 | avx512 | avx512bf16) caps the choice, and the isa argument
-// forces one (tests run every path the machine has). With HS_NATIVE=ON (the default, -march=native) the compiler may
-// also use the build machine's instructions inside the AVX2 and scalar paths: configure -DHS_NATIVE=OFF for a binary
-// that runs on older CPUs. Every path sums the exact products x_k w_k in fp32 (only the
+// HS_MAX_ISA caps the choice (kernels/cpu.h), and the isa argument forces one (tests run every path the machine
+// allows). Every path sums the exact products x_k w_k in fp32 (only the
 // order differs), so |y - y_exact| <= K * 2^-24 * sum_k |x_k w_k| (+ the output's rounding in bf16).
 #pragma once
 #include <cstdint>
@@ -23,9 +21,9 @@ constexpr int64_t kGemvMaxRows = 16;
 
 enum class GemvIsa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
 
-// The best path this CPU runs, capped by HS_GEMV_ISA (read once).
+// The best path this CPU runs under HS_MAX_ISA (read once).
 GemvIsa gemv_isa();
-// Whether this CPU runs `isa`.
+// Whether this CPU, under HS_MAX_ISA, runs `isa`.
 bool gemv_isa_supported(GemvIsa isa);
 const char* gemv_isa_name(GemvIsa isa);
 

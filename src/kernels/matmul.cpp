@@ -1,7 +1,10 @@
 #include "kernels/matmul.h"
 
 #include "core/profile.h"
+#include "kernels/common.h"
+#include "kernels/cpu.h"
 #include "kernels/gemv.h"
+#include "kernels/paths.h"
 #include "kernels/simd.h"
 
 #include <omp.h>
@@ -64,6 +67,8 @@ struct PackedEntry {
 };
 
 struct Runtime {
+  // HS_MAX_ISA reaches oneDNN before its first primitive (the engine is made first).
+  const bool capped = (cpu::apply_cap_to_onednn(), true);
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mu;
   std::map<Key, std::shared_ptr<Prim>> cache;  // null: a packed-B primitive oneDNN only runs on a reference kernel
@@ -91,6 +96,27 @@ memory::desc plain_b(int dt, int64_t K, int64_t N, bool tb, int64_t ldb) {
   return tb ? memory::desc({K, N}, dnnl_type(dt), {1, ldb}) : memory::desc({K, N}, dnnl_type(dt), {ldb, 1});
 }
 
+// Whether bf16 products run on oneDNN's bf16 kernels: only where the CPU has AVX-512-BF16 (under HS_MAX_ISA) and
+// oneDNN makes the primitive (asked once, with a small one, so a cap set by ONEDNN_MAX_CPU_ISA counts too).
+// Elsewhere the engine widens the operands to fp32 (run_widened below): Debian's oneDNN 2.6 (and 3.2) makes no
+// bf16 matmul below AVX-512, and on AVX-512 without BF16 its emulated bf16 gemm measured about half its fp32
+// speed at the step's shapes (2.6.3 and 3.2.0, 2 threads: 4096x256x768 62 against 150 GFLOP/s; README).
+bool onednn_runs_bf16() {
+  static const bool runs = [] {
+    Runtime& rt = runtime();
+    if (!cpu::allows(cpu::Level::Avx512Bf16)) return false;
+    try {
+      const memory::desc a({32, 32}, memory::data_type::bf16, {32, 1});
+      const memory::desc c({32, 32}, memory::data_type::f32, {32, 1});
+      dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a, a, c), rt.engine);
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return runs;
+}
+
 // Products the skinny loops below take (one dimension <= kSkinny, another larger) never read a packed weight.
 constexpr int64_t kSkinny = 16;
 
@@ -102,7 +128,7 @@ std::optional<memory::desc> packed_layout_locked(Runtime& rt, const PackedKey& p
   auto it = rt.packed_layouts.find(pk);
   if (it != rt.packed_layouts.end()) return it->second;
   std::optional<memory::desc> out;
-  if (std::min(pk.K, pk.N) > kSkinny) {
+  if (std::min(pk.K, pk.N) > kSkinny && (pk.dt == 0 || onednn_runs_bf16())) {
     constexpr int64_t kRows = 512;
     memory::desc a({kRows, pk.K}, dnnl_type(pk.dt), {pk.K, 1});
     memory::desc b({pk.K, pk.N}, dnnl_type(pk.dt), memory::format_tag::any);
@@ -513,58 +539,23 @@ void skinny_m(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
   }
 }
 
-// Runs the product here when it is skinny in a layout these loops cover; false leaves it to oneDNN.
-template <typename TA, typename TC>
-bool run_skinny(const void* Av, const void* Bv, void* Cv, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
-                bool acc, int64_t lda, int64_t ldb, int64_t ldc) {
-  const TA* A = static_cast<const TA*>(Av);
-  const TA* B = static_cast<const TA*>(Bv);
-  TC* C = static_cast<TC*>(Cv);
-  if (N <= kSkinny && !ta && tb) skinny_n(A, lda, B, ldb, C, ldc, M, N, K, acc);
-  else if (K <= kSkinny && !ta && !tb) skinny_k(A, lda, B, ldb, C, ldc, M, N, K, acc);
-  else if (M <= kSkinny && ta && !tb) skinny_m(A, lda, B, ldb, C, ldc, M, N, K, acc);
-  else return false;
-  return true;
-}
-
-void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool acc,
-         MatmulLayout ld, int in_dt, int out_dt) {
-  profile::MatmulScope profile_scope({M, N, K, ta, tb, acc, ld.varying_rows, in_dt, out_dt});
-  if (M <= 0 || N <= 0) return;
-  if (K <= 0) {
-    if (!acc) throw std::invalid_argument("matmul with K = 0 and no accumulation");
-    return;
-  }
-  Key k{M, N, K, ld.lda ? ld.lda : (ta ? M : K), ld.ldb ? ld.ldb : (tb ? K : N), ld.ldc ? ld.ldc : N,
-        ta, tb, acc, in_dt, out_dt};
-  if (t_small_rows && !ta && tb && !acc && M <= kGemvMaxRows && k.ldb == K) {
-    if (in_dt == 0) gemv(static_cast<const float*>(A), static_cast<const float*>(B), static_cast<float*>(C), M, N, K,
-                         k.lda, k.ldc);
-    else if (out_dt == 0) gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<float*>(C), M, N,
-                               K, k.lda, k.ldc);
-    else gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<bf16*>(C), M, N, K, k.lda, k.ldc);
-    return;
-  }
-  if (std::min({M, N, K}) <= kSkinny && std::max({M, N, K}) > kSkinny) {
-    const bool done = in_dt == 0   ? run_skinny<float, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
-                      : out_dt == 0 ? run_skinny<bf16, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
-                                    : run_skinny<bf16, bf16>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc);
-    if (done) return;
-  }
-  // A row count that varies from call to call (ld.varying_rows) is taken at execution: M when A is not
+// The product on oneDNN, leading dimensions resolved in k.
+void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, Key k,
+                bool varying_rows, int in_dt, int out_dt) {
+  // A row count that varies from call to call (varying_rows) is taken at execution: M when A is not
   // transposed, K (the summed rows) for a weight gradient dW += A^T B. oneDNN then runs its jit gemm instead of
   // the AMX brgemm primitive of the exact shape: 0.7-0.8x as fast for row-wise products at the MoE's shapes, but
   // 1.2-2.1x as fast for its weight gradients (K = 1000 rows: 256x256 100 vs 211 us, 512x256 203 vs 255 us), and
   // no primitive is created per count, so the caller needs neither fixed pieces nor a padded tail. (A transposed
   // A with a transposed B ignores the flag.)
-  const bool runtime_k = ld.varying_rows && ta && !tb;
-  const bool runtime_m = ld.varying_rows && !ta;
+  const bool runtime_k = varying_rows && ta && !tb;
+  const bool runtime_m = varying_rows && !ta;
   const int64_t K_exec = K;
   if (runtime_k) k.K = kRuntime;
   if (runtime_m) k.M = kRuntime;
   Runtime& rt = runtime();
   // A registered packed copy of B (a weight in one of its uses): a fixed row count, A not transposed, B plain.
-  if (!ld.varying_rows && !ta && k.ldb == (tb ? K : N) && rt.n_packed.load(std::memory_order_acquire) > 0) {
+  if (!varying_rows && !ta && k.ldb == (tb ? K : N) && rt.n_packed.load(std::memory_order_acquire) > 0) {
     std::optional<PackedEntry> hit;
     {
       std::lock_guard<std::mutex> lock(rt.mu);
@@ -603,14 +594,131 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
   s.wait();
 }
 
+
+// ---- bf16 products where oneDNN has none --------------------------------------------------------------------
+// Below AVX-512-BF16 (kernels/matmul.cpp's onednn_runs_bf16) a bf16 product widens its operands to fp32, exactly (a
+// bf16 is the top half of a float), and runs oneDNN's fp32 product on them, a block at a time: rows of A (or, for a
+// weight gradient A^T B, the summed rows of both A and B) and columns of B, each block of at most kWidenedBlockBytes
+// of fp32, so the scratch stays under 3 x that whatever the operands' size (the LM head's B is vocabulary x
+// hidden). A block of summed rows after the first adds into C (fp32: C itself; bf16 C: an fp32 copy of the block,
+// rounded once at the end). The sums are fp32 as on every path; only their order is oneDNN's fp32 kernel's. The
+// scratch is per calling thread, reused from call to call, and lives outside the memory accountant, as oneDNN's own
+// scratchpad does (tests/memory_rss_test.cpp bounds what the accountant does not see).
+constexpr int64_t kWidenedBlockBytes = int64_t{1} << 20;
+
+struct WidenScratch {
+  std::vector<float> a, b, c;
+};
+WidenScratch& widen_scratch() {
+  thread_local WidenScratch s;
+  return s;
+}
+
+// dst[r, 0 .. cols) = src[r * lds ...] widened, for rows r < rows (dst dense, row length cols).
+void widen_rows(const bf16* src, int64_t lds, int64_t rows, int64_t cols, float* dst) {
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelMinWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const bf16* s = src + r * lds;
+    float* d = dst + r * cols;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) d[c] = to_f32(s[c]);
+  }
+}
+
+// How many of `total` rows (or columns) of `width` floats fit a block: a multiple of 64 (or all of them).
+int64_t block_count(int64_t total, int64_t width) {
+  return std::min(total, std::max<int64_t>(64, kWidenedBlockBytes / 4 / std::max<int64_t>(1, width) / 64 * 64));
+}
+
+void run_widened(const void* Av, const void* Bv, void* Cv, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
+                 bool acc, const Key& k, bool varying_rows, int out_dt) {
+  const bf16* A = static_cast<const bf16*>(Av);
+  const bf16* B = static_cast<const bf16*>(Bv);
+  WidenScratch& w = widen_scratch();
+  // A weight gradient (ta) sums over K rows, which can be many (a batch): K is blocked; else M is, and K stays whole.
+  const int64_t mb = ta ? M : block_count(M, K), kb = ta ? block_count(K, std::max(M, N)) : K;
+  const int64_t nb_max = block_count(N, kb);
+  w.a.resize(static_cast<size_t>(mb * kb));
+  w.b.resize(static_cast<size_t>(nb_max * kb));
+  if (out_dt == 1) w.c.resize(static_cast<size_t>(mb * nb_max));
+  for (int64_t i0 = 0; i0 < M; i0 += mb) {
+    const int64_t mi = std::min(mb, M - i0);
+    for (int64_t j0 = 0; j0 < N; j0 += nb_max) {
+      const int64_t nb = std::min(nb_max, N - j0);
+      bf16* Cb = out_dt == 1 ? static_cast<bf16*>(Cv) + i0 * k.ldc + j0 : nullptr;
+      float* Cf = out_dt == 0 ? static_cast<float*>(Cv) + i0 * k.ldc + j0 : w.c.data();
+      const int64_t ldc = out_dt == 0 ? k.ldc : nb;
+      if (out_dt == 1 && acc) widen_rows(Cb, k.ldc, mi, nb, w.c.data());
+      for (int64_t p0 = 0; p0 < K; p0 += kb) {
+        const int64_t kp = std::min(kb, K - p0);
+        // A's block as stored: rows i0.. of [M, K], or rows p0.. (columns i0..) of [K, M] (ta).
+        if (ta) widen_rows(A + p0 * k.lda + i0, k.lda, kp, mi, w.a.data());
+        else widen_rows(A + i0 * k.lda + p0, k.lda, mi, kp, w.a.data());
+        // B's block: rows j0.. of a transposed B ([N, K]), else columns j0.. of its rows p0...
+        if (tb) widen_rows(B + j0 * k.ldb + p0, k.ldb, nb, kp, w.b.data());
+        else widen_rows(B + p0 * k.ldb + j0, k.ldb, kp, nb, w.b.data());
+        const bool add = acc || p0 > 0;
+        Key fk{mi, nb, kp, ta ? mi : kp, tb ? kp : nb, ldc, ta, tb, add, 0, 0};
+        run_onednn(w.a.data(), w.b.data(), Cf, mi, nb, kp, ta, tb, fk, varying_rows, 0, 0);
+      }
+      if (out_dt == 1) {
+#pragma omp parallel for schedule(static) if (mi * nb > kParallelMinWork)
+        for (int64_t i = 0; i < mi; ++i) convert(w.c.data() + i * nb, Cb + i * k.ldc, static_cast<size_t>(nb));
+      }
+    }
+  }
+}
+
+// Runs the product here when it is skinny in a layout these loops cover; false leaves it to oneDNN.
+template <typename TA, typename TC>
+bool run_skinny(const void* Av, const void* Bv, void* Cv, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
+                bool acc, int64_t lda, int64_t ldb, int64_t ldc) {
+  const TA* A = static_cast<const TA*>(Av);
+  const TA* B = static_cast<const TA*>(Bv);
+  TC* C = static_cast<TC*>(Cv);
+  if (N <= kSkinny && !ta && tb) skinny_n(A, lda, B, ldb, C, ldc, M, N, K, acc);
+  else if (K <= kSkinny && !ta && !tb) skinny_k(A, lda, B, ldb, C, ldc, M, N, K, acc);
+  else if (M <= kSkinny && ta && !tb) skinny_m(A, lda, B, ldb, C, ldc, M, N, K, acc);
+  else return false;
+  return true;
+}
+
+void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, bool acc,
+         MatmulLayout ld, int in_dt, int out_dt) {
+  profile::MatmulScope profile_scope({M, N, K, ta, tb, acc, ld.varying_rows, in_dt, out_dt});
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0) {
+    if (!acc) throw std::invalid_argument("matmul with K = 0 and no accumulation");
+    return;
+  }
+  Key k{M, N, K, ld.lda ? ld.lda : (ta ? M : K), ld.ldb ? ld.ldb : (tb ? K : N), ld.ldc ? ld.ldc : N,
+        ta, tb, acc, in_dt, out_dt};
+  if (t_small_rows && !ta && tb && !acc && M <= kGemvMaxRows && k.ldb == K) {
+    if (in_dt == 0) gemv(static_cast<const float*>(A), static_cast<const float*>(B), static_cast<float*>(C), M, N, K,
+                         k.lda, k.ldc);
+    else if (out_dt == 0) gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<float*>(C), M, N,
+                               K, k.lda, k.ldc);
+    else gemv(static_cast<const bf16*>(A), static_cast<const bf16*>(B), static_cast<bf16*>(C), M, N, K, k.lda, k.ldc);
+    return;
+  }
+  if (std::min({M, N, K}) <= kSkinny && std::max({M, N, K}) > kSkinny) {
+    const bool done = in_dt == 0   ? run_skinny<float, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
+                      : out_dt == 0 ? run_skinny<bf16, float>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc)
+                                    : run_skinny<bf16, bf16>(A, B, C, M, N, K, ta, tb, acc, k.lda, k.ldb, k.ldc);
+    if (done) return;
+  }
+  if (in_dt == 1 && !onednn_runs_bf16()) return run_widened(A, B, C, M, N, K, ta, tb, acc, k, ld.varying_rows, out_dt);
+  run_onednn(A, B, C, M, N, K, ta, tb, k, ld.varying_rows, in_dt, out_dt);
+}
+
 }  // namespace
 
 bool skinny_isa_supported(SkinnyIsa isa) {
   switch (isa) {
     case SkinnyIsa::Scalar: return true;
 #if defined(__x86_64__)
-    case SkinnyIsa::Avx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case SkinnyIsa::Avx512: return __builtin_cpu_supports("avx512f");
+    case SkinnyIsa::Avx2: return cpu::allows(cpu::Level::Avx2);
+    case SkinnyIsa::Avx512: return cpu::allows(cpu::Level::Avx512);
 #else
     default: return false;
 #endif
@@ -739,6 +847,10 @@ int64_t matmul_packed_products() { return runtime().packed_products.load(); }
 
 SmallRowProducts::SmallRowProducts() : previous_(t_small_rows) { t_small_rows = true; }
 SmallRowProducts::~SmallRowProducts() { t_small_rows = previous_; }
+
+bool matmul_bf16_on_onednn() { return onednn_runs_bf16(); }
+
+bool matmul_thread_count_invariant() { return cpu::allows(cpu::Level::Avx512); }
 
 int64_t matmul_primitives_created() {
   Runtime& rt = runtime();

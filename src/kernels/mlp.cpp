@@ -6,6 +6,7 @@
 
 #include "core/profile.h"
 #include "kernels/common.h"
+#include "kernels/cpu.h"
 #include "kernels/matmul.h"
 #include "kernels/simd.h"
 #include "kernels/vec_math.h"
@@ -18,15 +19,10 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
 }  // namespace
 
-// The row kernels below are compute bound (an exp and a divide per element). GCC's tuning for these cores
-// vectorises with 256-bit registers; 512-bit ones halve the instruction count. The results are the same
-// (element-wise arithmetic; only the row_dot reduction is reassociated, and the same way for every thread
-// count).
-#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__)
-#define HS_WIDE_SIMD __attribute__((target("prefer-vector-width=512")))
-#else
+// The row kernels below are compute bound (an exp and a divide per element). They are compiled for the build's
+// baseline (AVX2); the results do not depend on the vector width (element-wise arithmetic; only the row_dot
+// reduction is reassociated, and the same way for every thread count).
 #define HS_WIDE_SIMD
-#endif
 
 namespace {
 
@@ -35,27 +31,32 @@ namespace {
 constexpr int64_t kChunk = 128;
 
 // dst[i] = from_f32<T>(src[i]) for i < n.
+// vcvtneps2bf16 rounds to nearest even and quiets NaNs as from_f32 does, but flushes subnormal inputs to zero:
+// those few take the portable path. The same bits as the loop below.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void round_chunk_avx512bf16(const float* src,
+                                                                                                   bf16* dst,
+                                                                                                   int64_t n) {
+  const __m512 tiny = _mm512_set1_ps(std::numeric_limits<float>::min()), zero = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512 a = _mm512_abs_ps(v);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    const __mmask16 sub = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ), a, zero, _CMP_GT_OQ);
+    if (sub)
+      for (int j = 0; j < 16; ++j)
+        if ((sub >> j) & 1) dst[i + j] = from_f32<bf16>(src[i + j]);
+  }
+  for (; i < n; ++i) dst[i] = from_f32<bf16>(src[i]);
+}
+
+// dst[i] = from_f32<T>(src[i]) for i < n.
 template <typename T>
 HS_WIDE_SIMD inline void round_chunk(const float* src, T* dst, int64_t n) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, bf16>) {
-    // vcvtneps2bf16 rounds to nearest even and quiets NaNs as from_f32 does, but flushes subnormal inputs to
-    // zero: those few take the portable path.
-    const __m512 tiny = _mm512_set1_ps(std::numeric_limits<float>::min()), zero = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      const __m512 v = _mm512_loadu_ps(src + i);
-      const __m512 a = _mm512_abs_ps(v);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-      const __mmask16 sub = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ), a, zero, _CMP_GT_OQ);
-      if (sub)
-        for (int j = 0; j < 16; ++j)
-          if ((sub >> j) & 1) dst[i + j] = from_f32<bf16>(src[i + j]);
-    }
-    for (; i < n; ++i) dst[i] = from_f32<bf16>(src[i]);
-    return;
+    static const bool has = cpu::allows(cpu::Level::Avx512Bf16);
+    if (has) return round_chunk_avx512bf16(src, dst, n);
   }
-#endif
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<T>(src[i]);
 }
