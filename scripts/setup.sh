@@ -87,5 +87,9 @@ fi
 [ "$build_it" = 1 ] || exit 0
 build=${1:-build}
 shift || true
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
+# HS_MARCH=native in the environment builds for this machine's CPU only (CMakeLists.txt); the default runs anywhere
+# with AVX2.
+march=()
+[ -n "${HS_MARCH:-}" ] && march=("-DHS_MARCH=$HS_MARCH")
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release "${march[@]}" "$@" >/dev/null
 cmake --build "$build" -j"$(nproc)"
