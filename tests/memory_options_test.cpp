@@ -269,7 +269,9 @@ void expect_plan_equals_measured(const ModelConfig& c, DType wdt, StepOptions o,
   if (update) o.update = &up;
   forward_backward(pp, {d.in.data(), d.tg.data(), 2, 24}, o, plan, update ? nullptr : &g2);
   EXPECT_EQ(real.at_peak().bytes, plan.at_peak().bytes) << what;
-  if (update) EXPECT_EQ(real.live(MemCategory::Gradients), 0u) << what;
+  if (update) {
+    EXPECT_EQ(real.live(MemCategory::Gradients), 0u) << what;
+  }
 }
 
 // The step with AdamW in the backward, run for real and over shapes: the same live bytes per category at the peak.

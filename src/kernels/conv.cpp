@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "core/profile.h"
+#include "kernels/cpu.h"
 #include "kernels/vec_math.h"
 
 namespace hs::kernels {
@@ -50,91 +51,27 @@ void transpose_weights(const float* w, int64_t c0, int64_t nc, int64_t width, fl
     for (int64_t c = 0; c < nc; ++c) wt[j][c] = w[(c0 + c) * width + j];
 }
 
-// The per-time-step bodies, one pass over a run of channels each, W (the width) a compile-time constant so that the
-// taps unroll and every channel's values stay in registers: the forward computes the pre-activation and the SiLU in
-// one loop; the backward recomputes the pre-activation, takes the SiLU backward, completes dx from the ring of later
-// gradients and adds the dw terms, reading each of the W input rows once (not once for the pre-activation and again
-// for dw). `first` is the first tap at or after t = 0 (0 except for the first W-1 steps of a sequence); taps before
-// it are skipped, not multiplied by zero. The arithmetic is, tap for tap, the sums of the plain loops: pre = sum_j
-// wt[j] x_j from 0 in j order, dx = sum_j wt[j] ring_j from 0 in j order, so the bits do not depend on W's
-// dispatch.
-// The first W-1 steps of a sequence: pre[c] = sum over the taps from `first` on, tap by tap over the run (the loops
-// of the plain kernel, so the same bits there too).
-template <int W, typename T>
-void edge_pre(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], int64_t off, int64_t n, float* pre) {
-  std::fill(pre, pre + n, 0.0f);
-  for (int j = first; j < W; ++j) {
-    const T* xj = xs[j];
-    const float* wj = wt[j] + off;
-#pragma omp simd
-    for (int64_t c = 0; c < n; ++c) pre[c] += wj[c] * to_f32(xj[c]);
-  }
-}
+}  // namespace
 
-template <int W, typename T, typename D>
-struct ConvBody {
-  // y[c] = silu(sum_j wt[j][off + c] * xs[j][c]) for c < n; xs[j] is row t - W + 1 + j at this run's first channel.
-  static void forward(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], int64_t off, int64_t n,
-                      D* y) {
-    if (first == 0) {
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) {
-        float pre = 0.0f;
-        for (int j = 0; j < W; ++j) pre += wt[j][off + c] * to_f32(xs[j][c]);
-        y[c] = from_f32<D>(silu_vec(pre));
-      }
-    } else {
-      float pre[kMaxChanBlock];
-      edge_pre<W>(xs, first, wt, off, n, pre);
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) y[c] = from_f32<D>(silu_vec(pre[c]));
-    }
-  }
-  // The SiLU backward, dx and (dw_terms) the dw terms of all W taps for channel c from its pre-activation. Always
-  // inlined: a call left in the channel loop keeps it from vectorising, and the vectorised and scalar exp_vec may
-  // differ in the last bit (different FMA contractions), which would break bit-identity with the plain loops.
-  [[gnu::always_inline]] static inline void rest(int64_t c, float pre, bool dw_terms, const T* const* xs,
-                                                 const float (*wt)[kMaxChanBlock], const float* const* ring,
-                                                 float* dpre, float (*dwacc)[kMaxChanBlock], const float* dy,
-                                                 int64_t off, D* dx, bool accumulate_dx) {
-    const float s = sigmoid_vec(pre);
-    const float d = dy[c] * (s * (1.0f + pre * (1.0f - s)));
-    dpre[off + c] = d;
-    float gx = 0.0f;
-    for (int j = 0; j < W - 1; ++j) gx += wt[j][off + c] * ring[j][off + c];
-    gx += wt[W - 1][off + c] * d;
-    if constexpr (std::is_same_v<D, float>) {
-      dx[c] = accumulate_dx ? dx[c] + gx : gx;
-    } else {
-      dx[c] = from_f32<D>(gx);
-    }
-    if (dw_terms)
-      for (int j = 0; j < W; ++j) dwacc[j][off + c] += d * to_f32(xs[j][c]);
-  }
-  // ring[j] (j < W-1) is the SiLU-backward gradient of step t + W-1-j, dpre receives step t's (ring slot t mod W).
-  static void backward(const T* const* xs, int first, const float (*wt)[kMaxChanBlock], const float* const* ring,
-                       float* dpre, float (*dwacc)[kMaxChanBlock], const float* dy, int64_t off, int64_t n, D* dx,
-                       bool accumulate_dx) {
-    if (first == 0) {
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) {
-        float pre = 0.0f;
-        for (int j = 0; j < W; ++j) pre += wt[j][off + c] * to_f32(xs[j][c]);
-        rest(c, pre, true, xs, wt, ring, dpre, dwacc, dy, off, dx, accumulate_dx);
-      }
-    } else {
-      float pre[kMaxChanBlock];
-      edge_pre<W>(xs, first, wt, off, n, pre);
-#pragma omp simd
-      for (int64_t c = 0; c < n; ++c) rest(c, pre[c], false, xs, wt, ring, dpre, dwacc, dy, off, dx, accumulate_dx);
-      for (int j = first; j < W; ++j) {
-        const T* xj = xs[j];
-#pragma omp simd
-        for (int64_t c = 0; c < n; ++c) dwacc[j][off + c] += dpre[off + c] * to_f32(xj[c]);
-      }
-    }
-  }
-};
+// The bodies for AVX2 (the build's baseline) and for AVX-512: the SiLU loops are compute bound, and 512-bit vectors
+// (with masks) halve their instructions. The same arithmetic in the same order per channel either way.
+namespace conv_avx2 {
+#include "kernels/conv_paths.inc"
+}  // namespace conv_avx2
+HS_BEGIN_AVX512_PATHS
+namespace conv_avx512 {
+#include "kernels/conv_paths.inc"
+}  // namespace conv_avx512
+HS_END_ISA_PATHS
+
+namespace {
+
+// f(Paths{}) with the bodies of the widest set this CPU runs under HS_MAX_ISA.
+template <typename F> void with_paths(F&& f) {
+  static const bool wide = cpu::allows(cpu::Level::Avx512);
+  if (wide) f(conv_avx512::Paths{});
+  else f(conv_avx2::Paths{});
+}
 
 // f(std::integral_constant<int, W>) for the run-time width (1..kMaxConvWidth, checked before).
 template <typename F> void with_width(int64_t width, F&& f) {
@@ -176,8 +113,10 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
         float wt[kMaxConvWidth][kMaxChanBlock];
         transpose_weights(w, c0, nc, width, wt);
         const T* xb = x + b * seq * channels;
+        with_paths([&](auto paths) {
         with_width(width, [&](auto wc) {
           constexpr int W = decltype(wc)::value;
+          using Body = typename decltype(paths)::template Body<W, T, T>;
           for (int64_t t = t0; t < t1; ++t) {
             if (t + kPrefetchAhead < seq) {
               prefetch_span(xb + (t + kPrefetchAhead) * channels + c0, nc * int64_t{sizeof(T)}, false);
@@ -189,9 +128,10 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
             y.for_each_run(b * seq + t, c0, nc, [&](T* yt, int64_t off, int64_t n) {
               const T* xs[W];
               for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
-              ConvBody<W, T, T>::forward(xs, first, wt, off, n, yt);
+              Body::forward(xs, first, wt, off, n, yt);
             });
           }
+        });
         });
       }
 }
@@ -223,8 +163,10 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
     float ring[kMaxConvWidth][kMaxChanBlock];
     float dwacc[kMaxConvWidth][kMaxChanBlock] = {};
     transpose_weights(w, c0, nc, width, wt);
+    with_paths([&](auto paths) {
     with_width(width, [&](auto wc) {
       constexpr int W = decltype(wc)::value;
+      using Body = typename decltype(paths)::template Body<W, T, D>;
       for (int64_t b = 0; b < batch; ++b) {
         const T* xb = x + b * seq * channels;
         for (int j = 0; j < W; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
@@ -242,10 +184,11 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
           dy.for_each_run(b * seq + t, c0, nc, [&](const float* d, int64_t off, int64_t n) {
             const T* xs[W];
             for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
-            ConvBody<W, T, D>::backward(xs, first, wt, later, dpre, dwacc, d, off, n, dxt + off, accumulate_dx);
+            Body::backward(xs, first, wt, later, dpre, dwacc, d, off, n, dxt + off, accumulate_dx);
           });
         }
       }
+    });
     });
     for (int64_t c = 0; c < nc; ++c)
       for (int64_t j = 0; j < width; ++j) dw[(c0 + c) * width + j] += dwacc[j][c];

@@ -18,6 +18,13 @@
 #pragma once
 #include <string>
 
+// Brackets for code compiled once more for AVX-512 (F/BW/VL/DQ): a file includes its loops (a `*_paths.inc` that
+// includes nothing itself, so no header's inline function is compiled wider than the baseline) once plainly and
+// once between these, each time inside a namespace of its own, and calls the AVX-512 copy only when
+// cpu::allows(Level::Avx512). Functions of the baseline that the copy calls are inlined into it and widened there.
+#define HS_BEGIN_AVX512_PATHS _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq\")")
+#define HS_END_ISA_PATHS _Pragma("GCC pop_options")
+
 namespace hs::kernels::cpu {
 
 // The x86 feature bits the engine looks at, as this CPU and its operating system provide them (a register state
