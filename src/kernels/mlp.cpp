@@ -19,123 +19,25 @@ constexpr int64_t kMinParallelWork = int64_t{1} << 14;
 
 }  // namespace
 
-// The row kernels below are compute bound (an exp and a divide per element). They are compiled for the build's
-// baseline (AVX2); the results do not depend on the vector width (element-wise arithmetic; only the row_dot
-// reduction is reassociated, and the same way for every thread count).
-#define HS_WIDE_SIMD
+// The row kernels are compute bound (an exp and a divide per element): compiled once for AVX2 (the build's baseline)
+// and once for AVX-512, whose 512-bit vectors halve their instructions; the detail:: entry points below run the
+// widest copy this CPU allows under HS_MAX_ISA. The results do not depend on the vector width (element-wise
+// arithmetic; only the row_dot reduction is reassociated, the same way for every thread count).
+namespace mlp_avx2 {
+#include "kernels/mlp_paths.inc"
+}  // namespace mlp_avx2
+HS_BEGIN_AVX512_PATHS
+namespace mlp_avx512 {
+#include "kernels/mlp_paths.inc"
+}  // namespace mlp_avx512
+HS_END_ISA_PATHS
 
-namespace {
-
-// Rows are processed in chunks: the fp32 results go to small stack arrays and are then rounded to T by
-// round_chunk (for T = float they are written in place).
-constexpr int64_t kChunk = 128;
-
-// dst[i] = from_f32<T>(src[i]) for i < n.
-// vcvtneps2bf16 rounds to nearest even and quiets NaNs as from_f32 does, but flushes subnormal inputs to zero:
-// those few take the portable path. The same bits as the loop below.
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16"))) void round_chunk_avx512bf16(const float* src,
-                                                                                                   bf16* dst,
-                                                                                                   int64_t n) {
-  const __m512 tiny = _mm512_set1_ps(std::numeric_limits<float>::min()), zero = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(src + i);
-    const __m512 a = _mm512_abs_ps(v);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-    const __mmask16 sub = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(a, tiny, _CMP_LT_OQ), a, zero, _CMP_GT_OQ);
-    if (sub)
-      for (int j = 0; j < 16; ++j)
-        if ((sub >> j) & 1) dst[i + j] = from_f32<bf16>(src[i + j]);
-  }
-  for (; i < n; ++i) dst[i] = from_f32<bf16>(src[i]);
-}
-
-// dst[i] = from_f32<T>(src[i]) for i < n.
-template <typename T>
-HS_WIDE_SIMD inline void round_chunk(const float* src, T* dst, int64_t n) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    static const bool has = cpu::allows(cpu::Level::Avx512Bf16);
-    if (has) return round_chunk_avx512bf16(src, dst, n);
-  }
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = from_f32<T>(src[i]);
-}
-
-// The three row passes of detail:: in one template: kAct writes act = T(scale * silu(g) * u); kGrad writes
-// d_gate_up and row_dot. One sigmoid per element either way.
-template <typename T, bool kAct, bool kGrad>
-HS_WIDE_SIMD void rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
-                            T* act, T* d_gate_up, float* row_dot) {
-  constexpr bool kDirect = std::is_same_v<T, float>;
-#pragma omp parallel for schedule(static) if (rows * inter > kMinParallelWork)
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * inter;
-    const T* u = g + inter;
-    const float* da = kGrad ? dact + r * inter : nullptr;
-    T* a = kAct ? act + r * inter : nullptr;
-    T* dg = kGrad ? d_gate_up + r * 2 * inter : nullptr;
-    T* du = kGrad ? dg + inter : nullptr;
-    const float s = scale ? scale[r] : 1.0f;
-    float dot = 0.0f;
-    alignas(64) float ta[kChunk], tg[kChunk], tu[kChunk];
-    for (int64_t i0 = 0; i0 < inter; i0 += kChunk) {
-      const int64_t m = std::min(kChunk, inter - i0);
-      const T* gc = g + i0;
-      const T* uc = u + i0;
-      float *pa = ta, *pg = tg, *pu = tu;
-      if constexpr (kDirect) {
-        pa = kAct ? a + i0 : nullptr;
-        pg = kGrad ? dg + i0 : nullptr;
-        pu = kGrad ? du + i0 : nullptr;
-      }
-      if constexpr (kGrad) {
-        const float* dac = da + i0;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < m; ++i) {
-          const float gi = to_f32(gc[i]), ui = to_f32(uc[i]);
-          const float sg = sigmoid_vec(gi);
-          const float silu = gi * sg;
-          if constexpr (kAct) pa[i] = s * gi * sg * ui;  // the expression of the act-only pass
-          dot += dac[i] * silu * ui;
-          // silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
-          pg[i] = s * dac[i] * ui * sg * (1.0f + gi * (1.0f - sg));
-          pu[i] = s * dac[i] * silu;
-        }
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < m; ++i) {
-          const float gi = to_f32(gc[i]);
-          pa[i] = s * gi * sigmoid_vec(gi) * to_f32(uc[i]);
-        }
-      }
-      if constexpr (!kDirect) {
-        if constexpr (kAct) round_chunk(ta, a + i0, m);
-        if constexpr (kGrad) {
-          round_chunk(tg, dg + i0, m);
-          round_chunk(tu, du + i0, m);
-        }
-      }
-    }
-    if (kGrad && row_dot) row_dot[r] = dot;
-  }
-}
-
-template <typename T>
-void act_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
-  rows_impl<T, true, false>(rows, inter, gate_up, nullptr, scale, act, nullptr, nullptr);
-}
-template <typename T>
-void grad_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
-                    T* d_gate_up, float* row_dot) {
-  rows_impl<T, false, true>(rows, inter, gate_up, dact, scale, nullptr, d_gate_up, row_dot);
-}
-template <typename T>
-void act_grad_rows_impl(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale, T* act,
-                        T* d_gate_up, float* row_dot) {
-  rows_impl<T, true, true>(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot);
-}
-
-}  // namespace
+#define HS_PATHS(call)                                        \
+  do {                                                        \
+    static const bool wide = cpu::allows(cpu::Level::Avx512); \
+    if (wide) mlp_avx512::call;                               \
+    else mlp_avx2::call;                                      \
+  } while (0)
 
 // [W_gate; W_up] copied into one [2I, H] matrix (2 I H values, small next to the [tokens, 2I] activations), so
 // gate and up run as one dense product: written side by side into a [tokens, 2I] block by two products instead
@@ -155,22 +57,21 @@ template <typename T> struct PackedGateUp {
 
 namespace detail {
 
-// (A target attribute is ignored on a definition whose declaration lacks it, hence the wrappers.)
 template <typename T>
 void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
-  act_rows_impl(rows, inter, gate_up, scale, act);
+  HS_PATHS(act_rows_impl(rows, inter, gate_up, scale, act));
 }
 
 template <typename T>
 void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                       T* d_gate_up, float* row_dot) {
-  grad_rows_impl(rows, inter, gate_up, dact, scale, d_gate_up, row_dot);
+  HS_PATHS(grad_rows_impl(rows, inter, gate_up, dact, scale, d_gate_up, row_dot));
 }
 
 template <typename T>
 void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                           T* act, T* d_gate_up, float* row_dot) {
-  act_grad_rows_impl(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot);
+  HS_PATHS(act_grad_rows_impl(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot));
 }
 
 template <typename T>
@@ -238,6 +139,8 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   detail::swiglu_backward_from(tokens, hidden, inter, x, w_gate, w_up, w_down, saved, dyt, dx, dw_gate, dw_up,
                                dw_down, mem, row_dot, accumulate_dx);
 }
+
+#undef HS_PATHS
 
 #define HS_INSTANTIATE_SWIGLU(T)                                                                                       \
   template void swiglu_forward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*, T*, SwigluSaved*, \
