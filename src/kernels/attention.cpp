@@ -26,7 +26,10 @@
 #define HS_ATTENTION_PATH attention_avx2
 #define HS_ATTENTION_BF16_DOT 0
 #define HS_ATTENTION_AMX 0
+#define HS_ATTENTION_AVX2 1
 #include "kernels/attention_paths.inc"
+#undef HS_ATTENTION_AVX2
+#define HS_ATTENTION_AVX2 0
 #undef HS_ATTENTION_PATH
 #undef HS_ATTENTION_BF16_DOT
 #undef HS_ATTENTION_AMX
@@ -52,6 +55,7 @@
 #undef HS_ATTENTION_BF16_DOT
 #undef HS_ATTENTION_AMX
 #pragma GCC pop_options
+#undef HS_ATTENTION_AVX2
 #pragma GCC diagnostic pop
 
 namespace hs::kernels {
