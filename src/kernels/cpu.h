@@ -24,6 +24,10 @@
 // cpu::allows(Level::Avx512). Functions of the baseline that the copy calls are inlined into it and widened there.
 #define HS_BEGIN_AVX512_PATHS _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq\")")
 #define HS_END_ISA_PATHS _Pragma("GCC pop_options")
+// In a function of a file that did so with namespaces NAME_avx2 and NAME_avx512: returns NAME_avx512::call where
+// AVX-512 is allowed, else NAME_avx2::call (void calls too).
+#define HS_RETURN_WIDEST(NAME, call)                                                                       \
+  return ::hs::kernels::cpu::allows(::hs::kernels::cpu::Level::Avx512) ? NAME##_avx512::call : NAME##_avx2::call
 
 namespace hs::kernels::cpu {
 

@@ -36,30 +36,25 @@ namespace delta_rule_avx512 {
 HS_END_ISA_PATHS
 #undef HS_DELTA_RULE_AVX512
 
-#define HS_PATHS(call)                                        \
-  do {                                                        \
-    static const bool wide = cpu::allows(cpu::Level::Avx512); \
-    if (wide) return delta_rule_avx512::call;                 \
-    return delta_rule_avx2::call;                             \
-  } while (0)
 
 template <typename T>
 void delta_rule_forward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                         const float* g, T* o, DeltaRuleSaved* saved, MemoryAccountant& mem, bool keep_tinv,
                         DeltaRuleProducts products) {
-  HS_PATHS(delta_rule_forward(s, q, k, v, beta, g, o, saved, mem, keep_tinv, products));
+  HS_RETURN_WIDEST(delta_rule, delta_rule_forward(s, q, k, v, beta, g, o, saved, mem, keep_tinv, products));
 }
 template <typename T>
 void delta_rule_forward_cached(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                                const float* g, T* o, float* state, const int32_t* slots, MemoryAccountant& mem,
                                DeltaRuleProducts products) {
-  HS_PATHS(delta_rule_forward_cached(s, q, k, v, beta, g, o, state, slots, mem, products));
+  HS_RETURN_WIDEST(delta_rule, delta_rule_forward_cached(s, q, k, v, beta, g, o, state, slots, mem, products));
 }
 template <typename T>
 void delta_rule_backward(const DeltaRuleShape& s, const T* q, const T* k, const T* v, const float* beta,
                          const float* g, const DeltaRuleSaved& saved, const float* dout, float* dq, float* dk, float* dv,
                          float* dbeta, float* dg, MemoryAccountant& mem, bool accumulate, DeltaRuleProducts products) {
-  HS_PATHS(delta_rule_backward(s, q, k, v, beta, g, saved, dout, dq, dk, dv, dbeta, dg, mem, accumulate, products));
+  HS_RETURN_WIDEST(delta_rule,
+                   delta_rule_backward(s, q, k, v, beta, g, saved, dout, dq, dk, dv, dbeta, dg, mem, accumulate, products));
 }
 
 bool delta_rule_bf16_products_available() { return delta_rule_avx2::cpu_has_bf16_products(); }
@@ -68,9 +63,8 @@ void detail::delta_rule_product(int64_t M, int64_t N, int64_t K, const float* A,
                                 DeltaRuleProducts products) {
   if (M % 4 != 0 || N % 16 != 0 || K % 16 != 0)
     throw std::invalid_argument("delta_rule_product: M must be a multiple of 4, N and K of 16");
-  HS_PATHS(delta_rule_product(M, N, K, A, B, Cm, products));
+  HS_RETURN_WIDEST(delta_rule, delta_rule_product(M, N, K, A, B, Cm, products));
 }
-#undef HS_PATHS
 
 #define HS_INSTANTIATE(T)                                                                                       \
   template void delta_rule_forward<T>(const DeltaRuleShape&, const T*, const T*, const T*, const float*,         \

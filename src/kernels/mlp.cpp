@@ -32,12 +32,6 @@ namespace mlp_avx512 {
 }  // namespace mlp_avx512
 HS_END_ISA_PATHS
 
-#define HS_PATHS(call)                                        \
-  do {                                                        \
-    static const bool wide = cpu::allows(cpu::Level::Avx512); \
-    if (wide) mlp_avx512::call;                               \
-    else mlp_avx2::call;                                      \
-  } while (0)
 
 // [W_gate; W_up] copied into one [2I, H] matrix (2 I H values, small next to the [tokens, 2I] activations), so
 // gate and up run as one dense product: written side by side into a [tokens, 2I] block by two products instead
@@ -59,19 +53,19 @@ namespace detail {
 
 template <typename T>
 void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
-  HS_PATHS(act_rows_impl(rows, inter, gate_up, scale, act));
+  HS_RETURN_WIDEST(mlp, act_rows_impl(rows, inter, gate_up, scale, act));
 }
 
 template <typename T>
 void swiglu_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                       T* d_gate_up, float* row_dot) {
-  HS_PATHS(grad_rows_impl(rows, inter, gate_up, dact, scale, d_gate_up, row_dot));
+  HS_RETURN_WIDEST(mlp, grad_rows_impl(rows, inter, gate_up, dact, scale, d_gate_up, row_dot));
 }
 
 template <typename T>
 void swiglu_act_grad_rows(int64_t rows, int64_t inter, const T* gate_up, const float* dact, const float* scale,
                           T* act, T* d_gate_up, float* row_dot) {
-  HS_PATHS(act_grad_rows_impl(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot));
+  HS_RETURN_WIDEST(mlp, act_grad_rows_impl(rows, inter, gate_up, dact, scale, act, d_gate_up, row_dot));
 }
 
 template <typename T>
@@ -140,7 +134,6 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
                                dw_down, mem, row_dot, accumulate_dx);
 }
 
-#undef HS_PATHS
 
 #define HS_INSTANTIATE_SWIGLU(T)                                                                                       \
   template void swiglu_forward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*, T*, SwigluSaved*, \

@@ -24,60 +24,53 @@ namespace norms_avx512 {
 }  // namespace norms_avx512
 HS_END_ISA_PATHS
 
-#define HS_PATHS(call)                                                         \
-  do {                                                                         \
-    static const bool wide = cpu::allows(cpu::Level::Avx512);                  \
-    if (wide) norms_avx512::call;                                              \
-    else norms_avx2::call;                                                     \
-  } while (0)
 
 template <typename T>
 void rmsnorm_forward(const T* x, const float* w, T* y, float* rstd, int64_t rows, int64_t dim, float eps) {
-  HS_PATHS(rmsnorm_forward(x, w, y, rstd, rows, dim, eps));
+  HS_RETURN_WIDEST(norms, rmsnorm_forward(x, w, y, rstd, rows, dim, eps));
 }
 template <typename T>
 void add_rmsnorm_forward(const T* a, const T* b, T* sum, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                          float eps) {
-  HS_PATHS(add_rmsnorm_forward(a, b, sum, w, y, rstd, rows, dim, eps));
+  HS_RETURN_WIDEST(norms, add_rmsnorm_forward(a, b, sum, w, y, rstd, rows, dim, eps));
 }
 template <typename T>
 void rmsnorm_backward(const T* x, const float* w, const float* rstd, const float* dy, float* dx, float* dw,
                       int64_t rows, int64_t dim, bool accumulate, const float* residual, T* dx_t) {
-  HS_PATHS(rmsnorm_backward(x, w, rstd, dy, dx, dw, rows, dim, accumulate, residual, dx_t));
+  HS_RETURN_WIDEST(norms, rmsnorm_backward(x, w, rstd, dy, dx, dw, rows, dim, accumulate, residual, dx_t));
 }
 template <typename T>
 void rmsnorm_backward_strided(const T* x, const float* w, const float* rstd, const float* dy, T* dx_t, int64_t ld,
                               float* dw, int64_t rows, int64_t dim) {
-  HS_PATHS(rmsnorm_backward_strided(x, w, rstd, dy, dx_t, ld, dw, rows, dim));
+  HS_RETURN_WIDEST(norms, rmsnorm_backward_strided(x, w, rstd, dy, dx_t, ld, dw, rows, dim));
 }
 template <typename T>
 void gated_rmsnorm_forward(const T* x, const T* z, const float* w, T* y, float* rstd, int64_t rows, int64_t dim,
                            float eps) {
-  HS_PATHS(gated_rmsnorm_forward(x, z, w, y, rstd, rows, dim, eps));
+  HS_RETURN_WIDEST(norms, gated_rmsnorm_forward(x, z, w, y, rstd, rows, dim, eps));
 }
 template <typename T, typename DZ>
 void gated_rmsnorm_backward(const T* x, const T* z, const float* w, const float* rstd, const float* dy, float* dx,
                             DZ* dz, float* dw, int64_t rows, int64_t dim, bool accumulate) {
-  HS_PATHS(gated_rmsnorm_backward(x, z, w, rstd, dy, dx, dz, dw, rows, dim, accumulate));
+  HS_RETURN_WIDEST(norms, gated_rmsnorm_backward(x, z, w, rstd, dy, dx, dz, dw, rows, dim, accumulate));
 }
 template <typename T>
 void l2norm_forward(const T* x, T* y, float* rstd, int64_t rows, int64_t dim, float eps, float scale) {
-  HS_PATHS(l2norm_forward(x, y, rstd, rows, dim, eps, scale));
+  HS_RETURN_WIDEST(norms, l2norm_forward(x, y, rstd, rows, dim, eps, scale));
 }
 template <typename T>
 void l2norm_backward(const T* x, const float* rstd, const float* dy, float* dx, int64_t rows, int64_t dim, float scale,
                      bool accumulate) {
-  HS_PATHS(l2norm_backward(x, rstd, dy, dx, rows, dim, scale, accumulate));
+  HS_RETURN_WIDEST(norms, l2norm_backward(x, rstd, dy, dx, rows, dim, scale, accumulate));
 }
 template <typename T>
 void l2norm_forward(const L2NormPair<const T, T>& p, int64_t rows, int64_t dim, float eps) {
-  HS_PATHS(l2norm_forward(p, rows, dim, eps));
+  HS_RETURN_WIDEST(norms, l2norm_forward(p, rows, dim, eps));
 }
 template <typename T>
 void l2norm_backward(const L2NormBackwardPair<T>& p, int64_t rows, int64_t dim, bool accumulate) {
-  HS_PATHS(l2norm_backward(p, rows, dim, accumulate));
+  HS_RETURN_WIDEST(norms, l2norm_backward(p, rows, dim, accumulate));
 }
-#undef HS_PATHS
 
 #define HS_NORMS(T)                                                                                              \
   template void rmsnorm_forward<T>(const T*, const float*, T*, float*, int64_t, int64_t, float);                 \
