@@ -1,11 +1,14 @@
 // The one place that decides what this CPU runs (kernels/cpu.h): the cap HS_MAX_ISA, its errors, and every kernel
-// family choosing no more than it allows. ctest runs the suite once more under HS_MAX_ISA=avx2 (label isa_avx2),
-// where these checks pin every family to its AVX2 path.
+// family choosing no more than it allows. scripts/test.sh runs the whole suite once more under HS_MAX_ISA=avx2, where
+// these checks pin every family to its AVX2 path.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
 #include <cstdio>
+#include <cmath>
 #include <cstdlib>
+#include <random>
+#include <vector>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <string>
 
@@ -53,7 +56,7 @@ TEST(Cpu, LevelFollowsTheFeatureBits) {
   EXPECT_EQ(rank(d) >= rank(cpu::Level::Avx512Bf16), rank(d) >= rank(cpu::Level::Avx512) && f.avx512_bf16);
   EXPECT_EQ(rank(d) >= rank(cpu::Level::Amx), rank(d) >= rank(cpu::Level::Avx512Bf16) && f.amx_tile && f.amx_bf16);
   EXPECT_LE(rank(cpu::level()), rank(d));
-  if (const char* cap = std::getenv("HS_MAX_ISA")) {
+  if (const char* cap = std::getenv("HS_MAX_ISA"); cap && *cap) {
     cpu::Level c;
     ASSERT_TRUE(cpu::parse_level(cap, c)) << cap;
     EXPECT_EQ(rank(cpu::level()), std::min(rank(c), rank(d)));
@@ -113,8 +116,9 @@ TEST(Cpu, EveryKernelFamilyChoosesWithinTheLevel) {
   // oneDNN runs bf16 only with the BF16 instructions; the cap reached it (unless the user capped it directly).
   if (!std::getenv("ONEDNN_MAX_CPU_ISA")) {
     EXPECT_EQ(matmul_bf16_on_onednn(), bf16);
-    if (!wide) {
-      EXPECT_LE(static_cast<int>(dnnl::get_effective_cpu_isa()), static_cast<int>(dnnl::cpu_isa::avx2));
+    if (!wide) {  // AVX2 or AVX2-VNNI (Intel client parts from Alder Lake on): nothing of AVX-512
+      const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+      EXPECT_TRUE(isa == dnnl::cpu_isa::avx2 || isa == dnnl::cpu_isa::avx2_vnni) << cpu::onednn_isa();
     }
   }
   const std::string report = kernel_paths_report();
@@ -133,12 +137,80 @@ TEST(Cpu, CommandLineRefusesABadCapAndPrintsThePaths) {
   const test::CliRun capped = run_cli("HS_MAX_ISA=avx2", "--version");
   EXPECT_EQ(capped.rc, 0) << capped.out;
   for (const char* want : {"hybridscan ", "cpu: ", "level: avx2", "gemv (decode): avx2", "attention: avx2",
-                           "bf16 widened to fp32", "AdamW: avx2", "matmul (oneDNN avx2)"})
+                           "bf16 widened to fp32", "AdamW: avx2", "matmul (oneDNN avx2"})
     EXPECT_NE(capped.out.find(want), std::string::npos) << want << "\n" << capped.out;
   const test::CliRun plain = run_cli("env -u HS_MAX_ISA", "--version");
   EXPECT_EQ(plain.rc, 0) << plain.out;
   EXPECT_NE(plain.out.find(std::string("level: ") + cpu::level_name(cpu::detected_level())), std::string::npos)
       << plain.out;
+}
+
+}  // namespace
+}  // namespace hs::kernels
+
+namespace hs::kernels {
+namespace {
+
+// A bad HS_MAX_ISA in the test environment would otherwise run the suite silently uncapped.
+TEST(Cpu, CapIsValid) { EXPECT_EQ(cpu::cap_error(), ""); }
+
+// bf16 products large enough to cross every block of the widened path (kernels/matmul.cpp run_widened: blocks of K,
+// N and M of at most 1 MiB of fp32 each) in each layout the engine uses, with leading dimensions wider than the
+// shape, fp32 and bf16 outputs, with and without accumulation; against a double reference. Where oneDNN has bf16
+// products (AVX-512-BF16, uncapped) the same shapes run there, under the same bound. The bound: every path sums the
+// exact products of bf16 inputs in fp32, in blocks whose partial sums add into C, so |C - exact| <= (K + 2) 2^-24
+// (sum_k |a_k b_k| + |C_old|); a bf16 output then rounds once more, 2^-8 of its magnitude.
+TEST(Cpu, WidenedBf16ProductsCrossEveryBlock) {
+  struct Case {
+    int64_t M, N, K;
+    bool ta, tb;
+  };
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (const Case c : {Case{600, 2000, 4096, false, true}, Case{300, 300, 5000, true, false},
+                       Case{520, 1100, 1500, false, false}})
+    for (int out_bf16 = 0; out_bf16 < 2; ++out_bf16)
+      for (int acc = 0; acc < 2; ++acc) {
+        const int64_t a_rows = c.ta ? c.K : c.M, a_cols = c.ta ? c.M : c.K, lda = a_cols + 24;
+        const int64_t b_rows = c.tb ? c.N : c.K, b_cols = c.tb ? c.K : c.N, ldb = b_cols + 40;
+        const int64_t ldc = c.N + 8;
+        std::vector<bf16> A(static_cast<size_t>(a_rows * lda)), B(static_cast<size_t>(b_rows * ldb));
+        for (auto& v : A) v = from_f32<bf16>(nd(rng));
+        for (auto& v : B) v = from_f32<bf16>(nd(rng));
+        std::vector<float> Cf(static_cast<size_t>(c.M * ldc));
+        std::vector<bf16> Cb(Cf.size());
+        for (size_t i = 0; i < Cf.size(); ++i) {
+          Cb[i] = from_f32<bf16>(nd(rng));
+          Cf[i] = to_f32(Cb[i]);
+        }
+        const std::vector<float> old = Cf;
+        const MatmulLayout ld{lda, ldb, ldc, false};
+        if (out_bf16) matmul(A.data(), B.data(), Cb.data(), c.M, c.N, c.K, c.ta, c.tb, acc != 0, ld);
+        else matmul(A.data(), B.data(), Cf.data(), c.M, c.N, c.K, c.ta, c.tb, acc != 0, ld);
+        int64_t bad = 0;
+        double worst = 0;
+        for (int64_t i = 0; i < c.M; i += 7)  // a sample of rows and columns, every block among them
+          for (int64_t j = 0; j < c.N; j += 5) {
+            double s = acc ? old[static_cast<size_t>(i * ldc + j)] : 0.0, mag = acc ? std::fabs(s) : 0.0;
+            for (int64_t k = 0; k < c.K; ++k) {
+              const double a = to_f32(c.ta ? A[static_cast<size_t>(k * lda + i)] : A[static_cast<size_t>(i * lda + k)]);
+              const double b = to_f32(c.tb ? B[static_cast<size_t>(j * ldb + k)] : B[static_cast<size_t>(k * ldb + j)]);
+              s += a * b;
+              mag += std::fabs(a * b);
+            }
+            const double got = out_bf16 ? to_f32(Cb[static_cast<size_t>(i * ldc + j)]) : Cf[static_cast<size_t>(i * ldc + j)];
+            const double bound = (c.K + 2) * std::ldexp(1.0, -24) * mag + (out_bf16 ? std::ldexp(1.0, -8) * std::fabs(s) : 0.0);
+            worst = std::max(worst, std::fabs(got - s) / bound);
+            bad += std::fabs(got - s) > bound;
+          }
+        EXPECT_EQ(bad, 0) << c.M << "x" << c.N << "x" << c.K << " ta " << c.ta << " tb " << c.tb << " bf16 out "
+                          << out_bf16 << " acc " << acc << " worst err/bound " << worst;
+        // Nothing outside the shape is written (leading dimensions wider than it).
+        for (int64_t i = 0; i < c.M; ++i)
+          for (int64_t j = c.N; j < ldc; ++j)
+            if (out_bf16) EXPECT_EQ(Cb[static_cast<size_t>(i * ldc + j)].bits, from_f32<bf16>(old[static_cast<size_t>(i * ldc + j)]).bits);
+            else EXPECT_EQ(Cf[static_cast<size_t>(i * ldc + j)], old[static_cast<size_t>(i * ldc + j)]);
+      }
 }
 
 }  // namespace

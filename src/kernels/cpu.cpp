@@ -173,6 +173,7 @@ std::string onednn_isa() {
     case dnnl::cpu_isa::sse41: return "sse41";
     case dnnl::cpu_isa::avx: return "avx";
     case dnnl::cpu_isa::avx2: return "avx2";
+    case dnnl::cpu_isa::avx2_vnni: return "avx2_vnni";
     case dnnl::cpu_isa::avx512_core: return "avx512_core";
     case dnnl::cpu_isa::avx512_core_vnni: return "avx512_core_vnni";
     case dnnl::cpu_isa::avx512_core_bf16: return "avx512_core_bf16";

@@ -54,7 +54,7 @@ Level level();
 // Whether paths of level `l` may run (l <= level()).
 inline bool allows(Level l) { return static_cast<int>(l) <= static_cast<int>(level()); }
 // An empty string when HS_MAX_ISA is unset or valid, else what is wrong with it and how to fix it. level() treats a
-// bad cap as absent; main() and the tests' environment check this first and stop.
+// bad cap as absent; main() checks this first and stops (the test programs say it through Cpu.CapIsValid).
 std::string cap_error();
 
 // Hands the cap to oneDNN (dnnl::set_max_cpu_isa) unless ONEDNN_MAX_CPU_ISA is set already. Must run before

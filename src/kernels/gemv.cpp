@@ -285,7 +285,7 @@ struct Blocking {
 };
 inline Blocking blocking(GemvIsa isa, int64_t M) {
   const bool avx512 = isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16;
-  if (avx512 && M == 1) return {8, 1};
+  if ((avx512 || isa == GemvIsa::Avx2) && M == 1) return {8, 1};
   if (isa == GemvIsa::Avx512Bf16 && M > 4) return {3, 8};
   if (avx512 && M > 4) return {2, 8};
   return {4, 4};

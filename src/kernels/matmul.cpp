@@ -597,11 +597,11 @@ void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int
 
 // ---- bf16 products where oneDNN has none --------------------------------------------------------------------
 // Below AVX-512-BF16 (kernels/matmul.cpp's onednn_runs_bf16) a bf16 product widens its operands to fp32, exactly (a
-// bf16 is the top half of a float), and runs oneDNN's fp32 product on them, a block at a time: rows of A (or, for a
-// weight gradient A^T B, the summed rows of both A and B) and columns of B, each block of at most kWidenedBlockBytes
-// of fp32, so the scratch stays under 3 x that whatever the operands' size (the LM head's B is vocabulary x
-// hidden). A block of summed rows after the first adds into C (fp32: C itself; bf16 C: an fp32 copy of the block,
-// rounded once at the end). The sums are fp32 as on every path; only their order is oneDNN's fp32 kernel's. The
+// bf16 is the top half of a float), and runs oneDNN's fp32 product on them, a block at a time: blocks of the rows
+// of op(A), the columns of op(B) and the summed dimension K, each operand's block of at most kWidenedBlockBytes of
+// fp32, so the scratch stays under 3 x that whatever the operands' size (the LM head's B is vocabulary x hidden, and
+// its weight gradient sums over the batch). A K block after the first adds into C (fp32: C itself; bf16 C: an fp32
+// copy of the block, rounded once at the end). The sums are fp32 as on every path; only their order is oneDNN's fp32 kernel's. The
 // scratch is per calling thread, reused from call to call, and lives outside the memory accountant, as oneDNN's own
 // scratchpad does (tests/memory_rss_test.cpp bounds what the accountant does not see).
 constexpr int64_t kWidenedBlockBytes = int64_t{1} << 20;
@@ -635,9 +635,11 @@ void run_widened(const void* Av, const void* Bv, void* Cv, int64_t M, int64_t N,
   const bf16* A = static_cast<const bf16*>(Av);
   const bf16* B = static_cast<const bf16*>(Bv);
   WidenScratch& w = widen_scratch();
-  // A weight gradient (ta) sums over K rows, which can be many (a batch): K is blocked; else M is, and K stays whole.
-  const int64_t mb = ta ? M : block_count(M, K), kb = ta ? block_count(K, std::max(M, N)) : K;
+  // Blocks of K, then of N, then of M, each sized so that the A block (mb x kb), the B block (kb x nb) and the C
+  // block (mb x nb) all stay within kWidenedBlockBytes: mb <= cap / max(kb, nb) and nb <= cap / kb.
+  const int64_t kb = block_count(K, 256);
   const int64_t nb_max = block_count(N, kb);
+  const int64_t mb = block_count(M, std::max(kb, nb_max));
   w.a.resize(static_cast<size_t>(mb * kb));
   w.b.resize(static_cast<size_t>(nb_max * kb));
   if (out_dt == 1) w.c.resize(static_cast<size_t>(mb * nb_max));
