@@ -57,7 +57,7 @@ template <typename TX, typename TW> struct Block {
 // (before the orders above): LM-head product 248320 x 2048 bf16, bench/weight_pages_bench.cpp: 2 x 8 blocks streamed
 // 17-19 GB/s 2 ahead against 14.5 without, 8 x 1 blocks 0.92-1.0x with any distance. Since: 3 x 8 blocks, K = 2048
 // out of DRAM, 19.0-20.3 GB/s 2 ahead against 17.3-17.6 without (gemv_bench 35b.in_proj_qkv b8). Not measured at
-// 4 x 4 blocks (M 2-4, and every M on AVX2).
+// 4 x 4 blocks (M 2-4, and M > 1 on AVX2).
 std::atomic<int>& prefetch_setting() {
   static std::atomic<int> n = [] {
     const char* e = std::getenv("HS_GEMV_PREFETCH");
@@ -278,8 +278,9 @@ void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, i
   }
 }
 
-// Weight rows per block and x rows per pass: on an AVX-512 path 8 x 1 for one x row, 3 x 8 (AVX-512-BF16) or 2 x 8 for
-// more than 4; else 4 x 4.
+// Weight rows per block and x rows per pass: 8 x 1 for one x row on the AVX2 and AVX-512 paths (AVX2 too since the
+// real-width b1 decode under HS_MAX_ISA=avx2 measured 20.0-20.4 -> 21.2-21.5 tokens/s with it), 3 x 8 (AVX-512-BF16)
+// or 2 x 8 for more than 4 on AVX-512; else 4 x 4.
 struct Blocking {
   int R, XR;
 };

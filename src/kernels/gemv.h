@@ -3,7 +3,7 @@
 // decode step, or an expert's rows). Such a product is bound by the bytes of W: each row of W is streamed once for
 // all M rows, sums accumulate in fp32, and threads split the rows of W (disjoint weight bytes per core). oneDNN
 // spends more on the call than on the arithmetic at these shapes (one token of a `small` model is ~100 products).
-// Blocks: on the AVX-512 paths 8 weight rows x 1 x row at M = 1, 4 x 4 up to 4 rows, 3 x 8 (AVX-512-BF16) or 2 x 8
+// Blocks: 8 weight rows x 1 x row at M = 1 (AVX2 and AVX-512), 4 x 4 up to 4 rows, 3 x 8 (AVX-512-BF16) or 2 x 8
 // (AVX-512F) above; 4 x 4 elsewhere.
 //
 // Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.

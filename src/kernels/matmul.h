@@ -1,6 +1,7 @@
 // Matrix products through oneDNN (the v2 API shipped by Debian's libdnnl-dev 2.6). Primitives are
-// created once per shape/layout and cached. With bf16 inputs oneDNN runs its AMX / AVX-512 bf16
-// kernels and accumulates in fp32. Skinny products (one dimension <= 16 and another larger, in the
+// created once per shape/layout and cached. With bf16 inputs oneDNN runs its AMX / AVX-512-BF16
+// kernels and accumulates in fp32; on a CPU without AVX-512-BF16 (or under HS_MAX_ISA below it) the operands are
+// widened to fp32 block by block and oneDNN's fp32 product runs (matmul.cpp, run_widened). Skinny products (one dimension <= 16 and another larger, in the
 // layouts the model uses: x W^T with few outputs, dy W with few inputs, dy^T x with few rows) run on
 // hybridscan's own loops instead, also accumulating in fp32, with each sum in a fixed order.
 #pragma once
