@@ -1,8 +1,8 @@
 // The AdamW loop as it was before the vectorised kernels (kernels/adamw.cpp): a plain `#pragma omp simd` loop over
 // the element formula, which GCC compiled to scalar code (std::sqrt's errno path kept it from vectorising) at about
 // half the copy bandwidth. Kept verbatim as the bit-exact reference the fast kernels are tested against
-// (tests/adamw_test.cpp, AdamW.VectorPathsMatchThePreviousLoopBitForBit). Built with FMA available (-march=native on
-// an FMA machine), GCC contracts it to exactly the fused operations the fast kernels spell out.
+// (tests/adamw_test.cpp, AdamW.VectorPathsMatchThePreviousLoopBitForBit). Built with FMA available (the default
+// x86-64-v3 build has it, as -march=native on an FMA machine), GCC contracts it to exactly the fused operations the fast kernels spell out.
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
