@@ -4,11 +4,14 @@
 # committed HEAD into it and runs the README's two commands there under chroot, failing on any error:
 #
 #   scripts/demo.sh      (STEPS=20: the install and the whole demo path, not a long training run)
-#   scripts/test.sh      (HS_SKIP_SANITIZERS=1 HS_SKIP_AVX2_CAP=1: the sanitizer and AVX2-capped passes prove nothing more about the install, and the
-#                         caller's own scripts/test.sh runs it)
+#   scripts/test.sh      (HS_TEST_LABELS='unit|mpi|emulated', HS_SKIP_SANITIZERS=1, HS_SKIP_AVX2_CAP=1: the tests
+#                         that exercise what the install brought (oneDNN, OpenMP, PCRE2 and ICU, the Python peers of
+#                         the tokenizer tests, mpirun, qemu-user, the data files) on every module; the integration
+#                         tests, the AVX2-capped and the sanitizer passes run the same code on the same libraries and
+#                         prove nothing more about the install; the caller's own scripts/test.sh runs them)
 #
 #   scripts/check_fresh_install.sh [--full] [--bench] [--keep]
-#     --full    run both commands exactly as the README says (300 demo steps, sanitizer pass included)
+#     --full    run both commands exactly as the README says (300 demo steps, every test, every pass)
 #     --bench   also run `scripts/setup.sh --bench --no-build` and import the benchmark peers (several GB from PyPI)
 #     --keep    leave the root in place for a look afterwards (its path is printed)
 #
@@ -16,7 +19,9 @@
 # the apt sources, the apt Acquire settings, the local CA certificates and /etc/resolv.conf; nothing else.
 # Cached outside the repository, in HS_FRESH_CACHE (default /var/cache/hybridscan-fresh): the bare root as a
 # tarball (remade when the sources change or after 7 days), and the downloaded .deb and pip files, so that a
-# second run does not fetch them again. The root itself is made anew from the tarball on every run.
+# second run does not fetch them again. The root itself is made anew from the tarball on every run. The compiler
+# cache of this machine (ccache's cache_dir) is lent to the root, so that its build compiles only what no build here
+# has compiled (the root's own gcc and headers are part of every key); HS_FRESH_CCACHE=0 compiles everything.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 full=0 bench=0 keep=0
@@ -88,23 +93,29 @@ mnt --rbind /sys "$root/sys"
 mnt --rbind /dev "$root/dev"
 mnt --bind "$cache/apt-archives" "$root/var/cache/apt/archives"
 mnt --bind "$cache/pip" "$root/root/.cache/pip"
+if [ "${HS_FRESH_CCACHE:-1}" = 1 ]; then
+  ccache_dir=$(command -v ccache >/dev/null && ccache -k cache_dir 2>/dev/null || echo "$HOME/.cache/ccache")
+  mkdir -p "$ccache_dir" "$root/root/.cache/ccache"
+  mnt --bind "$ccache_dir" "$root/root/.cache/ccache"
+fi
 
 git clone --quiet --no-hardlinks "$repo" "$root/root/hybridscan"
 stamp "clean clone of $(git -C "$repo" rev-parse --short HEAD) in $root/root/hybridscan"
 
-steps=20 skip_sanitizers=1
-[ "$full" = 1 ] && { steps=300; skip_sanitizers=0; }
+steps=20 skip_sanitizers=1 labels='unit|mpi|emulated'
+[ "$full" = 1 ] && { steps=300; skip_sanitizers=0; labels=''; }
 # pip's settings for this network (PIP_CERT, timeouts) pass through as the machine has them; nothing else does.
 pip_env=()
 for v in PIP_CERT PIP_DEFAULT_TIMEOUT PIP_INDEX_URL PIP_TRUSTED_HOST; do [ -n "${!v:-}" ] && pip_env+=("$v=${!v}"); done
 in_root() {
   chroot "$root" /usr/bin/env -i HOME=/root LANG=C.UTF-8 TERM=dumb CI=true "${pip_env[@]}" \
     PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin STEPS="$steps" \
-    HS_SKIP_SANITIZERS="$skip_sanitizers" HS_SKIP_AVX2_CAP="$skip_sanitizers" bash -c "cd /root/hybridscan && $1"
+    HS_SKIP_SANITIZERS="$skip_sanitizers" HS_SKIP_AVX2_CAP="$skip_sanitizers" HS_TEST_LABELS="$labels" \
+    bash -c "cd /root/hybridscan && $1"
 }
 stamp "== scripts/demo.sh (STEPS=$steps)"
 in_root "scripts/demo.sh"
-stamp "== scripts/test.sh (HS_SKIP_SANITIZERS=$skip_sanitizers HS_SKIP_AVX2_CAP=$skip_sanitizers)"
+stamp "== scripts/test.sh (HS_TEST_LABELS='$labels' HS_SKIP_SANITIZERS=$skip_sanitizers HS_SKIP_AVX2_CAP=$skip_sanitizers)"
 in_root "scripts/test.sh"
 if [ "$bench" = 1 ]; then
   stamp "== scripts/setup.sh --bench --no-build"

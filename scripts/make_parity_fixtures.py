@@ -359,7 +359,7 @@ def read_safetensors(path):
 
 
 def spec_reference(config, weights, input_ids):
-    """The decoder written out from /work/shared/spec/model.md in float64, independently of transformers'
+    """The decoder written out from docs/model.md in float64, independently of transformers'
     code (recurrent delta rule, dense expert loop). Returns logits, ce, aux, loss."""
     tc = config.get("text_config", config)
     prefix = "model.language_model." if "text_config" in config else "model."

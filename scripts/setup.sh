@@ -35,9 +35,11 @@ done
 #   bible-kjv bible-kjv-text                       the demo's corpus
 #   qemu-user                                      tests/emulated_cpu_test.sh: the engine on an emulated AVX2-only
 #                                                  CPU (Haswell) and one without AVX (Nehalem)
+#   ccache                                         the compiler cache (CMakeLists.txt, HS_CCACHE): a second clone or
+#                                                  build directory compiles only what changed
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev openmpi-bin libopenmpi-dev python3 python3-venv ca-certificates
-      bible-kjv bible-kjv-text qemu-user)
+      bible-kjv bible-kjv-text qemu-user ccache)
 missing=()
 for p in "${pkgs[@]}"; do
   [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")

@@ -1,31 +1,42 @@
 #!/usr/bin/env bash
 # The whole test suite: installs and builds (scripts/setup.sh), runs every test in Release, again in Release capped
-# at AVX2 (HS_MAX_ISA=avx2: the paths of a CPU without AVX-512, proven on this one; src/kernels/cpu.h), then once more
-# under AddressSanitizer + UndefinedBehaviorSanitizer. HS_SKIP_SANITIZERS=1 skips the last pass locally,
-# HS_SKIP_AVX2_CAP=1 the second. Each pass prints its time.
+# at AVX2 (HS_MAX_ISA=avx2: the paths of a CPU without AVX-512, proven on this one; src/kernels/cpu.h), then the
+# suite less its `slow` label under AddressSanitizer + UndefinedBehaviorSanitizer. Each pass prints its time; the
+# labels and how to run one test are in docs/testing.md.
+#   HS_SKIP_AVX2_CAP=1     skips the AVX2-capped pass
+#   HS_SKIP_SANITIZERS=1   skips the sanitizer pass
+#   HS_TEST_LABELS=REGEX   runs only the tests whose labels match (ctest -L) in every pass, e.g. unit
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 t0=$(date +%s)
-took() { echo "== $1: $(( $(date +%s) - t0 )) s"; t0=$(date +%s); }
+phases=()
+took() { local s=$(( $(date +%s) - t0 )); echo "== $1: $s s"; phases+=("$1 $s s"); t0=$(date +%s); }
+labels=()
+[ -n "${HS_TEST_LABELS:-}" ] && labels=(-L "$HS_TEST_LABELS")
+run_ctest() { ctest --test-dir "$1" --output-on-failure -j"$(nproc)" "${labels[@]}" "${@:2}"; }
+
 scripts/setup.sh build
 took "install and build (Release)"
-echo "== tests (Release)"
-ctest --test-dir build --output-on-failure -j"$(nproc)"
+echo "== tests (Release${HS_TEST_LABELS:+, labels $HS_TEST_LABELS})"
+run_ctest build
 took "tests (Release)"
 if [ "${HS_SKIP_AVX2_CAP:-0}" != 1 ]; then
-  # Every test again, as on a CPU with no more than AVX2 + FMA (the whole suite takes ~4 minutes on 2 cores here;
-  # the emulated-CPU test runs without the cap by design, so it is left out).
+  # Every test again, as on a CPU with no more than AVX2 + FMA. The emulated-CPU test sets its own CPU.
   echo "== tests (Release, HS_MAX_ISA=avx2)"
-  HS_MAX_ISA=avx2 ctest --test-dir build --output-on-failure -j"$(nproc)" -E '^Cpu\.Emulated'
+  HS_MAX_ISA=avx2 run_ctest build -LE emulated
   took "tests (Release, HS_MAX_ISA=avx2)"
 fi
 
 if [ "${HS_SKIP_SANITIZERS:-0}" != 1 ]; then
+  # The sanitizers check memory and undefined behaviour, which the same code paths at smaller sizes show: the
+  # `slow` tests (the same paths as other tests at larger sizes or more steps) are left out, as is the emulated CPU.
   echo "== tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
   scripts/setup.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHS_SANITIZE=ON -DHS_BUILD_BENCH=OFF
+  took "build (sanitizers)"
   # oneDNN keeps JIT kernels in process-lifetime caches; leak checking would report them.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
-    ctest --test-dir build-asan --output-on-failure -j"$(nproc)" -E 'Slow|^Cpu\.Emulated'
-  took "build and tests (sanitizers)"
+    run_ctest build-asan -LE 'slow|emulated'
+  took "tests (sanitizers)"
 fi
+echo "== scripts/test.sh phases: $(IFS=';'; echo "${phases[*]}")"

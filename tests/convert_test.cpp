@@ -118,7 +118,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(Convert, TransformersCheckpointsRoundTripAndKeepTheirLogits) {
   for (const char* name : {"qwen3_next_L7", "qwen3_5_L5"}) {
     test::TempDir t;
-    const fs::path src = fs::path(HS_SOURCE_DIR) / "tests/fixtures/parity" / name;
+    const fs::path src = fs::path(hs::test::source_dir()) / "tests/fixtures/parity" / name;
     convert_checkpoint(src, t / "native", {});
     ConvertOptions to_hf;
     to_hf.to = Format::HuggingFace;

@@ -24,7 +24,7 @@ namespace hs::kernels {
 namespace {
 
 test::CliRun run_cli(const std::string& env, const std::string& args) {
-  return test::run_command(env + " " + std::string(HS_BINARY) + " " + args);
+  return test::run_command(env + " " + hs::test::binary() + " " + args);
 }
 
 // Sets HS_MAX_ISA for one scope and puts back what was there.

@@ -25,8 +25,8 @@
 namespace hs::infer {
 namespace {
 
-const std::string kParity = std::string(HS_SOURCE_DIR) + "/tests/fixtures/parity/";
-const std::string kGenerate = std::string(HS_SOURCE_DIR) + "/tests/fixtures/generate/";
+const std::string kParity = hs::test::source_dir() + "/tests/fixtures/parity/";
+const std::string kGenerate = hs::test::source_dir() + "/tests/fixtures/generate/";
 
 struct Model {
   MemoryAccountant mem;

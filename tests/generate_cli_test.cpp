@@ -16,7 +16,7 @@
 namespace hs {
 namespace {
 
-const std::string kCase = std::string(HS_SOURCE_DIR) + "/tests/fixtures/parity/qwen3_next_L5";
+const std::string kCase = hs::test::source_dir() + "/tests/fixtures/parity/qwen3_next_L5";
 
 struct Outcome {
   int status;
@@ -25,7 +25,7 @@ struct Outcome {
 // env: a prefix for the command (`env -u VAR NAME=value`), empty for the test's own environment.
 Outcome run(const std::string& args, const std::string& env = "") {
   test::TempDir dir;
-  const std::string cmd = env + (env.empty() ? "" : " ") + std::string(HS_BINARY) + " generate " + args + " >" +
+  const std::string cmd = env + (env.empty() ? "" : " ") + hs::test::binary() + " generate " + args + " >" +
                           (dir / "out").string() + " 2>" + (dir / "err").string();
   const int status = std::system(cmd.c_str());
   auto slurp = [&](const char* n) {
@@ -177,7 +177,7 @@ TEST(GenerateCli, BadInputGivesClearErrors) {
 // A checkpoint with a tokenizer.json: text prompts are encoded by it and the output decoded by it (the parity model
 // has a vocabulary of 256, so the Qwen2 tokenizer's byte-level ids below 256 are what it can read and write).
 TEST(GenerateCli, TextGoesThroughTheCheckpointsTokenizer) {
-  const std::string json = std::string(HS_SOURCE_DIR) + "/data/tokenizers/qwen2/tokenizer.json";
+  const std::string json = hs::test::source_dir() + "/data/tokenizers/qwen2/tokenizer.json";
   ASSERT_TRUE(std::filesystem::exists(json)) << json << " (run scripts/setup.sh: it builds data/tokenizers/)";
   test::TempDir dir;
   std::filesystem::copy(kCase, dir / "ck");

@@ -13,7 +13,7 @@
 namespace hs {
 namespace {
 
-const std::string kParity = std::string(HS_SOURCE_DIR) + "/tests/fixtures/parity/";
+const std::string kParity = hs::test::source_dir() + "/tests/fixtures/parity/";
 
 TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
   for (DType dt : {DType::F32, DType::BF16}) {
@@ -45,7 +45,7 @@ TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
       EXPECT_EQ(p.recurrent_state, g.recurrent_state_bytes) << name;
       EXPECT_EQ(p.weights, ps.nbytes()) << name;
       EXPECT_GT(p.workspace, 0u);
-      // The spec's formula for the caches (spec/model.md, "Decoding"): per sequence at context t,
+      // The formula for the caches (docs/model.md, "Decoding"): per sequence at context t,
       // L_gdn (Hv dk dv 4 + (K-1) conv_dim b) + L_attn 2 nKV hd t b.
       const size_t b = dtype_size(dt), L_attn = size_t(cfg.layers / cfg.cycle), L_gdn = size_t(cfg.layers) - L_attn;
       EXPECT_EQ(p.recurrent_state, 3 * L_gdn * (cfg.v_heads * cfg.dk * cfg.dv * 4 + (cfg.conv_width - 1) * cfg.conv_dim() * b));
@@ -62,7 +62,7 @@ TEST(GeneratePlan, CommandLineFiguresAgree) {
   const std::string prompt(1100, 'a');
   auto run = [&](const std::string& args) {
     const std::string out = (dir / "out").string();
-    EXPECT_EQ(std::system((std::string(HS_BINARY) + " " + args + " >" + out + " 2>/dev/null").c_str()), 0) << args;
+    EXPECT_EQ(std::system((hs::test::binary() + " " + args + " >" + out + " 2>/dev/null").c_str()), 0) << args;
     const auto bytes = test::read_bytes(out);
     std::string s(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     const size_t end = s.find_last_not_of('\n'), start = s.rfind('\n', end);

@@ -17,7 +17,7 @@
 namespace hs::infer {
 namespace {
 
-const std::string kParity = std::string(HS_SOURCE_DIR) + "/tests/fixtures/parity/";
+const std::string kParity = hs::test::source_dir() + "/tests/fixtures/parity/";
 
 // Bytes of the tensors the engine keeps in fp32 whatever the weight dtype (A_log, dt_bias).
 size_t fp32_kept_bytes(const model::ParamSet& ps) {

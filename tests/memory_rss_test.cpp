@@ -21,6 +21,7 @@
 
 #include "core/memory.h"
 #include "kernels/cpu.h"
+#include "test_util.h"
 
 namespace hs {
 namespace {
@@ -34,7 +35,7 @@ struct Measured {
 Measured run_train(const std::vector<std::string>& args) {
   namespace fs = std::filesystem;
   const fs::path out = fs::temp_directory_path() / ("hs_rss_" + std::to_string(::getpid()) + ".json");
-  std::vector<std::string> argv_s = {HS_BINARY, "train"};
+  std::vector<std::string> argv_s = {hs::test::binary(), "train"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   argv_s.insert(argv_s.end(), {"--synthetic", "--quiet", "--json", "--threads", "2"});
   std::vector<char*> argv;

@@ -9,12 +9,13 @@
 
 #include "checkpoint/hf_io.h"
 #include "kernels/adamw.h"
+#include "test_util.h"
 #include "train/schedule.h"
 
 namespace hs {
 namespace {
 
-const std::string kDir = std::string(HS_SOURCE_DIR) + "/tests/fixtures/parity/";
+const std::string kDir = hs::test::source_dir() + "/tests/fixtures/parity/";
 
 double rel_rms(const float* a, const float* b, int64_t n) {
   double num = 0, den = 0;

@@ -204,7 +204,7 @@ class Mutator {
 };
 
 std::vector<Bytes> seed_files() {
-  const fs::path dir = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors";
+  const fs::path dir = fs::path(hs::test::source_dir()) / "tests" / "fixtures" / "safetensors";
   std::vector<Bytes> seeds;
   for (const char* name : {"all_dtypes.safetensors", "no_metadata.safetensors", "empty.safetensors",
                            "unpadded.safetensors", "sharded/model-00003-of-00003.safetensors"})

@@ -25,7 +25,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const fs::path kFixtures = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors";
+const fs::path kFixtures = fs::path(hs::test::source_dir()) / "tests" / "fixtures" / "safetensors";
 
 using test::error_of;
 using test::read_bytes;

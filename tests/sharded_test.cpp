@@ -24,7 +24,7 @@ namespace fs = std::filesystem;
 using namespace std::string_literals;
 using Bytes = std::vector<std::byte>;
 
-const fs::path kHfShards = fs::path(HS_SOURCE_DIR) / "tests" / "fixtures" / "safetensors" / "sharded";
+const fs::path kHfShards = fs::path(hs::test::source_dir()) / "tests" / "fixtures" / "safetensors" / "sharded";
 
 using test::error_of;
 using test::read_bytes;

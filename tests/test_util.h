@@ -18,6 +18,8 @@
 #include <functional>
 #include <iterator>
 #include <random>
+#include <stdexcept>
+#include <system_error>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -42,6 +44,31 @@ inline CliRun run_command(const std::string& cmd) {
   const int status = pclose(p);
   r.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// The source tree the test program was built from, and the hybridscan program built beside it. Read at run time
+// from the build directory's CMakeCache.txt next to the test program rather than compiled in, so that the tests'
+// objects are the same in every clone of the repository and the compiler cache serves them (CMakeLists.txt).
+inline std::string build_dir() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw std::runtime_error("cannot read /proc/self/exe: " + ec.message());
+  return exe.parent_path().string();
+}
+inline const std::string& source_dir() {
+  static const std::string dir = [] {
+    const std::string cache = build_dir() + "/CMakeCache.txt";
+    std::ifstream in(cache);
+    const std::string key = "CMAKE_HOME_DIRECTORY:INTERNAL=";
+    for (std::string line; std::getline(in, line);)
+      if (line.rfind(key, 0) == 0) return line.substr(key.size());
+    throw std::runtime_error("no " + key + " in " + cache + ": run the test program from its build directory");
+  }();
+  return dir;
+}
+inline const std::string& binary() {
+  static const std::string path = build_dir() + "/hybridscan";
+  return path;
 }
 
 // n draws from N(mean, stddev^2) by a generator seeded with `seed`.

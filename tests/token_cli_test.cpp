@@ -22,7 +22,7 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 using test::CliRun;
-CliRun hybridscan(const std::string& args) { return test::run_command(std::string(HS_BINARY) + " " + args); }
+CliRun hybridscan(const std::string& args) { return test::run_command(hs::test::binary() + " " + args); }
 
 // The last line of the output that is a JSON object.
 json last_json(const std::string& out) {
@@ -30,7 +30,7 @@ json last_json(const std::string& out) {
   return json::parse(out.substr(at == std::string::npos ? 0 : at + 1));
 }
 
-const fs::path kTokenizer = fs::path(HS_SOURCE_DIR) / "tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json";
+const fs::path kTokenizer = fs::path(hs::test::source_dir()) / "tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json";
 
 std::string text_of(int i) {
   std::string s;

@@ -133,7 +133,7 @@ TEST(TokenFile, BlocksCutOnlyAfterANewlineBeforeALetter) {
 // in small blocks holds exactly the ids of encoding the whole text as one string: no block boundary changes a token.
 TEST(TokenFile, BlocksGiveTheIdsOfTheWholeText) {
   const tokenizer::Tokenizer tok =
-      tokenizer::Tokenizer::load(HS_SOURCE_DIR "/tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json");
+      tokenizer::Tokenizer::load(hs::test::source_dir() + "/tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json");
   static const char* lines[] = {
       "In the beginning God created the heaven and the earth.\n", "And the earth was without form;\r\n",
       "    indented code(x) { return y; }\n", "\n\n\n", "   \t  \n", "Numbers 12345 and 3.14\n",

@@ -23,7 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-const fs::path kSource = HS_SOURCE_DIR;
+const fs::path kSource = hs::test::source_dir();
 constexpr const char* kSetupHint = " (run scripts/setup.sh: it builds data/tokenizers/ and the .venv peers)";
 
 fs::path qwen_json(const std::string& name) { return kSource / "data" / "tokenizers" / name / "tokenizer.json"; }

@@ -3,7 +3,7 @@
 // tensor. Import copies runs HF -> stacked, export copies them back, so the two directions are the exact inverse of
 // each other by construction (pure index arithmetic: HF layer i = block * cycle + position).
 //
-// What the runs encode (shared/spec/checkpoints.md, "Conversion traps"):
+// What the runs encode (docs/checkpoints.md, "Conversion traps"):
 // * Qwen3-Next in_proj_qkvz [2*key_dim + 2*value_dim, H] interleaves per key head q(dk) k(dk) v(r*dv) z(r*dv): its
 //   rows land in the plain in_proj_qkv [q all | k all | v all] and in_proj_z; in_proj_ba interleaves b(r) a(r) per
 //   key head and lands in in_proj_b and in_proj_a.

@@ -1,4 +1,4 @@
-// Incremental decoding of a hybrid model (spec/model.md, "Decoding"): the decoder layers of src/model run with their
+// Incremental decoding of a hybrid model (docs/model.md, "Decoding"): the decoder layers of src/model run with their
 // per-layer caches (LayerCache: the causal-conv window and delta-rule state of each Gated DeltaNet layer, the keys
 // and values of each attention layer), so a prompt is prefilled with the chunked kernels, in pieces that carry the
 // state when it is long, and each new token then costs one pass over the weights and the caches.

@@ -1,4 +1,4 @@
-// The kernels of incremental decoding (spec/model.md, "Decoding"): the pieces of the Gated DeltaNet and attention
+// The kernels of incremental decoding (docs/model.md, "Decoding"): the pieces of the Gated DeltaNet and attention
 // layers that carry state from one call to the next. Sequences live in slots of per-layer caches; batch row b of a
 // call belongs to the sequence in slot slots[b]. Math in fp32 (storage types as in the other kernels).
 //

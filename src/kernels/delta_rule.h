@@ -1,4 +1,4 @@
-// The gated delta rule, the recurrence at the heart of the Gated DeltaNet layer (spec/model.md,
+// The gated delta rule, the recurrence at the heart of the Gated DeltaNet layer (docs/model.md,
 // "Gated DeltaNet" step 5 and "Chunked form"). Per (batch, value head), with state S [dk, dv] zero at
 // sequence start:
 //   S = exp(g_t) S;  delta = beta_t (v_t - S^T k_t);  S = S + k_t delta^T;  o_t = S^T q_t.

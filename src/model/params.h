@@ -1,4 +1,4 @@
-// Parameters in the stacked ("scanned") layout (shared/spec/checkpoints.md): every tensor of the linear-attention
+// Parameters in the stacked ("scanned") layout (docs/checkpoints.md): every tensor of the linear-attention
 // ("local") layers carries two leading axes [block, local]; every tensor of the full-attention ("global") layer one
 // leading axis [block]; when L is not a multiple of the cycle the trailing linear-attention layers form a
 // remainder stack [remainder]. Routed-expert tensors keep the expert axis right after the stacking axes:
