@@ -9,7 +9,7 @@
 // piece per thread), counted as bytes read + written (as STREAM and bench/copy_bandwidth do), best of REPS, each copy
 // run just before a step (alternated, so that a shared machine's load slows both alike).
 // vs_copy = the step's bytes per second / the copy's. Prints one JSON line per configuration and path.
-// `previous_loop` is the kernel before its vector paths (kernels/adamw_reference.cpp, the same bits), each thread on
+// `previous_loop` is the kernel before its vector paths (kernels/reference/adamw_reference.cpp, the same bits), each thread on
 // its share of every tensor.
 #include <omp.h>
 
@@ -106,9 +106,9 @@ int main(int argc, char** argv) {
         shares[static_cast<size_t>(j)].push_back(u);
       }
     for (int isa_i = -1; isa_i <= 2; ++isa_i) {
-      const auto isa = static_cast<AdamWIsa>(std::max(isa_i, 0));
-      if (!adamw_isa_supported(isa)) continue;
-      ScopedAdamWIsa forced(isa);
+      const auto isa = static_cast<cpu::Level>(std::max(isa_i, 0));
+      if (!cpu::allows(isa)) continue;
+      cpu::ScopedLevel forced(isa);
       std::vector<double> times, copies;
       AdamWParams p;
       p.lr = 1e-3f;
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
           "{\"isa\": \"%s\", \"moments\": \"%s\", \"threads\": %d, \"params\": %lld, \"tensors\": %zu, "
           "\"bytes_per_param\": %.0f, \"step_best_ms\": %.2f, \"step_median_ms\": %.2f, \"gb_per_s\": %.2f, "
           "\"copy_gb_per_s\": %.2f, \"vs_copy\": %.3f}\n",
-          isa_i < 0 ? "previous_loop" : adamw_isa_name(isa), bf16_moments ? "bf16" : "fp32", threads, static_cast<long long>(total), tensors.size(),
+          isa_i < 0 ? "previous_loop" : cpu::level_name(isa), bf16_moments ? "bf16" : "fp32", threads, static_cast<long long>(total), tensors.size(),
           bytes_per_param, 1e3 * best, 1e3 * median(times), bytes / best / 1e9, copy_rate / 1e9,
           bytes / best / copy_rate);
       std::fflush(stdout);

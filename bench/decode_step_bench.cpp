@@ -67,7 +67,7 @@ template <typename F> std::pair<double, double> timed(F&& f) {
 template <typename T> void lm_head(const model::ParamSet& ps, const T* x, float* y, int64_t M) {
   const TensorView& head = ps.global(model::g::kLmHead);
   const int64_t V = head.shape[0], H = head.shape[1];
-  const kernels::GemvIsa isa = kernels::gemv_isa();
+  const kernels::cpu::Level isa = kernels::gemv_level();
   const int64_t align = kernels::gemv_row_align(M, isa);
   const int64_t rows = std::max<int64_t>(align, (int64_t{1} << 20) / (H * int64_t(sizeof(T))) / align * align);
   const int64_t chunks = (V + rows - 1) / rows;

@@ -17,7 +17,8 @@
 namespace {
 
 using hs::bf16;
-using hs::kernels::GemvIsa;
+namespace cpu = hs::kernels::cpu;
+using hs::kernels::cpu::Level;
 
 struct Shape {
   const char* name;
@@ -47,7 +48,7 @@ void rate(benchmark::State& st, const Shape& s) {
   st.counters["GB/s"] = benchmark::Counter(double(s.N * s.K * 2) * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
-void BM_Gemv(benchmark::State& st, Shape s, GemvIsa isa) {
+void BM_Gemv(benchmark::State& st, Shape s, Level isa) {
   Operands o(s);
   for (auto _ : st) {
     hs::kernels::gemv(o.x.data(), o.W.data(), o.y.data(), s.M, s.N, s.K, 0, 0, isa);
@@ -70,13 +71,13 @@ void BM_OneDnn(benchmark::State& st, Shape s) {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
-  std::vector<GemvIsa> paths;
-  for (GemvIsa i : {GemvIsa::Avx512Bf16, GemvIsa::Avx512, GemvIsa::Avx2, GemvIsa::Scalar})
-    if (hs::kernels::gemv_isa_supported(i)) paths.push_back(i);
+  std::vector<Level> paths;
+  for (Level i : {Level::Avx512Bf16, Level::Avx512, Level::Avx2, Level::Scalar})
+    if (cpu::allows(i)) paths.push_back(i);
   for (const Shape& s : kShapes) {
     benchmark::RegisterBenchmark((std::string("onednn/") + s.name).c_str(), BM_OneDnn, s)->UseRealTime()->MinTime(0.3);
-    for (GemvIsa i : paths)
-      benchmark::RegisterBenchmark((std::string("gemv_") + hs::kernels::gemv_isa_name(i) + "/" + s.name).c_str(),
+    for (Level i : paths)
+      benchmark::RegisterBenchmark((std::string("gemv_") + hs::kernels::cpu::level_name(i) + "/" + s.name).c_str(),
                                    BM_Gemv, s, i)
           ->UseRealTime()
           ->MinTime(0.3);
@@ -95,9 +96,9 @@ int main(int argc, char** argv) {
     auto d = reporter.rate.find(std::string("onednn/") + s.name + suffix);
     if (d == reporter.rate.end()) continue;
     std::printf("  %-40s oneDNN %6.1f GB/s", s.name, d->second);
-    for (GemvIsa i : paths) {
-      auto g = reporter.rate.find(std::string("gemv_") + hs::kernels::gemv_isa_name(i) + "/" + s.name + suffix);
-      if (g != reporter.rate.end()) std::printf("  %s %.2fx", hs::kernels::gemv_isa_name(i), g->second / d->second);
+    for (Level i : paths) {
+      auto g = reporter.rate.find(std::string("gemv_") + hs::kernels::cpu::level_name(i) + "/" + s.name + suffix);
+      if (g != reporter.rate.end()) std::printf("  %s %.2fx", hs::kernels::cpu::level_name(i), g->second / d->second);
     }
     std::printf("\n");
   }

@@ -96,7 +96,7 @@ Pass read_pass(const std::byte* p, size_t bytes) {
 
 // The fused step's split of a big product: chunks of 1 MiB of rows, taken dynamically.
 Pass gemv_pass(const bf16* W, int64_t M, int64_t N, int64_t K, const bf16* x, float* y) {
-  const hs::kernels::GemvIsa isa = hs::kernels::gemv_isa();
+  const hs::kernels::cpu::Level isa = hs::kernels::gemv_level();
   const int64_t align = hs::kernels::gemv_row_align(M, isa);
   const int64_t rows = std::max<int64_t>(align, (int64_t{1} << 20) / (K * 2) / align * align);
   const int64_t chunks = (N + rows - 1) / rows;
@@ -153,7 +153,7 @@ int main(int argc, char** argv) {
   std::printf("W %lld x %lld bf16 (%.0f MiB), %d threads, gemv path %s, %d interleaved rounds; best pass of each\n"
               "GB/s: wall = bytes / wall time; cpu = bytes / the threads' mean CPU time (immune to descheduling)\n",
               (long long)N, (long long)K, bytes / 1048576.0, omp_get_max_threads(),
-              hs::kernels::gemv_isa_name(hs::kernels::gemv_isa()), reps);
+              hs::kernels::cpu::level_name(hs::kernels::gemv_level()), reps);
   struct Memory {
     std::string name;
     const std::byte* p;

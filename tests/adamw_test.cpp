@@ -255,8 +255,8 @@ TEST(AdamW, VectorPathsMatchThePreviousLoopBitForBit) {
   const std::vector<int64_t> sizes = {1, 7, 15, 17, 64, 1000, 40001, 16384};
   const float specials[] = {0.0f, -0.0f, 1e-40f, -3e-39f, 1e30f, -2.5e-20f, 65504.0f, std::nanf("")};
   for (int isa_i = 0; isa_i <= 2; ++isa_i) {
-    const auto isa = static_cast<AdamWIsa>(isa_i);
-    if (!adamw_isa_supported(isa)) continue;
+    const auto isa = static_cast<cpu::Level>(isa_i);
+    if (!cpu::allows(isa)) continue;
     for (int mode = 0; mode < 4; ++mode) {  // bit 0: bf16 weights, bit 1: bf16 moments
       for (int threads : {1, 3}) {
         struct Set {
@@ -304,7 +304,7 @@ TEST(AdamW, VectorPathsMatchThePreviousLoopBitForBit) {
         p.grad_scale = 0.37f;
         reference::adamw_update_clear_all_loop(a.t, p, 7);
         {
-          ScopedAdamWIsa forced(isa);
+          cpu::ScopedLevel forced(isa);
           test::with_threads(threads, [&] {
             adamw_update_clear_all(b.t, p, 7);
             return 0;
@@ -312,7 +312,7 @@ TEST(AdamW, VectorPathsMatchThePreviousLoopBitForBit) {
         }
         for (size_t t = 0; t < sizes.size(); ++t) {
           const auto n = static_cast<size_t>(sizes[t]);
-          const std::string where = std::string(adamw_isa_name(isa)) + " mode " + std::to_string(mode) + " threads " +
+          const std::string where = std::string(cpu::level_name(isa)) + " mode " + std::to_string(mode) + " threads " +
                                     std::to_string(threads) + " tensor " + std::to_string(t);
           EXPECT_EQ(0, std::memcmp(a.g[t].data(), b.g[t].data(), n * 4)) << where;  // both zeroed
           if (mode & 1) EXPECT_EQ(0, std::memcmp(a.wb[t].data(), b.wb[t].data(), n * 2)) << where;
@@ -341,18 +341,18 @@ TEST(AdamW, SingleTensorUpdateIsTheSameOnEveryPath) {
   p.weight_decay = 0.1f;
   std::vector<float> w_ref = w0, m_ref = m0, v_ref = v0;
   {
-    ScopedAdamWIsa forced(AdamWIsa::Scalar);
+    cpu::ScopedLevel forced(cpu::Level::Scalar);
     adamw_update(w_ref.data(), g.data(), m_ref.data(), v_ref.data(), n, p, 2);
   }
   for (int isa_i = 1; isa_i <= 2; ++isa_i) {
-    const auto isa = static_cast<AdamWIsa>(isa_i);
-    if (!adamw_isa_supported(isa)) continue;
+    const auto isa = static_cast<cpu::Level>(isa_i);
+    if (!cpu::allows(isa)) continue;
     std::vector<float> w = w0, m = m0, v = v0;
-    ScopedAdamWIsa forced(isa);
+    cpu::ScopedLevel forced(isa);
     adamw_update(w.data(), g.data(), m.data(), v.data(), n, p, 2);
-    EXPECT_EQ(0, std::memcmp(w.data(), w_ref.data(), static_cast<size_t>(n) * 4)) << adamw_isa_name(isa);
-    EXPECT_EQ(0, std::memcmp(m.data(), m_ref.data(), static_cast<size_t>(n) * 4)) << adamw_isa_name(isa);
-    EXPECT_EQ(0, std::memcmp(v.data(), v_ref.data(), static_cast<size_t>(n) * 4)) << adamw_isa_name(isa);
+    EXPECT_EQ(0, std::memcmp(w.data(), w_ref.data(), static_cast<size_t>(n) * 4)) << cpu::level_name(isa);
+    EXPECT_EQ(0, std::memcmp(m.data(), m_ref.data(), static_cast<size_t>(n) * 4)) << cpu::level_name(isa);
+    EXPECT_EQ(0, std::memcmp(v.data(), v_ref.data(), static_cast<size_t>(n) * 4)) << cpu::level_name(isa);
   }
 }
 

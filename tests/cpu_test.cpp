@@ -104,12 +104,9 @@ TEST(Cpu, CapErrorsSayWhatIsWrong) {
 TEST(Cpu, EveryKernelFamilyChoosesWithinTheLevel) {
   const cpu::Level l = cpu::level();
   const bool wide = rank(l) >= rank(cpu::Level::Avx512), bf16 = rank(l) >= rank(cpu::Level::Avx512Bf16);
-  EXPECT_EQ(gemv_isa(), bf16 ? GemvIsa::Avx512Bf16 : wide ? GemvIsa::Avx512 : GemvIsa::Avx2);
-  EXPECT_EQ(adamw_isa(), wide ? AdamWIsa::Avx512 : AdamWIsa::Avx2);
-  EXPECT_EQ(skinny_isa_supported(SkinnyIsa::Avx512), wide);
-  EXPECT_TRUE(skinny_isa_supported(SkinnyIsa::Avx2));
-  EXPECT_EQ(gemv_isa_supported(GemvIsa::Avx512Bf16), bf16);
-  EXPECT_EQ(adamw_isa_supported(AdamWIsa::Avx512), wide);
+  EXPECT_EQ(gemv_level(), bf16 ? cpu::Level::Avx512Bf16 : wide ? cpu::Level::Avx512 : cpu::Level::Avx2);
+  EXPECT_EQ(adamw_level(), wide ? cpu::Level::Avx512 : cpu::Level::Avx2);
+  EXPECT_EQ(skinny_level(), wide ? cpu::Level::Avx512 : cpu::Level::Avx2);
   if (!std::getenv("HS_DELTA_RULE_BF16_PRODUCTS")) {
     EXPECT_EQ(delta_rule_bf16_products_available(), bf16);
   }
@@ -122,7 +119,36 @@ TEST(Cpu, EveryKernelFamilyChoosesWithinTheLevel) {
     }
   }
   const std::string report = kernel_paths_report();
-  EXPECT_NE(report.find(std::string("gemv (decode): ") + gemv_isa_name(gemv_isa())), std::string::npos) << report;
+  EXPECT_NE(report.find(std::string("gemv (decode): ") + cpu::level_name(gemv_level())), std::string::npos) << report;
+}
+
+// A ScopedLevel lowers every family's choice while it lives (how the tests run each path of a wider CPU), never
+// raises it, and ends where it began.
+TEST(Cpu, ScopedLevelLowersEveryFamilyAndEnds) {
+  const cpu::Level before = cpu::level();
+  const cpu::Level gemv_before = gemv_level();
+  {
+    cpu::ScopedLevel avx2(cpu::Level::Avx2);
+    EXPECT_EQ(cpu::level(), cpu::Level::Avx2);
+    EXPECT_EQ(gemv_level(), cpu::Level::Avx2);
+    EXPECT_EQ(adamw_level(), cpu::Level::Avx2);
+    EXPECT_EQ(skinny_level(), cpu::Level::Avx2);
+    EXPECT_FALSE(delta_rule_bf16_products_available());
+    EXPECT_NE(kernel_paths_report().find("gemv (decode): avx2"), std::string::npos) << kernel_paths_report();
+    {
+      cpu::ScopedLevel scalar(cpu::Level::Scalar);
+      EXPECT_EQ(gemv_level(), cpu::Level::Scalar);
+      EXPECT_EQ(adamw_level(), cpu::Level::Scalar);
+      EXPECT_EQ(skinny_level(), cpu::Level::Scalar);
+      EXPECT_THROW(cpu::ScopedLevel raise(cpu::Level::Avx2), std::invalid_argument);
+    }
+    EXPECT_EQ(cpu::level(), cpu::Level::Avx2);
+    if (before != cpu::Level::Avx2) {
+      EXPECT_THROW(cpu::ScopedLevel raise(before), std::invalid_argument);
+    }
+  }
+  EXPECT_EQ(cpu::level(), before);
+  EXPECT_EQ(gemv_level(), gemv_before);
 }
 
 TEST(Cpu, CommandLineRefusesABadCapAndPrintsThePaths) {

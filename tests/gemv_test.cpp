@@ -13,10 +13,10 @@
 namespace hs::kernels {
 namespace {
 
-std::vector<GemvIsa> paths() {
-  std::vector<GemvIsa> v;
-  for (GemvIsa i : {GemvIsa::Scalar, GemvIsa::Avx2, GemvIsa::Avx512, GemvIsa::Avx512Bf16})
-    if (gemv_isa_supported(i)) v.push_back(i);
+std::vector<cpu::Level> paths() {
+  std::vector<cpu::Level> v;
+  for (cpu::Level i : {cpu::Level::Scalar, cpu::Level::Avx2, cpu::Level::Avx512, cpu::Level::Avx512Bf16})
+    if (cpu::allows(i)) v.push_back(i);
   return v;
 }
 
@@ -25,7 +25,7 @@ std::vector<GemvIsa> paths() {
 // summation of K terms, first order), plus half a unit of the output's last place (2^-24, or 2^-9 for bf16) of the
 // result. Inputs are exact in the reference (it reads the same rounded values), which sums in double.
 template <typename T, typename TY>
-void expect_within_bound(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa, uint32_t seed) {
+void expect_within_bound(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, cpu::Level isa, uint32_t seed) {
   const std::vector<T> x = test::cast<T>(test::randn(static_cast<size_t>(M * ldx), seed));
   const std::vector<T> W = test::cast<T>(test::randn(static_cast<size_t>(N * K), seed + 1));
   std::vector<T> xp(static_cast<size_t>(M * K));  // packed rows for the reference
@@ -44,7 +44,7 @@ void expect_within_bound(int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t l
       const double want = ref[static_cast<size_t>(m * N + n)];
       const double bound = (K + 1) * u * abs_sum + out_ulp * std::abs(want) * 2;
       ASSERT_NEAR(to_f32(y[static_cast<size_t>(m * ldy + n)]), want, bound)
-          << gemv_isa_name(isa) << " M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+          << cpu::level_name(isa) << " M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
     }
   // Padding between rows is left alone.
   for (int64_t m = 0; m < M; ++m)
@@ -61,7 +61,7 @@ const Shape kShapes[] = {{1, 1, 1},   {1, 5, 7},    {2, 4, 16},  {3, 3, 17},  {4
 
 template <typename T, typename TY> void all_shapes() {
   uint32_t seed = 1;
-  for (GemvIsa isa : paths())
+  for (cpu::Level isa : paths())
     for (const Shape& s : kShapes) {
       expect_within_bound<T, TY>(s.M, s.N, s.K, s.K, s.N, isa, seed++);
       expect_within_bound<T, TY>(s.M, s.N, s.K, s.K + 3, s.N + 2, isa, seed++);  // strided rows
@@ -89,13 +89,13 @@ TEST(Gemv, TheBoundSeesAOneElementError) {
 TEST(Gemv, BitIdenticalAcrossThreadsAndRowCounts) {
   const int64_t M = 9, N = 301, K = 1024;
   const std::vector<bf16> x = test::cast<bf16>(test::randn(M * K, 5)), W = test::cast<bf16>(test::randn(N * K, 6));
-  for (GemvIsa isa : paths()) {
+  for (cpu::Level isa : paths()) {
     std::vector<float> one(M * N), two(M * N), alone(M * N);
     test::with_threads(1, [&] { gemv(x.data(), W.data(), one.data(), M, N, K, 0, 0, isa); });
     test::with_threads(2, [&] { gemv(x.data(), W.data(), two.data(), M, N, K, 0, 0, isa); });
     for (int64_t m = 0; m < M; ++m) gemv(x.data() + m * K, W.data(), alone.data() + m * N, 1, N, K, 0, 0, isa);
-    EXPECT_EQ(one, two) << gemv_isa_name(isa);
-    EXPECT_EQ(one, alone) << gemv_isa_name(isa);
+    EXPECT_EQ(one, two) << cpu::level_name(isa);
+    EXPECT_EQ(one, alone) << cpu::level_name(isa);
   }
 }
 
@@ -125,12 +125,12 @@ float avx2_lanes_sum(const float* x, const float* w, int64_t K) {
 }
 
 TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
-  std::vector<GemvIsa> isas;
-  for (GemvIsa i : {GemvIsa::Avx2, GemvIsa::Avx512})
-    if (gemv_isa_supported(i)) isas.push_back(i);
+  std::vector<cpu::Level> isas;
+  for (cpu::Level i : {cpu::Level::Avx2, cpu::Level::Avx512})
+    if (cpu::allows(i)) isas.push_back(i);
   if (isas.empty()) GTEST_SKIP() << "no AVX2 or AVX-512 on this CPU";
   uint32_t seed = 40;
-  for (GemvIsa isa : isas)
+  for (cpu::Level isa : isas)
     for (int64_t M : {1, 2, 4, 5, 8, 9})
       for (int64_t K : {7, 16, 31, 33, 256, 300})
         for (int64_t N : {1, 9, 20}) {
@@ -144,11 +144,11 @@ TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
           for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) {
               const size_t o = static_cast<size_t>(m * N + n), xo = static_cast<size_t>(m * K), wo = static_cast<size_t>(n * K);
-              auto sum = isa == GemvIsa::Avx512 ? avx512_lanes_sum : avx2_lanes_sum;
+              auto sum = isa == cpu::Level::Avx512 ? avx512_lanes_sum : avx2_lanes_sum;
               ASSERT_EQ(y[o], sum(xf.data() + xo, Wf.data() + wo, K))
-                  << gemv_isa_name(isa) << " fp32 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+                  << cpu::level_name(isa) << " fp32 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
               ASSERT_EQ(yb[o], sum(xbf.data() + xo, Wbf.data() + wo, K))
-                  << gemv_isa_name(isa) << " bf16 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
+                  << cpu::level_name(isa) << " bf16 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
             }
         }
 }
@@ -160,7 +160,7 @@ TEST(Gemv, PrefetchChangesNoBit) {
   const int64_t N = 301, K = 1000;
   const std::vector<float> xf = test::randn(8 * K, 7), Wf = test::randn(N * K, 8);
   const std::vector<bf16> xb = test::cast<bf16>(xf), Wb = test::cast<bf16>(Wf);
-  for (GemvIsa isa : paths())
+  for (cpu::Level isa : paths())
     for (int64_t M : {1, 3, 8}) {
       std::vector<float> want32(M * N), want16(M * N);
       set_gemv_prefetch_blocks(0);
@@ -171,16 +171,16 @@ TEST(Gemv, PrefetchChangesNoBit) {
         std::vector<float> y32(M * N), y16(M * N);
         gemv(xf.data(), Wf.data(), y32.data(), M, N, K, 0, 0, isa);
         gemv(xb.data(), Wb.data(), y16.data(), M, N, K, 0, 0, isa);
-        EXPECT_EQ(y32, want32) << gemv_isa_name(isa) << " M " << M << " prefetch " << pf;
-        EXPECT_EQ(y16, want16) << gemv_isa_name(isa) << " M " << M << " prefetch " << pf;
+        EXPECT_EQ(y32, want32) << cpu::level_name(isa) << " M " << M << " prefetch " << pf;
+        EXPECT_EQ(y16, want16) << cpu::level_name(isa) << " M " << M << " prefetch " << pf;
       }
     }
   set_gemv_prefetch_blocks(-1);
-  const bool avx512 = gemv_isa() == GemvIsa::Avx512 || gemv_isa() == GemvIsa::Avx512Bf16;
+  const bool avx512 = gemv_level() == cpu::Level::Avx512 || gemv_level() == cpu::Level::Avx512Bf16;
   if (!std::getenv("HS_GEMV_PREFETCH")) {
-    EXPECT_EQ(gemv_prefetch_blocks(1, gemv_isa()), 0);
-    EXPECT_EQ(gemv_prefetch_blocks(4, gemv_isa()), 0);
-    EXPECT_EQ(gemv_prefetch_blocks(8, gemv_isa()), avx512 ? 2 : 0);
+    EXPECT_EQ(gemv_prefetch_blocks(1, gemv_level()), 0);
+    EXPECT_EQ(gemv_prefetch_blocks(4, gemv_level()), 0);
+    EXPECT_EQ(gemv_prefetch_blocks(8, gemv_level()), avx512 ? 2 : 0);
   }
 }
 
@@ -188,8 +188,9 @@ TEST(Gemv, BadInputIsRefused) {
   std::vector<float> x(17 * 4), W(4 * 4), y(17 * 4);
   EXPECT_THROW(gemv(x.data(), W.data(), y.data(), 17, 4, 4), std::invalid_argument);
   EXPECT_THROW(gemv(x.data(), W.data(), y.data(), -1, 4, 4), std::invalid_argument);
-  EXPECT_STREQ(gemv_isa_name(gemv_isa()), gemv_isa_name(gemv_isa()));
-  EXPECT_TRUE(gemv_isa_supported(GemvIsa::Scalar));
+  cpu::ScopedLevel avx2(cpu::Level::Avx2);  // a path above the level in force is refused, not run
+  EXPECT_THROW(gemv(x.data(), W.data(), y.data(), 1, 4, 4, 0, 0, cpu::Level::Avx512), std::invalid_argument);
+  EXPECT_THROW(gemv_row_align(1, cpu::Level::Avx512Bf16), std::invalid_argument);
 }
 
 // Inside a SmallRowProducts scope matmul's few-row products x W^T are gemv's (same bits, no oneDNN primitive);

@@ -164,8 +164,8 @@ TEST(Matmul, SkinnyVectorPathsMatchReferenceAndScalar) {
     int64_t M, N, K;
   };
   for (int isa_i = 0; isa_i <= 2; ++isa_i) {
-    const auto isa = static_cast<SkinnyIsa>(isa_i);
-    if (!skinny_isa_supported(isa)) continue;
+    const auto isa = static_cast<cpu::Level>(isa_i);
+    if (!cpu::allows(isa)) continue;
     for (const Shape& s : {Shape{300, 4, 256}, Shape{37, 7, 1000}, Shape{65, 16, 33}, Shape{40, 3, 17},
                            Shape{4, 256, 300}, Shape{8, 130, 4096}, Shape{16, 64, 33}, Shape{7, 33, 100},
                            Shape{1, 17, 5}, Shape{13, 48, 70}, Shape{300, 256, 4}, Shape{257, 100, 16},
@@ -186,13 +186,13 @@ TEST(Matmul, SkinnyVectorPathsMatchReferenceAndScalar) {
           std::vector<float> Ro(M * N);
           for (int64_t i = 0; i < M * N; ++i) Co[i] = bf16(Ro[i] = 0.5f * static_cast<float>(i % 7));
           {
-            ScopedSkinnyIsa forced(isa);
+            cpu::ScopedLevel forced(isa);
             matmul(A.data(), B.data(), C.data(), M, N, K, ta, tb, acc);
             matmul(Ab.data(), Bb.data(), Cb.data(), M, N, K, ta, tb, acc);
             matmul(Ab.data(), Bb.data(), Co.data(), M, N, K, ta, tb, acc);
           }
           {
-            ScopedSkinnyIsa forced(SkinnyIsa::Scalar);
+            cpu::ScopedLevel forced(cpu::Level::Scalar);
             matmul(A.data(), B.data(), S.data(), M, N, K, ta, tb, acc);
             matmul(Ab.data(), Bb.data(), Sb.data(), M, N, K, ta, tb, acc);
           }

@@ -139,4 +139,22 @@ std::string format_bytes(double bytes);
 // Parses "80GB", "95GiB", "512MiB", "1e9"; throws std::invalid_argument with the reason.
 size_t parse_bytes(std::string_view text);
 
+// Pieces cut one after another from one workspace buffer, each rounded up to 64 bytes (a cache line: every piece
+// stays aligned for 512-bit loads). With a null base it only counts, so the same calls first size the buffer.
+class Carve {
+ public:
+  explicit Carve(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename E>
+  E* take(int64_t n) {
+    E* p = base_ ? reinterpret_cast<E*>(base_ + used_) : nullptr;
+    used_ += (static_cast<size_t>(n) * sizeof(E) + 63) / 64 * 64;
+    return p;
+  }
+  size_t bytes() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
 }  // namespace hs

@@ -100,7 +100,7 @@ template <typename T> struct Team {
   Phase* phases;
   int64_t nphases;
   std::atomic<int>& sleepers;
-  kernels::GemvIsa isa;
+  kernels::cpu::Level isa;
   PhaseClock* clock = nullptr;  // thread 0's, when timing is on (fused_step_timing)
   int64_t phase = 0;
 
@@ -178,22 +178,6 @@ template <typename T> Job<T> job(const T* x, const T* W, T* y, int64_t M, int64_
 template <typename T> Job<T> job_f32(const T* x, const T* W, float* y, int64_t M, int64_t N, int64_t K) {
   return {x, W, y, true, M, N, K, N};
 }
-
-// A bump allocator over one workspace buffer (64-byte aligned pieces). Sizing: the same calls on a null base.
-class Carve {
- public:
-  explicit Carve(char* base) : base_(base) {}
-  template <typename E> E* take(int64_t n) {
-    E* p = base_ ? reinterpret_cast<E*>(base_ + used_) : nullptr;
-    used_ += (static_cast<size_t>(n) * sizeof(E) + 63) / 64 * 64;
-    return p;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 }  // namespace
 
@@ -367,7 +351,7 @@ struct FusedStep<T>::Impl {
     const int f = model::ffn_offset(lw[li].kind);
     const int64_t H = c.hidden, E = c.experts, k = c.top_k;
     if (!logits_done)
-      kernels::gemv_rows(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H, 0, 0, 0, E, kernels::gemv_isa());
+      kernels::gemv_rows(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H, 0, 0, 0, E, kernels::gemv_level());
     kernels::detail::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
     kernels::detail::moe_group_by_expert(B * k, E, w.idx, w.off + li * (E + 1), w.rslot);
     kernels::detail::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
@@ -455,15 +439,15 @@ struct FusedStep<T>::Impl {
     const int64_t capacity = caches.empty() ? 0 : caches.front().capacity;
     Carve sizing(nullptr);
     carve(sizing, B, threads, capacity);
-    Buffer ws = mem.allocate(sizing.used(), MemCategory::Workspace, "fused_step.workspace");
+    Buffer ws = mem.allocate(sizing.bytes(), MemCategory::Workspace, "fused_step.workspace");
     if (mem.planning()) return;
-    Carve cv(static_cast<char*>(ws.data()));
+    Carve cv(ws.data());
     const Work w = carve(cv, B, threads, capacity);
     for (Phase& ph : phases) {
       ph.next.store(0, std::memory_order_relaxed);
       ph.done.store(0, std::memory_order_relaxed);
     }
-    const kernels::GemvIsa isa = kernels::gemv_isa();
+    const kernels::cpu::Level isa = kernels::gemv_level();
     const model::ModelConfig& c = cfg;
     const int64_t H = c.hidden, V = c.vocab;
     const TensorView& embed = params.global(model::g::kEmbed);

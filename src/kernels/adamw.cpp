@@ -35,7 +35,7 @@ Scalars scalars(const AdamWParams& p, int64_t step) {
 }
 
 // The element formula, in PyTorch's order with the roundings the previous loop had (GCC contracted it, with FMA
-// available, to exactly these fused operations; kernels/adamw_reference.cpp keeps it):
+// available, to exactly these fused operations; kernels/reference/adamw_reference.cpp keeps it):
 //   g = grad * s;  m' = fma(1 - b1, g - m, m);  v' = fma(b2, v, ((1 - b2) * g) * g);
 //   w' = fma(decay, w, -(step_size * (m' / (sqrt(v') / sqrt(bc2) + eps))))   (decay * w - t, rounded once)
 // Every path (scalar, AVX2, AVX-512) computes it with the same correctly rounded operations, so they agree to the bit.
@@ -64,25 +64,13 @@ inline void range_scalar(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i
 
 #if defined(__x86_64__)
 #define HS_AVX2 __attribute__((target("avx2,fma")))
-#define HS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define HS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
-// bf16 <-> fp32 in 8 lanes, bf16::from_float's rounding: to nearest even, a NaN kept quiet ((bits >> 16) | 0x40).
-HS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-HS_AVX2 inline __m256 load8(const bf16* p) {
-  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
-HS_AVX2 inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-HS_AVX2 inline void store8(bf16* p, __m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i q = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  const __m256i b = _mm256_blendv_epi8(r, q, nan);  // every lane <= 0xffff: packus keeps it
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(b, b), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
+// bf16 <-> fp32 in 8 and 16 lanes, rounded as bf16::from_float rounds (kernels/simd.h).
+using simd::load16;
+using simd::load8;
+using simd::store16;
+using simd::store8;
 
 template <bool kClear, typename TW, typename TM>
 HS_AVX2 void range_avx2(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
@@ -106,23 +94,6 @@ HS_AVX2 void range_avx2(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1
 }
 
 // The same in 16 lanes.
-HS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-HS_AVX512 inline __m512 load16(const bf16* p) {
-  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-}
-HS_AVX512 inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-HS_AVX512 inline void store16(bf16* p, __m512 x) {
-  const __m512i u = _mm512_castps_si512(x);
-  const __mmask16 nan =
-      _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-  const __m512i hi = _mm512_srli_epi32(u, 16);
-  const __m512i odd = _mm512_and_si512(hi, _mm512_set1_epi32(1));
-  __m512i b = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  b = _mm512_mask_or_epi32(b, nan, hi, _mm512_set1_epi32(0x40));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
-}
-
 template <bool kClear, typename TW, typename TM>
 HS_AVX512 void range_avx512(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
   const __m512 scale = _mm512_set1_ps(c.scale), beta2 = _mm512_set1_ps(c.beta2), eps = _mm512_set1_ps(c.eps),
@@ -148,12 +119,12 @@ HS_AVX512 void range_avx512(TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_
 #endif
 
 template <bool kClear, typename TW, typename TM>
-void update_range(AdamWIsa isa, TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
+void update_range(cpu::Level isa, TW* w, float* grad, TM* m, TM* v, int64_t i0, int64_t i1, const Consts& c) {
 #if defined(__x86_64__)
   switch (isa) {
-    case AdamWIsa::Avx512: return range_avx512<kClear>(w, grad, m, v, i0, i1, c);
-    case AdamWIsa::Avx2: return range_avx2<kClear>(w, grad, m, v, i0, i1, c);
-    case AdamWIsa::Scalar: break;
+    case cpu::Level::Avx512: return range_avx512<kClear>(w, grad, m, v, i0, i1, c);
+    case cpu::Level::Avx2: return range_avx2<kClear>(w, grad, m, v, i0, i1, c);
+    default: break;  // Scalar
   }
 #else
   (void)isa;
@@ -169,7 +140,7 @@ Consts consts(const AdamWParams& p, const Scalars& k, float weight_decay) {
 template <typename TW>
 void update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
   const Consts c = consts(p, scalars(p, step), p.weight_decay);
-  const AdamWIsa isa = adamw_isa();
+  const cpu::Level isa = adamw_level();
   constexpr int64_t kPiece = 4096;
   const int64_t pieces = (n + kPiece - 1) / kPiece;
   // The gradient is only read (kClear = false): the cast drops a const the kernel does not use.
@@ -191,50 +162,12 @@ int64_t block_size(int64_t n) { return std::max(kMinBlock, (n + kMaxBlocks - 1) 
 
 }  // namespace
 
-namespace {
-AdamWIsa g_forced = AdamWIsa::Scalar;
-bool g_is_forced = false;
-}  // namespace
-
-bool adamw_isa_supported(AdamWIsa isa) {
-  switch (isa) {
-    case AdamWIsa::Scalar: return true;
+cpu::Level adamw_level() {
 #if defined(__x86_64__)
-    case AdamWIsa::Avx2: return cpu::allows(cpu::Level::Avx2);
-    case AdamWIsa::Avx512: return cpu::allows(cpu::Level::Avx512);
-#else
-    default: return false;
+  if (cpu::allows(cpu::Level::Avx512)) return cpu::Level::Avx512;
+  if (cpu::allows(cpu::Level::Avx2)) return cpu::Level::Avx2;
 #endif
-  }
-  return false;
-}
-
-AdamWIsa adamw_isa() {
-  if (g_is_forced) return g_forced;
-  static const AdamWIsa best = adamw_isa_supported(AdamWIsa::Avx512) ? AdamWIsa::Avx512
-                               : adamw_isa_supported(AdamWIsa::Avx2) ? AdamWIsa::Avx2
-                                                                     : AdamWIsa::Scalar;
-  return best;
-}
-
-const char* adamw_isa_name(AdamWIsa isa) {
-  switch (isa) {
-    case AdamWIsa::Scalar: return "scalar";
-    case AdamWIsa::Avx2: return "avx2";
-    case AdamWIsa::Avx512: return "avx512";
-  }
-  return "?";
-}
-
-ScopedAdamWIsa::ScopedAdamWIsa(AdamWIsa isa) : previous_(g_forced), was_forced_(g_is_forced) {
-  if (!adamw_isa_supported(isa))
-    throw std::invalid_argument(std::string("AdamW: this CPU has no ") + adamw_isa_name(isa) + " path");
-  g_forced = isa;
-  g_is_forced = true;
-}
-ScopedAdamWIsa::~ScopedAdamWIsa() {
-  g_forced = previous_;
-  g_is_forced = was_forced_;
+  return cpu::Level::Scalar;
 }
 
 template <typename TW>
@@ -273,7 +206,7 @@ void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamW
   std::vector<int64_t> first(tensors.size() + 1, 0);
   for (size_t t = 0; t < tensors.size(); ++t) first[t + 1] = first[t] + tensors[t].n;
   const int64_t total = first.back();
-  const AdamWIsa isa = adamw_isa();
+  const cpu::Level isa = adamw_level();
 #pragma omp parallel
   {
     const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kernels/common.h"
+#include "kernels/cpu.h"
 
 namespace hs::kernels {
 
@@ -45,25 +46,10 @@ struct AdamWTensor {
 };
 void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step);
 
-// The instruction set the update runs in: the widest the CPU has (AVX-512 F/BW/VL, else AVX2 + FMA, else scalar),
-// chosen at run time. Every path gives the same bits (the same correctly rounded operations, element by element).
-enum class AdamWIsa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
-AdamWIsa adamw_isa();
-bool adamw_isa_supported(AdamWIsa isa);
-const char* adamw_isa_name(AdamWIsa isa);
-// For tests and benchmarks: every update on any thread uses `isa` while this lives (not thread-safe to create
-// concurrently). Throws std::invalid_argument if the CPU lacks it.
-class ScopedAdamWIsa {
- public:
-  explicit ScopedAdamWIsa(AdamWIsa isa);
-  ~ScopedAdamWIsa();
-  ScopedAdamWIsa(const ScopedAdamWIsa&) = delete;
-  ScopedAdamWIsa& operator=(const ScopedAdamWIsa&) = delete;
-
- private:
-  AdamWIsa previous_;
-  bool was_forced_;
-};
+// The instruction set the update runs in: the widest within cpu::level() (AVX-512 F/BW/VL, else AVX2 + FMA; Scalar
+// under a cpu::ScopedLevel), chosen at each call. Every path gives the same bits (the same correctly rounded
+// operations, element by element).
+cpu::Level adamw_level();
 
 // sum(x^2) in double. The array is cut into blocks whose bounds depend only on n, each block is summed
 // by one thread, and the block sums are added in order: the same bits for any thread count.
@@ -73,13 +59,14 @@ double sum_squares(const float* x, int64_t n);
 double sum_squares_all(const std::vector<std::pair<const float*, int64_t>>& arrays);
 
 // Plain references, math in double: (TW, P) in {(float, float), (bf16, float), (double, double)}.
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 template <typename TW, typename P>
 void adamw_update(TW* w, const P* grad, P* m, P* v, int64_t n, const AdamWParams& p, int64_t step);
 template <typename P> double sum_squares(const P* x, int64_t n);
-// The scalar loop adamw_update_clear_all was before its vectorised paths (kernels/adamw_reference.cpp), one tensor
-// after another on the calling thread: the bit-exact reference for the fast kernel where the build has FMA (the
-// compiler then contracts it to the fused operations the fast kernel spells out).
+// The scalar loop adamw_update_clear_all was before its vectorised paths, one tensor after another on the calling
+// thread: the bit-exact reference for the fast kernel where the build has FMA (the compiler then contracts it to the
+// fused operations the fast kernel spells out).
 void adamw_update_clear_all_loop(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step);
 }  // namespace reference
 

@@ -36,6 +36,7 @@ void gated_attention_backward(const AttentionShape& shape, const T* q, const T* 
                               const AttentionSaved& saved, const float* dout, float* dq, float* dk, float* dv,
                               float* dgate, MemoryAccountant& mem);
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 
 // The whole score matrix of each (batch, head), softmax in R. attn ([B, T, q_heads, hd]) and lse

@@ -68,8 +68,7 @@ namespace {
 
 // f(Paths{}) with the bodies of the widest set this CPU runs under HS_MAX_ISA.
 template <typename F> void with_paths(F&& f) {
-  static const bool wide = cpu::allows(cpu::Level::Avx512);
-  if (wide) f(conv_avx512::Paths{});
+  if (cpu::allows(cpu::Level::Avx512)) f(conv_avx512::Paths{});
   else f(conv_avx2::Paths{});
 }
 

@@ -37,6 +37,7 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
                                int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx);
 
 // Plain references, math in double: (T, P) in {(float, float), (bf16, float), (double, double)}.
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 template <typename T, typename P>
 void causal_conv_silu_forward(const T* x, const P* w, T* y, int64_t batch, int64_t seq, int64_t channels,

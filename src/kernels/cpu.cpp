@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -13,6 +14,7 @@
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 namespace hs::kernels::cpu {
@@ -97,6 +99,7 @@ const char* cap_variable() {
 
 const char* level_name(Level l) {
   switch (l) {
+    case Level::Scalar: return "scalar";
     case Level::Avx2: return "avx2";
     case Level::Avx512: return "avx512";
     case Level::Avx512Bf16: return "avx512_bf16";
@@ -134,8 +137,13 @@ std::string cap_error() {
   return "";
 }
 
+namespace {
+// The ScopedLevel in force (Amx: none).
+std::atomic<int> g_scope{static_cast<int>(Level::Amx)};
+}  // namespace
+
 Level level() {
-  static const Level l = [] {
+  static const Level capped = [] {
     Level d = detected_level();
     if (const char* v = cap_variable(); v && cap_error().empty()) {
       Level c;
@@ -144,8 +152,17 @@ Level level() {
     }
     return d;
   }();
-  return l;
+  const int scope = g_scope.load(std::memory_order_relaxed);
+  return scope < static_cast<int>(capped) ? static_cast<Level>(scope) : capped;
 }
+
+ScopedLevel::ScopedLevel(Level l) : previous_(g_scope.load()) {
+  if (!allows(l))
+    throw std::invalid_argument(std::string("ScopedLevel(") + level_name(l) + "): above the level in force (" +
+                                level_name(level()) + ")");
+  g_scope.store(static_cast<int>(l));
+}
+ScopedLevel::~ScopedLevel() { g_scope.store(previous_); }
 
 void apply_cap_to_onednn() {
   static std::once_flag once;
@@ -154,6 +171,7 @@ void apply_cap_to_onednn() {
     if (!cap_variable()) return;
     dnnl::cpu_isa isa = dnnl::cpu_isa::all;
     switch (level()) {
+      case Level::Scalar:  // a ScopedLevel's, never the cap's
       case Level::Avx2: isa = dnnl::cpu_isa::avx2; break;
       case Level::Avx512: isa = dnnl::cpu_isa::avx512_core; break;
       case Level::Avx512Bf16: isa = dnnl::cpu_isa::avx512_core_bf16; break;

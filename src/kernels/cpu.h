@@ -40,19 +40,36 @@ struct Features {
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
 };
 
-enum class Level { Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4 };
+// Scalar is below every CPU the program starts on: the plain C++ loops that gemv, AdamW and the skinny products keep
+// as a second opinion, chosen only by tests and benchmarks (ScopedLevel).
+enum class Level { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3, Amx = 4 };
 
-const char* level_name(Level l);           // "avx2", "avx512", "avx512_bf16", "amx"
-bool parse_level(const std::string& s, Level& out);
+const char* level_name(Level l);           // "scalar", "avx2", "avx512", "avx512_bf16", "amx"
+bool parse_level(const std::string& s, Level& out);  // a cap's level: avx2 and above
 
 // The CPU as it is (no cap).
 const Features& detected();
 // The highest level the CPU reaches (Avx2 at least: the program does not start below it).
 Level detected_level();
-// The level every path chooses from: detected_level(), capped by HS_MAX_ISA. Read once.
+// The level every path chooses from: detected_level(), capped by HS_MAX_ISA (read once) and, while a ScopedLevel
+// lives, by it. Every kernel family asks at each call, so a ScopedLevel reaches all of them (oneDNN excepted: it
+// takes the cap once, before its first primitive).
 Level level();
 // Whether paths of level `l` may run (l <= level()).
 inline bool allows(Level l) { return static_cast<int>(l) <= static_cast<int>(level()); }
+// For tests and benchmarks: lowers level() to `l` for every thread while it lives, e.g. to run the AVX2 or the
+// scalar path of a family on a wider CPU. Not to be created or ended while kernels run on other threads; throws
+// std::invalid_argument when `l` is above level() (a scope can only take paths away).
+class ScopedLevel {
+ public:
+  explicit ScopedLevel(Level l);
+  ~ScopedLevel();
+  ScopedLevel(const ScopedLevel&) = delete;
+  ScopedLevel& operator=(const ScopedLevel&) = delete;
+
+ private:
+  int previous_;
+};
 // An empty string when HS_MAX_ISA is unset or valid, else what is wrong with it and how to fix it. level() treats a
 // bad cap as absent; main() checks this first and stops (the test programs say it through Cpu.CapIsValid).
 std::string cap_error();

@@ -145,11 +145,7 @@ void kv_cache_write(const KvCacheShape& c, const T* k, const T* v, T* kcache, T*
 
 namespace {
 #define HS_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-HS_AVX512_TARGET inline __m512 load16_f32(const float* p) { return _mm512_loadu_ps(p); }
-HS_AVX512_TARGET inline __m512 load16_f32(const bf16* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using simd::load16;
 
 // The scores, their weights e^(s - max) (their sum in `sum`, position order) and the weighted sum of V of one head on
 // AVX-512 (hd % 64 == 0): each score one 16-lane dot, reduced as a tree (the portable loop's `omp simd` reduction
@@ -160,7 +156,7 @@ HS_AVX512_TARGET void scores_and_values_avx512(const float* qf, const T* K, cons
                                                float scale, float* sc, float* acc, float& mx, float& sum) {
   for (int64_t p = 0; p < len; ++p) {
     __m512 a = _mm512_setzero_ps();
-    for (int64_t d = 0; d < hd; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16_f32(K + p * hd + d), a);
+    for (int64_t d = 0; d < hd; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qf + d), load16(K + p * hd + d), a);
     sc[p] = _mm512_reduce_add_ps(a) * scale;
     mx = std::max(mx, sc[p]);
   }
@@ -172,10 +168,10 @@ HS_AVX512_TARGET void scores_and_values_avx512(const float* qf, const T* K, cons
     for (int64_t p = 0; p < len; ++p) {
       const __m512 e = _mm512_set1_ps(sc[p]);
       const T* v = V + p * hd + d0;
-      a0 = _mm512_fmadd_ps(e, load16_f32(v), a0);
-      a1 = _mm512_fmadd_ps(e, load16_f32(v + 16), a1);
-      a2 = _mm512_fmadd_ps(e, load16_f32(v + 32), a2);
-      a3 = _mm512_fmadd_ps(e, load16_f32(v + 48), a3);
+      a0 = _mm512_fmadd_ps(e, load16(v), a0);
+      a1 = _mm512_fmadd_ps(e, load16(v + 16), a1);
+      a2 = _mm512_fmadd_ps(e, load16(v + 32), a2);
+      a3 = _mm512_fmadd_ps(e, load16(v + 48), a3);
     }
     _mm512_storeu_ps(acc + d0, a0);
     _mm512_storeu_ps(acc + d0 + 16, a1);
@@ -199,8 +195,7 @@ inline void attention_head(const KvCacheShape& c, int64_t q_heads, const T* q, c
   float qf[1024], acc[1024];
   for (int64_t d = 0; d < hd; ++d) qf[d] = to_f32(q[(n * q_heads + h) * hd + d]);
   float mx = -INFINITY, sum = 0.0f;
-  static const bool wide = cpu::allows(cpu::Level::Avx512);
-  if (wide && hd % 64 == 0) {
+  if (cpu::allows(cpu::Level::Avx512) && hd % 64 == 0) {
     scores_and_values_avx512(qf, K, V, len, hd, scale, sc, acc, mx, sum);
   } else
   {

@@ -84,6 +84,7 @@ void delta_rule_product(int64_t M, int64_t N, int64_t K, const float* A, const f
                         DeltaRuleProducts products);
 }  // namespace detail
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 
 // The recurrent (token by token) form, the oracle. Same layouts as above; R in {float, double}.

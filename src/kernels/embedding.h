@@ -29,6 +29,7 @@ void embedding_forward_rows(const int32_t* ids, int64_t n, const TW* rows, int64
 void embedding_backward_rows(const int32_t* ids, int64_t n, const float* dout, int64_t first, int64_t count,
                              int64_t vocab, int64_t dim, float* drows);
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 // Instantiated for (TW, TA) in {float, bf16}^2 and (double, double).
 template <typename TW, typename TA>

@@ -19,6 +19,7 @@ void gdn_gates_backward(const T* b, const T* a, const float* A_log, const float*
                         int64_t heads);
 
 // Plain references, math in double: (T, P) in {(float, float), (bf16, float), (double, double)}.
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 template <typename T, typename P>
 void gdn_gates_forward(const T* b, const T* a, const P* A_log, const P* dt_bias, P* beta, P* g, int64_t rows,

@@ -12,7 +12,7 @@
 #include <vector>
 
 // The intrinsics of every path are compiled with per-function target attributes, whatever -march says, and a path
-// runs only where the CPU reports its features (gemv_isa_supported).
+// runs only where the CPU reports its features (cpu::allows).
 #include "kernels/cpu.h"
 #include "kernels/simd.h"
 #if defined(__x86_64__)
@@ -84,18 +84,8 @@ template <int MB, int R, typename TW> void block_scalar(const Block<float, TW>& 
 #if HS_GEMV_X86
 // ---- AVX2 + FMA: 8 lanes, x in fp32, W fp32 or bf16 widened on load; the last K % 8 terms are added in order after
 // the lane sums.
-__attribute__((target("avx2,fma"))) inline __m256 load8_avx2(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8_avx2(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  const __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  __m128 q = _mm_add_ps(lo, hi);
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_movehdup_ps(q));
-  return _mm_cvtss_f32(q);
-}
+using simd::hsum8;
+using simd::load8;
 template <int MB, int R, typename TW>
 __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
   const int64_t K8 = b.K / 8 * 8;
@@ -104,7 +94,7 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, f
 #pragma GCC unroll 8
     for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K8; k += 8) {
-      const __m256 w = load8_avx2(b.w[r] + k);
+      const __m256 w = load8(b.w[r] + k);
       if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
         _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
 #pragma GCC unroll 8
@@ -120,15 +110,9 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, f
 }
 
 // ---- AVX-512F: 16 lanes, x in fp32, W fp32 or bf16 widened on load; the tail is a masked load (zeros add +0).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 load16(const bf16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+using simd::load16;
 template <int MB, int R, typename TW>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const Block<float, TW>& b,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
   for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
     __m512 acc[MB];
@@ -204,7 +188,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) void block_avx51
 
 // One block of x rows (mb of them) against one block of W rows with the chosen path.
 template <typename TX, typename TW, int MB, int R>
-void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+void run_block(cpu::Level isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   if constexpr (std::is_same_v<TX, bf16>) {
 #if HS_GEMV_X86
     block_avx512bf16<MB, R>(b, s);
@@ -213,8 +197,8 @@ void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBloc
   } else {
     switch (isa) {
 #if HS_GEMV_X86
-      case GemvIsa::Avx512: block_avx512<MB, R>(b, s); return;
-      case GemvIsa::Avx2: block_avx2<MB, R>(b, s); return;
+      case cpu::Level::Avx512: block_avx512<MB, R>(b, s); return;
+      case cpu::Level::Avx2: block_avx2<MB, R>(b, s); return;
 #endif
       default: block_scalar<MB, R>(b, s); return;
     }
@@ -223,7 +207,7 @@ void run_block(GemvIsa isa, const Block<TX, TW>& b, float s[kXRows][kRowsPerBloc
 
 // mb (1..8) x rows against the R weight rows of a 2 x 8 or 3 x 8 block.
 template <typename TX, typename TW, int R>
-void dispatch_up_to_8_rows(GemvIsa isa, int mb, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+void dispatch_up_to_8_rows(cpu::Level isa, int mb, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   switch (mb) {
     case 1: run_block<TX, TW, 1, R>(isa, b, s); return;
     case 2: run_block<TX, TW, 2, R>(isa, b, s); return;
@@ -238,7 +222,7 @@ void dispatch_up_to_8_rows(GemvIsa isa, int mb, const Block<TX, TW>& b, float s[
 
 // mb x rows against R weight rows: R = 8 with mb = 1, R = 4 with mb <= 4, R = 2 or 3 with mb <= 8.
 template <typename TX, typename TW>
-void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
+void dispatch_block(cpu::Level isa, int mb, int R, const Block<TX, TW>& b, float s[kXRows][kRowsPerBlock]) {
   if (R == 8) return run_block<TX, TW, 1, 8>(isa, b, s);
   if (R == 3) return dispatch_up_to_8_rows<TX, TW, 3>(isa, mb, b, s);
   if (R == 2) return dispatch_up_to_8_rows<TX, TW, 2>(isa, mb, b, s);
@@ -254,7 +238,7 @@ void dispatch_block(GemvIsa isa, int mb, int R, const Block<TX, TW>& b, float s[
 // the path reads it (bf16 for avx512bf16, else fp32 rows ldx apart). Each output is one block's sum whatever the
 // range, so any split of the blocks gives the same bits.
 template <typename TX, typename TW, typename TY>
-void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
+void product_blocks(cpu::Level isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
                     int64_t K, int R, int XR, int64_t blk0, int64_t blk1) {
   const int pf = prefetch_blocks(R);
   for (int64_t blk = blk0; blk < blk1; ++blk) {
@@ -284,17 +268,17 @@ void product_blocks(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, i
 struct Blocking {
   int R, XR;
 };
-inline Blocking blocking(GemvIsa isa, int64_t M) {
-  const bool avx512 = isa == GemvIsa::Avx512 || isa == GemvIsa::Avx512Bf16;
-  if ((avx512 || isa == GemvIsa::Avx2) && M == 1) return {8, 1};
-  if (isa == GemvIsa::Avx512Bf16 && M > 4) return {3, 8};
+inline Blocking blocking(cpu::Level isa, int64_t M) {
+  const bool avx512 = isa == cpu::Level::Avx512 || isa == cpu::Level::Avx512Bf16;
+  if ((avx512 || isa == cpu::Level::Avx2) && M == 1) return {8, 1};
+  if (isa == cpu::Level::Avx512Bf16 && M > 4) return {3, 8};
   if (avx512 && M > 4) return {2, 8};
   return {4, 4};
 }
 
 // y = x W^T over all blocks of W's rows.
 template <typename TX, typename TW, typename TY>
-void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
+void product(cpu::Level isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
              int64_t K) {
   const auto [R, XR] = blocking(isa, M);
   const int64_t blocks = (N + R - 1) / R;
@@ -310,43 +294,27 @@ void product(GemvIsa isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t 
     product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, c * chunk, std::min(blocks, (c + 1) * chunk));
 }
 
-// The widest path HS_MAX_ISA and the CPU allow (kernels/cpu.h).
-GemvIsa detect() {
+// The path of level `isa` (AMX has none of its own: the AVX-512-BF16 one); throws when it is above cpu::level().
+cpu::Level path_of(cpu::Level isa, const char* what) {
+  if (!cpu::allows(isa))
+    throw std::invalid_argument(std::string(what) + ": the " + cpu::level_name(isa) +
+                                " path is above the level in force (" + cpu::level_name(cpu::level()) + ")");
 #if HS_GEMV_X86
-  if (cpu::allows(cpu::Level::Avx512Bf16)) return GemvIsa::Avx512Bf16;
-  if (cpu::allows(cpu::Level::Avx512)) return GemvIsa::Avx512;
-  if (cpu::allows(cpu::Level::Avx2)) return GemvIsa::Avx2;
+  return isa == cpu::Level::Amx ? cpu::Level::Avx512Bf16 : isa;
+#else
+  return cpu::Level::Scalar;
 #endif
-  return GemvIsa::Scalar;
 }
 
 }  // namespace
 
-const char* gemv_isa_name(GemvIsa isa) {
-  switch (isa) {
-    case GemvIsa::Avx2: return "avx2";
-    case GemvIsa::Avx512: return "avx512";
-    case GemvIsa::Avx512Bf16: return "avx512bf16";
-    default: return "scalar";
-  }
-}
-
-bool gemv_isa_supported(GemvIsa isa) {
-  static const GemvIsa best = detect();
-  return static_cast<int>(isa) <= static_cast<int>(best);
-}
-
-GemvIsa gemv_isa() {
-  static const GemvIsa chosen = detect();
-  return chosen;
-}
+cpu::Level gemv_level() { return path_of(cpu::level(), "gemv"); }
 
 template <typename T, typename TY>
-void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa) {
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, cpu::Level isa) {
   if (M < 0 || M > kGemvMaxRows)
     throw std::invalid_argument("gemv: " + std::to_string(M) + " rows (at most " + std::to_string(kGemvMaxRows) + ")");
-  if (!gemv_isa_supported(isa))
-    throw std::invalid_argument(std::string("gemv: this CPU does not run the ") + gemv_isa_name(isa) + " path");
+  isa = path_of(isa, "gemv");
   if (M == 0 || N <= 0) return;
   if (ldx == 0) ldx = K;
   if (ldy == 0) ldy = N;
@@ -355,9 +323,9 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
     return;
   }
   if constexpr (std::is_same_v<T, bf16>) {
-    if (isa == GemvIsa::Avx512Bf16) return product(isa, x, ldx, W, y, ldy, M, N, K);
+    if (isa == cpu::Level::Avx512Bf16) return product(isa, x, ldx, W, y, ldy, M, N, K);
   }
-  if (isa == GemvIsa::Avx512Bf16) isa = GemvIsa::Avx512;  // fp32 operands: the AVX-512F path
+  if (isa == cpu::Level::Avx512Bf16) isa = cpu::Level::Avx512;  // fp32 operands: the AVX-512F path
   if constexpr (std::is_same_v<T, float>) {
     product(isa, x, ldx, W, y, ldy, M, N, K);
   } else {
@@ -370,19 +338,20 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
   }
 }
 
-int gemv_prefetch_blocks(int64_t M, GemvIsa isa) { return prefetch_blocks(blocking(isa, M).R); }
+int gemv_prefetch_blocks(int64_t M, cpu::Level isa) {
+  return prefetch_blocks(blocking(path_of(isa, "gemv"), M).R);
+}
 void set_gemv_prefetch_blocks(int n) { prefetch_setting().store(std::max(-1, n), std::memory_order_relaxed); }
 
-int64_t gemv_row_align(int64_t M, GemvIsa isa) { return blocking(isa, M).R; }
+int64_t gemv_row_align(int64_t M, cpu::Level isa) { return blocking(path_of(isa, "gemv_rows"), M).R; }
 
 template <typename T, typename TY>
 void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
-               int64_t n1, GemvIsa isa) {
+               int64_t n1, cpu::Level isa) {
   if (M < 0 || M > kGemvMaxRows)
     throw std::invalid_argument("gemv_rows: " + std::to_string(M) + " rows (at most " + std::to_string(kGemvMaxRows) +
                                 ")");
-  if (!gemv_isa_supported(isa))
-    throw std::invalid_argument(std::string("gemv_rows: this CPU does not run the ") + gemv_isa_name(isa) + " path");
+  isa = path_of(isa, "gemv_rows");
   const int64_t align = gemv_row_align(M, isa);
   if (n0 < 0 || n1 > N || n0 > n1 || (n0 % align != 0) || (n1 % align != 0 && n1 != N))
     throw std::invalid_argument("gemv_rows: rows [" + std::to_string(n0) + ", " + std::to_string(n1) +
@@ -399,9 +368,9 @@ void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, i
   const auto [R, XR] = blocking(isa, M);
   const int64_t b0 = n0 / R, b1 = (n1 + R - 1) / R;
   if constexpr (std::is_same_v<T, bf16>) {
-    if (isa == GemvIsa::Avx512Bf16) return product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);
+    if (isa == cpu::Level::Avx512Bf16) return product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);
   }
-  if (isa == GemvIsa::Avx512Bf16) isa = GemvIsa::Avx512;
+  if (isa == cpu::Level::Avx512Bf16) isa = cpu::Level::Avx512;
   if constexpr (std::is_same_v<T, float>) {
     product_blocks(isa, x, ldx, W, y, ldy, M, N, K, R, XR, b0, b1);
   } else {
@@ -415,14 +384,14 @@ void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, i
 
 template <typename T, typename TY>
 void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy) {
-  gemv(x, W, y, M, N, K, ldx, ldy, gemv_isa());
+  gemv(x, W, y, M, N, K, ldx, ldy, gemv_level());
 }
 
 #define HS_INSTANTIATE(T, TY)                                                                               \
   template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t);         \
-  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, GemvIsa);  \
+  template void gemv<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, cpu::Level);  \
   template void gemv_rows<T, TY>(const T*, const T*, TY*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,  \
-                                 int64_t, GemvIsa);
+                                 int64_t, cpu::Level);
 HS_INSTANTIATE(float, float)
 HS_INSTANTIATE(bf16, float)
 HS_INSTANTIATE(bf16, bf16)

@@ -14,18 +14,15 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "kernels/cpu.h"
 
 namespace hs::kernels {
 
 constexpr int64_t kGemvMaxRows = 16;
 
-enum class GemvIsa { Scalar = 0, Avx2 = 1, Avx512 = 2, Avx512Bf16 = 3 };
-
-// The best path this CPU runs under HS_MAX_ISA (read once).
-GemvIsa gemv_isa();
-// Whether this CPU, under HS_MAX_ISA, runs `isa`.
-bool gemv_isa_supported(GemvIsa isa);
-const char* gemv_isa_name(GemvIsa isa);
+// The path gemv takes by default: the widest within cpu::level() (AVX-512-BF16, AVX-512F, AVX2 + FMA; an AMX CPU takes
+// the AVX-512-BF16 one). An explicit `isa` argument forces a path: any level cpu::allows(), Scalar included.
+cpu::Level gemv_level();
 
 // y = x W^T. x rows are ldx elements apart, y rows ldy (0: packed). x and W are both fp32 or both bf16 (the compute
 // dtype); y is fp32 or the compute dtype. Throws std::invalid_argument for M outside [0, kGemvMaxRows] or an isa the
@@ -33,21 +30,21 @@ const char* gemv_isa_name(GemvIsa isa);
 template <typename T, typename TY>
 void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx = 0, int64_t ldy = 0);
 template <typename T, typename TY>
-void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, GemvIsa isa);
+void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, cpu::Level isa);
 
 // For a caller that runs its own threads (one parallel region for a whole decode step, src/infer/fused_step.h):
 // rows [n0, n1) of y = x W^T on the calling thread alone, no OpenMP. n0 and n1 must be multiples of
 // gemv_row_align(M, isa) (n1 may also be N). Every element has the bits gemv gives it, whatever the split.
-int64_t gemv_row_align(int64_t M, GemvIsa isa);
+int64_t gemv_row_align(int64_t M, cpu::Level isa);
 
 // Software prefetch: while a block of weight rows streams, the block `n` blocks later (within the same call's range)
 // is prefetched line by line (0: none, the hardware prefetchers alone). By default (-1) 2 ahead for the 2 x 8 and 3 x 8 blocks
 // (M > 4 on the AVX-512 paths: 2 weight rows in flight), none elsewhere; HS_GEMV_PREFETCH=n or the setter (for
 // benchmarks) fixes n for every M and path. Results do not depend on it (a prefetch changes no value).
-int gemv_prefetch_blocks(int64_t M, GemvIsa isa);
+int gemv_prefetch_blocks(int64_t M, cpu::Level isa);
 void set_gemv_prefetch_blocks(int n);
 template <typename T, typename TY>
 void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
-               int64_t n1, GemvIsa isa);
+               int64_t n1, cpu::Level isa);
 
 }  // namespace hs::kernels

@@ -60,6 +60,7 @@ XentResult lm_head_xent_pieced(const T* x, const int32_t* targets, int64_t token
                                int64_t rows, XentPieces<T>& pieces, float grad_scale, float* dx, MemoryAccountant& mem,
                                int64_t chunk = 0, bool plan_backward = false);
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 // The naive version: all logits at once, in S (float or double). Accumulates dx, dW when given.
 template <typename S>

@@ -192,17 +192,6 @@ std::shared_ptr<Prim> get_prim(const Key& k, const memory::desc* packed_b = null
 // or L1. Each output element is summed in a fixed order (by k, or by row p) whatever the thread count, in fp32
 // like oneDNN. (kSkinny is defined above.)
 
-SkinnyIsa g_skinny_forced = SkinnyIsa::Scalar;
-bool g_skinny_is_forced = false;
-
-SkinnyIsa current_skinny_isa() {
-  if (g_skinny_is_forced) return g_skinny_forced;
-  static const SkinnyIsa best = skinny_isa_supported(SkinnyIsa::Avx512) ? SkinnyIsa::Avx512
-                                : skinny_isa_supported(SkinnyIsa::Avx2) ? SkinnyIsa::Avx2
-                                                                        : SkinnyIsa::Scalar;
-  return best;
-}
-
 // The small operand as dense fp32 [rows, cols], read from rows `ld` elements apart.
 template <typename T> std::vector<float> dense_f32(const T* src, int64_t rows, int64_t cols, int64_t ld) {
   std::vector<float> d(static_cast<size_t>(rows * cols));
@@ -238,7 +227,7 @@ inline float lanes_in_order(const float* lane, const float* a, const float* b, i
 }
 #if defined(__x86_64__)
 template <int NJ>
-__attribute__((target("avx512f"))) inline void dots_avx512(const float* a, const float* b, int64_t K, float* out) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) inline void dots_avx512(const float* a, const float* b, int64_t K, float* out) {
   __m512 acc[NJ];
   for (int j = 0; j < NJ; ++j) acc[j] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -272,11 +261,11 @@ __attribute__((target("avx2,fma"))) inline void dots_avx2(const float* a, const 
 #endif
 
 // out[j] = dot(a, B_j) for j < N, in groups of four accumulators (the row of a stays in L1 across the groups).
-inline void row_dots(SkinnyIsa isa, const float* a, const float* b, int64_t N, int64_t K, float* out) {
+inline void row_dots(cpu::Level isa, const float* a, const float* b, int64_t N, int64_t K, float* out) {
 #if defined(__x86_64__)
-  if (isa != SkinnyIsa::Scalar) {
+  if (isa != cpu::Level::Scalar) {
     int64_t j = 0;
-    const bool wide = isa == SkinnyIsa::Avx512;
+    const bool wide = isa == cpu::Level::Avx512;
     for (; j + 4 <= N; j += 4) wide ? dots_avx512<4>(a, b + j * K, K, out + j) : dots_avx2<4>(a, b + j * K, K, out + j);
     switch (N - j) {
       case 3: wide ? dots_avx512<3>(a, b + j * K, K, out + j) : dots_avx2<3>(a, b + j * K, K, out + j); break;
@@ -307,7 +296,7 @@ void skinny_n(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
               int64_t K, bool acc) {
   const std::vector<float> b = dense_f32(B, N, K, ldb);  // row j is B_j
   const float* bp = b.data();
-  const SkinnyIsa isa = current_skinny_isa();
+  const cpu::Level isa = skinny_level();
 #pragma omp parallel if (M * K > kSkinnyParallelWork)
   {
     std::vector<float> a(static_cast<size_t>(K));
@@ -333,7 +322,7 @@ void skinny_n(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
 #if defined(__x86_64__)
 // One row: r[j] = sum_k a[k] B[k, j] for j < N (N a multiple of the vector width; B rows ldb apart), plus c[j]
 // when c is given.
-__attribute__((target("avx512f"))) void skinny_k_row_avx512(const float* a, const float* b, int64_t K, int64_t ldb, int64_t N,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void skinny_k_row_avx512(const float* a, const float* b, int64_t K, int64_t ldb, int64_t N,
                                                             const float* c, float* r) {
   for (int64_t j = 0; j < N; j += 64) {
     const int nv = static_cast<int>(std::min<int64_t>(4, (N - j) / 16));
@@ -372,8 +361,8 @@ void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
               int64_t K, bool acc) {
   const std::vector<float> b = dense_f32(B, K, N, ldb);  // row k is B_k
   const float* bp = b.data();
-  const SkinnyIsa isa = current_skinny_isa();
-  [[maybe_unused]] const int64_t width = isa == SkinnyIsa::Avx512 ? 16 : isa == SkinnyIsa::Avx2 ? 8 : 0;
+  const cpu::Level isa = skinny_level();
+  [[maybe_unused]] const int64_t width = isa == cpu::Level::Avx512 ? 16 : isa == cpu::Level::Avx2 ? 8 : 0;
 #pragma omp parallel if (M * N > kSkinnyParallelWork)
   {
     std::vector<float> row(static_cast<size_t>(N));
@@ -395,7 +384,7 @@ void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
           out = cr;
           if (acc) old = cr;
         }
-        if (isa == SkinnyIsa::Avx512) skinny_k_row_avx512(a, bp, K, N, j0, old, out);
+        if (isa == cpu::Level::Avx512) skinny_k_row_avx512(a, bp, K, N, j0, old, out);
         else skinny_k_row_avx2(a, bp, K, N, j0, old, out);
         if constexpr (!std::is_same_v<TC, float>)
           for (int64_t j = 0; j < j0; ++j) store(cr + j, r[j], acc);
@@ -419,20 +408,16 @@ void skinny_k(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
 // group of rows m in registers (one fused multiply-add per p, p ascending: the same operations as the scalar loop,
 // which the compiler contracts to fused multiply-adds, so the same bits on every path).
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-__attribute__((target("avx512f"))) inline __m512 load16f(const bf16* p) {
-  const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
-}
+using simd::load16;
 // c[m][0..32) = sum_p A[p, m0 + m] B[p, j0 .. j0 + 32) for m < MB.
 template <int MB, typename TA>
-__attribute__((target("avx512f"))) void skinny_m_cols_avx512(const TA* A, int64_t lda, const TA* B, int64_t ldb,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void skinny_m_cols_avx512(const TA* A, int64_t lda, const TA* B, int64_t ldb,
                                                              int64_t K, int64_t m0, int64_t j0, float (*c)[32]) {
   __m512 acc[MB][2];
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t p = 0; p < K; ++p) {
     const TA* br = B + p * ldb + j0;
-    const __m512 b0 = load16f(br), b1 = load16f(br + 16);
+    const __m512 b0 = load16(br), b1 = load16(br + 16);
     const TA* ar = A + p * lda + m0;
     for (int m = 0; m < MB; ++m) {
       const __m512 av = _mm512_set1_ps(to_f32(ar[m]));
@@ -445,11 +430,7 @@ __attribute__((target("avx512f"))) void skinny_m_cols_avx512(const TA* A, int64_
     _mm512_storeu_ps(c[m] + 16, acc[m][1]);
   }
 }
-__attribute__((target("avx2,fma"))) inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-__attribute__((target("avx2,fma"))) inline __m256 load8f(const bf16* p) {
-  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-}
+using simd::load8;
 // The same over 16 columns.
 template <int MB, typename TA>
 __attribute__((target("avx2,fma"))) void skinny_m_cols_avx2(const TA* A, int64_t lda, const TA* B, int64_t ldb,
@@ -458,7 +439,7 @@ __attribute__((target("avx2,fma"))) void skinny_m_cols_avx2(const TA* A, int64_t
   for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t p = 0; p < K; ++p) {
     const TA* br = B + p * ldb + j0;
-    const __m256 b0 = load8f(br), b1 = load8f(br + 8);
+    const __m256 b0 = load8(br), b1 = load8(br + 8);
     const TA* ar = A + p * lda + m0;
     for (int m = 0; m < MB; ++m) {
       const __m256 av = _mm256_set1_ps(to_f32(ar[m]));
@@ -473,11 +454,11 @@ __attribute__((target("avx2,fma"))) void skinny_m_cols_avx2(const TA* A, int64_t
 }
 // Rows m0 .. m0 + mb (mb <= 8 on AVX-512, <= 6 on AVX2) over one block of columns.
 template <typename TA>
-void skinny_m_cols(SkinnyIsa isa, int64_t mb, const TA* A, int64_t lda, const TA* B, int64_t ldb, int64_t K,
+void skinny_m_cols(cpu::Level isa, int64_t mb, const TA* A, int64_t lda, const TA* B, int64_t ldb, int64_t K,
                    int64_t m0, int64_t j0, float (*c)[32]) {
 #define HS_SKINNY_M_CASE(n)                                                                    \
   case n:                                                                                      \
-    if (isa == SkinnyIsa::Avx512) skinny_m_cols_avx512<n>(A, lda, B, ldb, K, m0, j0, c);      \
+    if (isa == cpu::Level::Avx512) skinny_m_cols_avx512<n>(A, lda, B, ldb, K, m0, j0, c);      \
     else skinny_m_cols_avx2<n>(A, lda, B, ldb, K, m0, j0, c);                                 \
     return;
   switch (mb) {
@@ -498,11 +479,11 @@ template <typename TA, typename TC>
 void skinny_m(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t ldc, int64_t M, int64_t N,
               int64_t K, bool acc) {
   constexpr int64_t kCols = 64;
-  [[maybe_unused]] const SkinnyIsa isa = current_skinny_isa();
+  [[maybe_unused]] const cpu::Level isa = skinny_level();
 #if defined(__x86_64__)
-  if (isa != SkinnyIsa::Scalar) {
+  if (isa != cpu::Level::Scalar) {
     // Blocks of 32 (AVX-512) or 16 (AVX2) columns; the ragged last columns go to the scalar loop below.
-    const int64_t cols = isa == SkinnyIsa::Avx512 ? 32 : 16, max_mb = isa == SkinnyIsa::Avx512 ? 8 : 6;
+    const int64_t cols = isa == cpu::Level::Avx512 ? 32 : 16, max_mb = isa == cpu::Level::Avx512 ? 8 : 6;
     const int64_t nblocks = N / cols;
 #pragma omp parallel for schedule(static) if (K * N > kSkinnyParallelWork)
     for (int64_t blk = 0; blk < nblocks; ++blk) {
@@ -715,27 +696,12 @@ void run(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K,
 
 }  // namespace
 
-bool skinny_isa_supported(SkinnyIsa isa) {
-  switch (isa) {
-    case SkinnyIsa::Scalar: return true;
+cpu::Level skinny_level() {
 #if defined(__x86_64__)
-    case SkinnyIsa::Avx2: return cpu::allows(cpu::Level::Avx2);
-    case SkinnyIsa::Avx512: return cpu::allows(cpu::Level::Avx512);
-#else
-    default: return false;
+  if (cpu::allows(cpu::Level::Avx512)) return cpu::Level::Avx512;
+  if (cpu::allows(cpu::Level::Avx2)) return cpu::Level::Avx2;
 #endif
-  }
-  return false;
-}
-
-ScopedSkinnyIsa::ScopedSkinnyIsa(SkinnyIsa isa) : previous_(g_skinny_forced), was_forced_(g_skinny_is_forced) {
-  if (!skinny_isa_supported(isa)) throw std::invalid_argument("matmul: this CPU lacks the requested skinny-loop ISA");
-  g_skinny_forced = isa;
-  g_skinny_is_forced = true;
-}
-ScopedSkinnyIsa::~ScopedSkinnyIsa() {
-  g_skinny_forced = previous_;
-  g_skinny_is_forced = was_forced_;
+  return cpu::Level::Scalar;
 }
 
 void matmul(const float* A, const float* B, float* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
@@ -750,25 +716,6 @@ void matmul(const bf16* A, const bf16* B, bf16* C, int64_t M, int64_t N, int64_t
             bool acc, MatmulLayout ld) {
   run(A, B, C, M, N, K, ta, tb, acc, ld, 1, 1);
 }
-
-template <typename TA, typename TC>
-void matmul_reference(const TA* A, const TA* B, TC* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb,
-                      bool acc) {
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < N; ++j) {
-      double s = acc ? static_cast<double>(to_f32(C[i * N + j])) : 0.0;
-      for (int64_t p = 0; p < K; ++p) {
-        double a = to_f32(ta ? A[p * M + i] : A[i * K + p]);
-        double b = to_f32(tb ? B[j * K + p] : B[p * N + j]);
-        s += a * b;
-      }
-      C[i * N + j] = from_f32<TC>(static_cast<float>(s));
-    }
-}
-template void matmul_reference<float, float>(const float*, const float*, float*, int64_t, int64_t, int64_t,
-                                             bool, bool, bool);
-template void matmul_reference<bf16, float>(const bf16*, const bf16*, float*, int64_t, int64_t, int64_t,
-                                            bool, bool, bool);
 
 size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use) {
   if (out <= 0 || in <= 0) return 0;

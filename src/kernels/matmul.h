@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "core/memory.h"
+#include "kernels/cpu.h"
 
 namespace hs::kernels {
 
@@ -36,7 +37,8 @@ void matmul(const bf16* A, const bf16* B, float* C, int64_t M, int64_t N, int64_
 void matmul(const bf16* A, const bf16* B, bf16* C, int64_t M, int64_t N, int64_t K, bool trans_a,
             bool trans_b, bool accumulate = false, MatmulLayout ld = {});
 
-// The plain triple loop in double precision, the oracle for tests.
+// The plain triple loop in double precision, the oracle for tests (src/kernels/reference/: tests and benchmarks
+// link it, the engine does not).
 template <typename TA, typename TC>
 void matmul_reference(const TA* A, const TA* B, TC* C, int64_t M, int64_t N, int64_t K, bool trans_a,
                       bool trans_b, bool accumulate = false);
@@ -121,21 +123,8 @@ class SmallRowProducts {
   bool previous_;
 };
 
-// The engine's own loops for skinny products (one dimension <= 16): the widest instruction set the CPU has, chosen at
-// run time (AVX-512, else AVX2 + FMA, else scalar). For tests and benchmarks, ScopedSkinnyIsa forces one while it
-// lives (not thread-safe to create concurrently; throws std::invalid_argument if the CPU lacks it).
-enum class SkinnyIsa { Scalar = 0, Avx2 = 1, Avx512 = 2 };
-bool skinny_isa_supported(SkinnyIsa isa);
-class ScopedSkinnyIsa {
- public:
-  explicit ScopedSkinnyIsa(SkinnyIsa isa);
-  ~ScopedSkinnyIsa();
-  ScopedSkinnyIsa(const ScopedSkinnyIsa&) = delete;
-  ScopedSkinnyIsa& operator=(const ScopedSkinnyIsa&) = delete;
-
- private:
-  SkinnyIsa previous_;
-  bool was_forced_;
-};
+// The engine's own loops for skinny products (one dimension <= 16) run at the widest level within cpu::level():
+// AVX-512, else AVX2 + FMA (Scalar under a cpu::ScopedLevel), chosen at each call.
+cpu::Level skinny_level();
 
 }  // namespace hs::kernels

@@ -57,6 +57,7 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
                      bool accumulate_dx = true);
 }  // namespace detail
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 // Plain loops in S (float or double); the same maths without intermediate rounding.
 template <typename S>

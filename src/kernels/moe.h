@@ -135,6 +135,7 @@ void moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, c
                          const float* scale, const T* sh, const float* yg, float* sum, T* y);
 }  // namespace detail
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 // All parameters in S (float or double) so finite differences can perturb every one of them.
 template <typename S>

@@ -79,6 +79,7 @@ void l2norm_backward(const L2NormBackwardPair<T>& p, int64_t rows, int64_t dim, 
 
 // Plain references, math in double. T is the activation storage type and P the type of parameters,
 // rstd and gradients: instantiated for (float, float), (bf16, float) and (double, double).
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 template <typename T, typename P>
 void rmsnorm_forward(const T* x, const P* w, T* y, P* rstd, int64_t rows, int64_t dim, double eps);

@@ -18,7 +18,7 @@ std::string kernel_paths_report() {
   o << "  matmul (oneDNN " << cpu::onednn_isa() << "): fp32 on oneDNN; bf16 "
     << (bf16_on_onednn ? "on oneDNN's bf16 kernels" : "widened to fp32 (oneDNN makes no bf16 product here)") << "\n";
   o << "  skinny products: " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
-  o << "  gemv (decode): " << gemv_isa_name(gemv_isa()) << "\n";
+  o << "  gemv (decode): " << cpu::level_name(gemv_level()) << "\n";
   o << "  delta rule: fp32 products " << (allows(Level::Avx512) ? "avx512" : "avx2") << "; --delta-rule-products bf16 "
     << (delta_rule_bf16_products_available() ? "on avx512_bf16" : "falls back to fp32 (no AVX-512-BF16)") << "\n";
   o << "  attention: "
@@ -27,7 +27,7 @@ std::string kernel_paths_report() {
                                   : "avx2 (bf16 widened to fp32)")
     << "\n";
   o << "  cached attention (decode): " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
-  o << "  AdamW: " << adamw_isa_name(adamw_isa()) << "\n";
+  o << "  AdamW: " << cpu::level_name(adamw_level()) << "\n";
   o << "  bf16 rounding of activations: " << (allows(Level::Avx512Bf16) ? "avx512_bf16" : "avx2") << "\n";
   return o.str();
 }

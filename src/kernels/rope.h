@@ -35,6 +35,7 @@ void rope_forward(T* q, int64_t q_heads, T* k, int64_t k_heads, const int32_t* p
 void rope_backward(float* dq, int64_t q_heads, float* dk, int64_t k_heads, const int32_t* positions, int64_t tokens,
                    int64_t head_dim, int64_t rotary_dim, float theta);
 
+// Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
 
 // The same maps with inv_freq and the angle computed in R (the exact definition when R = double).
