@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/atomic_file.h"
+#include "core/atomic_file.h"
 #include "checkpoint/safetensors.h"
 #include "test_util.h"
 

@@ -27,7 +27,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "checkpoint/atomic_file.h"
+#include "core/atomic_file.h"
 #include "core/dtype.h"
 #include "core/tensor.h"
 

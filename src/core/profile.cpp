@@ -10,6 +10,8 @@
 #include <omp.h>
 #include <sys/resource.h>
 
+#include "core/settings.h"
+
 namespace hs::profile {
 
 using Clock = std::chrono::steady_clock;
@@ -131,8 +133,8 @@ void accumulate(Totals& into, const Totals& t, bool subtract) {
 }
 
 bool enabled_by_env() {
-  const char* v = std::getenv("HS_PROFILE");
-  return v && *v && std::strcmp(v, "0") != 0;
+  const char* v = settings::value(settings::Setting::Profile);
+  return v && std::strcmp(v, "0") != 0;
 }
 
 Session::Session() : state_(new State) {

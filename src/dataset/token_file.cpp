@@ -234,7 +234,7 @@ TokenFileHeader TokenFileWriter::commit() {
 
 std::shared_ptr<const TokenFile> TokenFile::open(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw checkpoint::IoError("cannot open token file", path, errno);
+  if (fd < 0) throw IoError("cannot open token file", path, errno);
   struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
     ::close(fd);
@@ -249,7 +249,7 @@ std::shared_ptr<const TokenFile> TokenFile::open(const std::filesystem::path& pa
   void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int err = errno;
   ::close(fd);  // the mapping keeps the file open
-  if (m == MAP_FAILED) throw checkpoint::IoError("cannot mmap token file", path, err);
+  if (m == MAP_FAILED) throw IoError("cannot mmap token file", path, err);
   // Training reads windows at random places: no read-ahead of pages that will not be used.
   madvise(m, size, MADV_RANDOM);
   try {
@@ -337,7 +337,7 @@ void check_token_file(const TokenFile& f, int64_t model_vocab, std::optional<uin
 }
 
 void write_raw_tokens(const std::filesystem::path& path, std::span<const uint32_t> ids) {
-  checkpoint::AtomicFile f(path);
+  AtomicFile f(path);
   f.write(std::as_bytes(ids));
   f.commit();
 }

@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "checkpoint/atomic_file.h"
+#include "core/atomic_file.h"
 
 namespace hs::dataset {
 
@@ -96,7 +96,7 @@ class TokenFileWriter {
   void queue(std::string text, bool starts_document);
   void flush();
 
-  checkpoint::AtomicFile file_;
+  AtomicFile file_;
   Vocabulary vocab_;
   Encoder encoder_;
   WriterOptions options_;

@@ -5,6 +5,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/settings.h"
 #include "kernels/embedding.h"
 #include "kernels/gemv.h"
 #include "kernels/matmul.h"
@@ -43,7 +44,7 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
   length_.assign(static_cast<size_t>(slots), 0);
   positions_.resize(static_cast<size_t>(std::max(piece, slots)));
   row_slots_.resize(1);
-  if (const char* f = std::getenv("HS_DECODE_FUSED"); f && std::strcmp(f, "0") == 0) use_fused_ = false;
+  if (const char* f = settings::value(settings::Setting::DecodeFused); f && std::strcmp(f, "0") == 0) use_fused_ = false;
   if (compute == DType::F32 && FusedStep<float>::supported(params, compute))
     fused32_ = std::make_unique<FusedStep<float>>(params, order_, caches_, mem);
   if (compute == DType::BF16 && FusedStep<bf16>::supported(params, compute))

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/settings.h"
 #include "kernels/decode.h"
 #include "kernels/embedding.h"
 #include "kernels/gdn_gates.h"
@@ -43,8 +44,8 @@ inline void cpu_relax() {
 // Pause instructions before a thread that waits for a phase sleeps (HS_FUSED_SPIN overrides, for measuring).
 int spin_limit() {
   static const int n = [] {
-    const char* e = std::getenv("HS_FUSED_SPIN");
-    return e && *e ? std::atoi(e) : 2000;
+    const char* e = settings::value(settings::Setting::FusedSpin);
+    return e ? std::atoi(e) : 2000;
   }();
   return n;
 }

@@ -17,6 +17,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/settings.h"
+
 namespace hs::kernels::cpu {
 namespace {
 
@@ -91,8 +93,7 @@ __attribute__((constructor(101))) void refuse_cpus_below_the_baseline() {
 }
 
 const char* cap_variable() {
-  const char* v = std::getenv("HS_MAX_ISA");
-  return v && *v ? v : nullptr;
+  return settings::value(settings::Setting::MaxIsa);
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/profile.h"
+#include "core/settings.h"
 #include "kernels/cpu.h"
 #include "kernels/simd.h"
 #include "kernels/vec_math.h"

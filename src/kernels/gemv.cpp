@@ -13,6 +13,7 @@
 
 // The intrinsics of every path are compiled with per-function target attributes, whatever -march says, and a path
 // runs only where the CPU reports its features (cpu::allows).
+#include "core/settings.h"
 #include "kernels/cpu.h"
 #include "kernels/simd.h"
 #if defined(__x86_64__)
@@ -60,8 +61,8 @@ template <typename TX, typename TW> struct Block {
 // 4 x 4 blocks (M 2-4, and M > 1 on AVX2).
 std::atomic<int>& prefetch_setting() {
   static std::atomic<int> n = [] {
-    const char* e = std::getenv("HS_GEMV_PREFETCH");
-    return e && *e ? std::max(0, std::atoi(e)) : -1;
+    const char* e = settings::value(settings::Setting::GemvPrefetch);
+    return e ? std::max(0, std::atoi(e)) : -1;
   }();
   return n;
 }

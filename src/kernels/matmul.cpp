@@ -1,6 +1,7 @@
 #include "kernels/matmul.h"
 
 #include "core/profile.h"
+#include "core/settings.h"
 #include "kernels/common.h"
 #include "kernels/cpu.h"
 #include "kernels/gemv.h"
@@ -726,7 +727,7 @@ size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use) {
 }
 
 bool weight_packing_default() {
-  const char* env = std::getenv("HS_PACKED_WEIGHTS");
+  const char* env = settings::value(settings::Setting::PackedWeights);
   const std::string e = env ? env : "";
   // Off unless asked for: on this AVX-512 (no AMX) machine it did not measure faster (README, "Weights in oneDNN's
   // packed layout").

@@ -2,10 +2,12 @@
 
 #include <sstream>
 
+#include "core/settings.h"
 #include "kernels/adamw.h"
 #include "kernels/cpu.h"
 #include "kernels/delta_rule.h"
 #include "kernels/gemv.h"
+#include "kernels/matmul.h"
 
 namespace hs::kernels {
 
@@ -17,7 +19,7 @@ std::string kernel_paths_report() {
   o << "kernel paths:\n";
   o << "  matmul (oneDNN " << cpu::onednn_isa() << "): fp32 on oneDNN; bf16 "
     << (bf16_on_onednn ? "on oneDNN's bf16 kernels" : "widened to fp32 (oneDNN makes no bf16 product here)") << "\n";
-  o << "  skinny products: " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
+  o << "  skinny products: " << cpu::level_name(skinny_level()) << "\n";
   o << "  gemv (decode): " << cpu::level_name(gemv_level()) << "\n";
   o << "  delta rule: fp32 products " << (allows(Level::Avx512) ? "avx512" : "avx2") << "; --delta-rule-products bf16 "
     << (delta_rule_bf16_products_available() ? "on avx512_bf16" : "falls back to fp32 (no AVX-512-BF16)") << "\n";
@@ -29,6 +31,10 @@ std::string kernel_paths_report() {
   o << "  cached attention (decode): " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
   o << "  AdamW: " << cpu::level_name(adamw_level()) << "\n";
   o << "  bf16 rounding of activations: " << (allows(Level::Avx512Bf16) ? "avx512_bf16" : "avx2") << "\n";
+  const std::string set = settings::describe_set();
+  o << "settings (HS_*, docs/architecture.md):" << (set.empty() ? " none set\n" : "\n");
+  std::istringstream lines(set);
+  for (std::string line; std::getline(lines, line);) o << "  " << line << "\n";
   return o.str();
 }
 

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <vector>
 
+#include "core/settings.h"
+
 namespace hs::mpi {
 
 namespace {
@@ -44,7 +46,7 @@ Runtime::Runtime(int* argc, char*** argv) {
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &size_);
-  if (const char* t = std::getenv("HS_MPI_TIMEOUT_S")) timeout_s_ = std::atof(t);
+  if (const char* t = settings::value(settings::Setting::MpiTimeoutS)) timeout_s_ = std::atof(t);
   thread_ = std::thread([this] { loop(); });
 }
 

@@ -11,7 +11,7 @@
 #include <string_view>
 #include <vector>
 
-namespace hs::checkpoint {
+namespace hs {
 
 // An operating-system call failed. The message names the operation, the path and strerror(errno).
 class IoError : public std::runtime_error {
@@ -79,4 +79,4 @@ void write_file_atomically(const std::filesystem::path& target, std::string_view
 // fsync of a directory, which makes a rename or unlink inside it durable.
 void fsync_directory(const std::filesystem::path& dir);
 
-}  // namespace hs::checkpoint
+}  // namespace hs

@@ -1,4 +1,4 @@
-#include "checkpoint/atomic_file.h"
+#include "core/atomic_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <random>
 #include <utility>
 
-namespace hs::checkpoint {
+namespace hs {
 
 using namespace std::string_literals;
 
@@ -214,4 +214,4 @@ void write_file_atomically(const std::filesystem::path& target, std::string_view
   file.commit();
 }
 
-}  // namespace hs::checkpoint
+}  // namespace hs
