@@ -90,7 +90,7 @@ void BM_SwigluActRows(benchmark::State& state) {
   const auto gu = random_vector<T>(rows * 2 * kInter, 1.0f, 1);
   std::vector<T> act(rows * kInter);
   for (auto _ : state) {
-    detail::swiglu_act_rows<T>(rows, kInter, gu.data(), nullptr, act.data());
+    pieces::swiglu_act_rows<T>(rows, kInter, gu.data(), nullptr, act.data());
     benchmark::DoNotOptimize(act.data());
   }
   state.SetItemsProcessed(state.iterations() * rows * kInter);
@@ -104,7 +104,7 @@ void BM_SwigluActGradRows(benchmark::State& state) {
   std::vector<T> act(rows * kInter), dgu(rows * 2 * kInter);
   std::vector<float> dot(rows);
   for (auto _ : state) {
-    detail::swiglu_act_grad_rows<T>(rows, kInter, gu.data(), dact.data(), scale.data(), act.data(), dgu.data(),
+    pieces::swiglu_act_grad_rows<T>(rows, kInter, gu.data(), dact.data(), scale.data(), act.data(), dgu.data(),
                                     dot.data());
     benchmark::DoNotOptimize(dgu.data());
   }

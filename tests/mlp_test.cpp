@@ -125,9 +125,9 @@ void check_fused_rows(int64_t rows, int64_t inter, uint32_t seed) {
   for (const float* sc : {static_cast<const float*>(nullptr), scale.data()}) {
     std::vector<T> act(rows * inter), act2(rows * inter), dgu(rows * 2 * inter), dgu2(rows * 2 * inter);
     std::vector<float> dot(rows), dot2(rows);
-    detail::swiglu_act_rows<T>(rows, inter, gu.data(), sc, act.data());
-    detail::swiglu_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, dgu.data(), dot.data());
-    detail::swiglu_act_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, act2.data(), dgu2.data(), dot2.data());
+    pieces::swiglu_act_rows<T>(rows, inter, gu.data(), sc, act.data());
+    pieces::swiglu_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, dgu.data(), dot.data());
+    pieces::swiglu_act_grad_rows<T>(rows, inter, gu.data(), dact.data(), sc, act2.data(), dgu2.data(), dot2.data());
     EXPECT_EQ(std::memcmp(act.data(), act2.data(), act.size() * sizeof(T)), 0);
     EXPECT_EQ(std::memcmp(dgu.data(), dgu2.data(), dgu.size() * sizeof(T)), 0);
     EXPECT_EQ(dot, dot2);
@@ -152,7 +152,7 @@ TEST(SwigluMlp, ActRowsRoundLikeFromF32) {
         gu[r * 2 * inter + i] = from_f32<bf16>(g);
         gu[r * 2 * inter + inter + i].bits = static_cast<uint16_t>(r * inter + i);
       }
-    detail::swiglu_act_rows<bf16>(rows, inter, gu.data(), nullptr, act.data());
+    pieces::swiglu_act_rows<bf16>(rows, inter, gu.data(), nullptr, act.data());
     int64_t bad = 0;
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < inter; ++i) {

@@ -353,9 +353,9 @@ struct FusedStep<T>::Impl {
     const int64_t H = c.hidden, E = c.experts, k = c.top_k;
     if (!logits_done)
       kernels::gemv_rows(w.xn, W.mat(f + p::kRouter), w.probs, B, E, H, 0, 0, 0, E, kernels::gemv_level());
-    kernels::detail::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
-    kernels::detail::moe_group_by_expert(B * k, E, w.idx, w.off + li * (E + 1), w.rslot);
-    kernels::detail::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
+    kernels::pieces::moe_route(B, E, k, c.norm_topk_prob, w.probs, w.idx, w.wts);
+    kernels::pieces::moe_group_by_expert(B * k, E, w.idx, w.off + li * (E + 1), w.rslot);
+    kernels::pieces::moe_shared_scale(B, H, w.xn, W.vec(f + p::kSharedExpertGate), w.scale);
     for (int64_t r = 0; r < B * k; ++r) std::copy_n(w.xn + (w.rslot[r] / k) * H, H, w.xg + r * H);
   }
 
@@ -379,7 +379,7 @@ struct FusedStep<T>::Impl {
                       job(w.xn, W.mat(f + p::kMlpUp), w.gu + I, B, I, H, 2 * I)};
       tm.products("mlp.gate_up", gu, 2);
       tm.units("mlp.swiglu", B, 4, [&](int64_t r0, int64_t r1) {
-        kernels::detail::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
+        kernels::pieces::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
       });
       Job<T> down = job(w.act, W.mat(f + p::kMlpDown), w.ffn, B, H, I);
       tm.products("mlp.down", &down, 1);
@@ -406,9 +406,9 @@ struct FusedStep<T>::Impl {
       tm.products("moe.gate_up", jobs.data(), n);
       tm.units("moe.swiglu", B * k + B, 4, [&](int64_t a0, int64_t a1) {  // the routed rows, then the shared expert's
         const int64_t e0 = std::min(a0, B * k), e1 = std::min(a1, B * k);
-        if (e1 > e0) kernels::detail::swiglu_act_rows(e1 - e0, I, w.gu + e0 * 2 * I, nullptr, w.act + e0 * I);
+        if (e1 > e0) kernels::pieces::swiglu_act_rows(e1 - e0, I, w.gu + e0 * 2 * I, nullptr, w.act + e0 * I);
         const int64_t s0 = std::max(a0, B * k) - B * k, s1 = std::max(a1, B * k) - B * k;
-        if (s1 > s0) kernels::detail::swiglu_act_rows(s1 - s0, Is, w.sgu + s0 * 2 * Is, nullptr, w.sact + s0 * Is);
+        if (s1 > s0) kernels::pieces::swiglu_act_rows(s1 - s0, Is, w.sgu + s0 * 2 * Is, nullptr, w.sact + s0 * Is);
       });
       n = 0;
       for (int64_t e = 0; e < E; ++e) {
@@ -423,7 +423,7 @@ struct FusedStep<T>::Impl {
         for (int64_t e = 0; e < c.experts; ++e) {
           const int64_t a = off[e], m = off[e + 1] - a;
           if (m > 0)
-            kernels::detail::moe_add_expert_rows(m, H, c.top_k, w.rslot + a, w.idx, w.wts, w.scale, w.sout,
+            kernels::pieces::moe_add_expert_rows(m, H, c.top_k, w.rslot + a, w.idx, w.wts, w.scale, w.sout,
                                                  w.ye + a * H, w.sum, w.ffn);
         }
       model::add(w.hmid, w.ffn, w.h, B * H);

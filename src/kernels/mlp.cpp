@@ -49,7 +49,7 @@ template <typename T> struct PackedGateUp {
   }
 };
 
-namespace detail {
+namespace pieces {
 
 template <typename T>
 void swiglu_act_rows(int64_t rows, int64_t inter, const T* gate_up, const float* scale, T* act) {
@@ -100,7 +100,7 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
   }
 }
 
-}  // namespace detail
+}  // namespace pieces
 
 template <typename T>
 void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, const T* w_gate, const T* w_up,
@@ -114,7 +114,7 @@ void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, c
     T* gu = gate_up.as<T>();
     // Gate and up land side by side in one [tokens, 2I] block, the layout the MoE uses too.
     matmul(x, wgu.ptr, gu, tokens, 2 * inter, hidden, false, true);
-    detail::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
+    pieces::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
     matmul(act.as<T>(), w_down, y, tokens, hidden, inter, false, true);
   }
   if (saved) saved->gate_up = std::move(gate_up);
@@ -130,7 +130,7 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   Buffer dy_cast;
   if constexpr (!std::is_same_v<T, float>) dy_cast = mem.allocate_n<T>(n_th, MemCategory::Workspace, "swiglu.dy");
   const T* dyt = mem.planning() ? nullptr : in_storage_type<T>(dy, dy_cast, n_th);
-  detail::swiglu_backward_from(tokens, hidden, inter, x, w_gate, w_up, w_down, saved, dyt, dx, dw_gate, dw_up,
+  pieces::swiglu_backward_from(tokens, hidden, inter, x, w_gate, w_up, w_down, saved, dyt, dx, dw_gate, dw_up,
                                dw_down, mem, row_dot, accumulate_dx);
 }
 
@@ -141,11 +141,11 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   template void swiglu_backward<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,                  \
                                    const SwigluSaved&, const float*, float*, float*, float*, float*,                   \
                                    MemoryAccountant&, float*, bool);                                                   \
-  template void detail::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                              \
-  template void detail::swiglu_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, float*);     \
-  template void detail::swiglu_act_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, T*,      \
+  template void pieces::swiglu_act_rows<T>(int64_t, int64_t, const T*, const float*, T*);                              \
+  template void pieces::swiglu_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, float*);     \
+  template void pieces::swiglu_act_grad_rows<T>(int64_t, int64_t, const T*, const float*, const float*, T*, T*,      \
                                                 float*);                                                             \
-  template void detail::swiglu_backward_from<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,   \
+  template void pieces::swiglu_backward_from<T>(int64_t, int64_t, int64_t, const T*, const T*, const T*, const T*,   \
                                                 const SwigluSaved&, const T*, float*, float*, float*, float*,        \
                                                 MemoryAccountant&, float*, bool);
 HS_INSTANTIATE_SWIGLU(float)

@@ -32,8 +32,10 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
                      float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr,
                      bool accumulate_dx = true);
 
-namespace detail {
-// Row-wise SwiGLU pieces shared with the MoE's grouped experts. gate_up is [rows, 2 * inter] in T.
+// Row-wise SwiGLU pieces, a public part of this interface: the MoE's grouped experts and the fused decode step
+// (src/infer/fused_step.h) compose them.
+namespace pieces {
+// gate_up is [rows, 2 * inter] in T.
 // act[r, i] = T(scale[r] * silu(g) * u) (scale == nullptr: 1). g and u are the stored T values, so the
 // forward and the recomputation in backward agree bit for bit.
 template <typename T>
@@ -55,7 +57,7 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
                           const T* w_down, const SwigluSaved& saved, const T* dyt, float* dx, float* dw_gate,
                           float* dw_up, float* dw_down, MemoryAccountant& mem, float* row_dot = nullptr,
                      bool accumulate_dx = true);
-}  // namespace detail
+}  // namespace pieces
 
 // Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {

@@ -73,7 +73,7 @@ void check_shape(const MoeShape& s) {
 
 // In place: router logits -> softmax probabilities (fp32, per row), then the top-k. A NaN probability
 // orders as -inf, so k distinct experts are always selected (and the NaN still reaches the loss).
-void detail::moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight) {
+void pieces::moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight) {
 #pragma omp parallel for schedule(static) if (tokens * E > kMinParallelWork)
   for (int64_t t = 0; t < tokens; ++t) {
     float* p = probs + t * E;
@@ -112,7 +112,7 @@ void detail::moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* p
   }
 }
 
-void detail::moe_group_by_expert(int64_t nk, int64_t E, const int32_t* idx, int64_t* off, int32_t* slots) {
+void pieces::moe_group_by_expert(int64_t nk, int64_t E, const int32_t* idx, int64_t* off, int32_t* slots) {
   // off[e] serves as expert e's cursor, which leaves it at the old off[e + 1]; shift back after.
   std::fill_n(off, E + 1, int64_t{0});
   for (int64_t i = 0; i < nk; ++i) ++off[idx[i] + 1];
@@ -123,7 +123,7 @@ void detail::moe_group_by_expert(int64_t nk, int64_t E, const int32_t* idx, int6
 }
 
 template <typename T>
-void detail::moe_shared_scale(int64_t N, int64_t H, const T* x, const float* shared_expert_gate, float* scale) {
+void pieces::moe_shared_scale(int64_t N, int64_t H, const T* x, const float* shared_expert_gate, float* scale) {
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
   for (int64_t t = 0; t < N; ++t) {
     const T* xt = x + t * H;
@@ -167,7 +167,7 @@ class ExpertsInPlace final : public ExpertStream<T> {
 }  // namespace
 
 namespace {
-// Row r of detail::moe_add_expert_rows, on the calling thread.
+// Row r of pieces::moe_add_expert_rows, on the calling thread.
 template <typename T>
 inline void add_expert_row(int64_t r, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
                            const float* scale, const T* sh, const float* yg, float* sum, T* y) {
@@ -212,7 +212,7 @@ inline void add_expert_row(int64_t r, int64_t H, int64_t k, const int32_t* rows,
 // appears once per expert, so rows never collide; experts add in index order like transformers' index_add_ loop (into
 // a zero sum), and the token's last expert adds the gated shared expert and writes y.
 template <typename T>
-void detail::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
+void pieces::moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx,
                                  const float* wts, const float* scale, const T* sh, const float* yg, float* sum,
                                  T* y) {
 #pragma omp parallel for schedule(static) if (n * H > kMinParallelWork)
@@ -404,10 +404,10 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     int32_t* slots = row_slot.as<int32_t>();
     matmul(x, w.router, p, N, E, H, false, true);  // fp32 logits
     profile::Scope sub(profile::Phase::MoeDispatch, "moe_route");
-    detail::moe_route(N, E, k, s.norm_topk_prob, p, idx, wts);
+    pieces::moe_route(N, E, k, s.norm_topk_prob, p, idx, wts);
 
     // Counting sort of the (token, slot) pairs by expert; tokens stay ascending within an expert.
-    detail::moe_group_by_expert(static_cast<int64_t>(nk), E, idx, off, slots);
+    pieces::moe_group_by_expert(static_cast<int64_t>(nk), E, idx, off, slots);
 
     for (int64_t t = 0; t < N; ++t)
       for (int64_t e = 0; e < E; ++e) stats.prob_sums[static_cast<size_t>(e)] += p[t * E + e];
@@ -415,7 +415,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       stats.expert_counts[static_cast<size_t>(e)] = static_cast<double>(off[e + 1] - off[e]);
 
     // Shared-expert gate, needed by the last expert of each token below.
-    detail::moe_shared_scale(N, H, x, w.shared_expert_gate, shared_scale.as<float>());
+    pieces::moe_shared_scale(N, H, x, w.shared_expert_gate, shared_scale.as<float>());
   }
   if (!ep) {
     if (real) {
@@ -438,7 +438,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
         {
           profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_rows");
-          detail::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
+          pieces::swiglu_act_rows(n, I, gu_e, nullptr, act.as<T>());
         }
         rows_matmul(act.as<T>(), ex.down, ye.as<float>(), n, H, I, true);
         profile::Scope sub(profile::Phase::MoeDispatch, "moe_combine");
@@ -500,7 +500,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         if (n == 0) continue;
         T* gu_e = gate_up.as<T>() + o * 2 * I;
         rows_matmul(own_x.as<T>() + o * H, ex.gate_up, gu_e, n, 2 * I, H, true);
-        detail::swiglu_act_rows(n, I, gu_e, nullptr, act_own.as<T>());
+        pieces::swiglu_act_rows(n, I, gu_e, nullptr, act_own.as<T>());
         rows_matmul(act_own.as<T>(), ex.down, y_own.as<float>() + o * H, n, H, I, true);
       }
       experts.finish();
@@ -521,7 +521,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       for (int64_t e = 0; e < E; ++e) {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
         if (n == 0) continue;
-        detail::moe_add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
+        pieces::moe_add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
                         shared_scale.as<float>(), shared_out.as<T>(), y_back.as<float>() + r0 * H, acc.as<float>(), y);
       }
     }
@@ -568,7 +568,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) d[t * H + h] = from_f32<T>(scale[t] * dy[t * H + h]);
     }
-    detail::swiglu_backward_from(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
+    pieces::swiglu_backward_from(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
                                  real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
                                  mem, dz.as<float>(), accumulate_dx);  // the first writer of dx
     if (real) {
@@ -642,7 +642,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         {
           // w act (recomputed) and d(gate | up) in one pass.
           profile::Scope sub(profile::Phase::MoeDispatch, "moe_swiglu_grad_rows");
-          detail::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
+          pieces::swiglu_act_grad_rows(n, I, gu_e, dact.as<float>(), wr, actw.as<T>(), dgu.as<T>(), rd);
           for (int64_t r = 0; r < n; ++r) dw[rows[r]] = rd[r];
         }
         rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
@@ -718,7 +718,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         if (n == 0) continue;
         const T* dyg = dy_own.as<T>() + o * H;
         rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
-        detail::swiglu_act_grad_rows(n, I, sv.gate_up.as<T>() + o * 2 * I, dact.as<float>(), w_own.as<float>() + o,
+        pieces::swiglu_act_grad_rows(n, I, sv.gate_up.as<T>() + o * 2 * I, dact.as<float>(), w_own.as<float>() + o,
                                      actw.as<T>(), dgu.as<T>(), rd_own.as<float>() + o);
         rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
         rows_reduce_matmul(dgu.as<T>(), sv.own_x.as<T>() + o * H, ex.dgate_up, n, 2 * I, H);
@@ -832,8 +832,8 @@ template void moe_backward<float>(const MoeShape&, const float*, const MoeWeight
 template void moe_backward<bf16>(const MoeShape&, const bf16*, const MoeWeights<bf16>&, const MoeSaved&, const float*,
                                  const float*, float*, const MoeGrads&, MemoryAccountant&, bool);
 #define HS_INSTANTIATE(T)                                                                                            \
-  template void detail::moe_shared_scale<T>(int64_t, int64_t, const T*, const float*, float*);                      \
-  template void detail::moe_add_expert_rows<T>(int64_t, int64_t, int64_t, const int32_t*, const int32_t*,          \
+  template void pieces::moe_shared_scale<T>(int64_t, int64_t, const T*, const float*, float*);                      \
+  template void pieces::moe_add_expert_rows<T>(int64_t, int64_t, int64_t, const int32_t*, const int32_t*,          \
                                                const float*, const float*, const T*, const float*, float*, T*);
 HS_INSTANTIATE(float)
 HS_INSTANTIATE(bf16)

@@ -117,10 +117,11 @@ void moe_backward(const MoeShape& shape, const T* x, const MoeWeights<T>& w, con
 // every layer; multiply by the aux coefficient to get moe_backward's aux_dprob.
 double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts, std::vector<float>* dprob_sums);
 
-namespace detail {
-// The pieces of moe_forward, for a decode step that runs them on its own threads (src/infer/fused_step.h); called
-// from inside a parallel region they run on the calling thread. In place: router logits probs [tokens, E] ->
-// softmax, then the top k (index, weight [tokens, k]) as the header describes.
+// The pieces of moe_forward, a public part of this interface: a decode step that runs its own threads
+// (src/infer/fused_step.h) composes them; called from inside a parallel region they run on the calling thread.
+namespace pieces {
+// In place: router logits probs [tokens, E] -> softmax, then the top k (index, weight [tokens, k]) as the header
+// describes.
 void moe_route(int64_t tokens, int64_t E, int64_t k, bool norm, float* probs, int32_t* index, float* weight);
 // Counting sort of the nk (token, slot) pairs by expert: expert e owns grouped rows [off[e], off[e + 1]) (off: E + 1),
 // slots[row] = t * k + slot, tokens ascending within an expert.
@@ -133,7 +134,7 @@ void moe_shared_scale(int64_t N, int64_t H, const T* x, const float* shared_expe
 template <typename T>
 void moe_add_expert_rows(int64_t n, int64_t H, int64_t k, const int32_t* rows, const int32_t* idx, const float* wts,
                          const float* scale, const T* sh, const float* yg, float* sum, T* y);
-}  // namespace detail
+}  // namespace pieces
 
 // Defined in src/kernels/reference/ (hs_kernel_references: tests and benchmarks link it, the engine does not).
 namespace reference {
