@@ -8,7 +8,7 @@
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "train/data.h"
-#include "train/trainer.h"
+#include "train/evaluate.h"
 
 namespace hs::cli {
 
@@ -122,7 +122,7 @@ void register_eval(CLI::App& app) {
     MemoryAccountant mem;
     model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
     for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
-    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, train::parse_dtype(a->compute), mem);
+    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, parse_dtype(a->compute), mem);
     nlohmann::json j = {{"cross_entropy", e.ce}, {"tokens", e.count}, {"text_bytes", e.text_bytes},
                         {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq}};
     if (!a->data.text.empty()) j["text"] = a->data.text;

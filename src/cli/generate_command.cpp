@@ -155,7 +155,7 @@ void run_generate(const GenerateArgs& a) {
   // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
   std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
-      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem,
+      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(parse_dtype(a.weight_dtype)), mem,
       infer::parse_weights_memory(a.weights_memory));
   for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
   if (weights->memory == infer::WeightsMemory::Copy)

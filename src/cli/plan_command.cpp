@@ -42,7 +42,7 @@ void plan_generation(const PlanArgs& a) {
   r.model = model::load_config(a.model);
   r.context = a.context;
   r.batch = a.gen_batch;
-  r.weight_dtype = train::parse_dtype(a.weight_dtype);
+  r.weight_dtype = parse_dtype(a.weight_dtype);
   const planner::GeneratePlan p = planner::plan_generate(r);
   if (a.json) {
     std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
@@ -126,9 +126,9 @@ void register_plan(CLI::App& app) {
                                                 : a->chip.empty() && a->hbm.empty() && kernels::weight_packing_default();
     r.batch_per_device = a->batch;
     r.seq = a->seq;
-    r.weight_dtype = train::parse_dtype(a->weight_dtype);
-    r.compute_dtype = train::parse_dtype(a->compute_dtype);
-    r.moment_dtype = train::parse_dtype(a->moment_dtype);
+    r.weight_dtype = parse_dtype(a->weight_dtype);
+    r.compute_dtype = parse_dtype(a->compute_dtype);
+    r.moment_dtype = parse_dtype(a->moment_dtype);
     r.update_in_backward = a->update_in_backward;
     r.delta_rule_bf16_products = a->delta_products == "bf16";
     r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);

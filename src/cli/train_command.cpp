@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -16,6 +17,8 @@
 namespace hs::cli {
 
 namespace {
+
+constexpr const char* kDefaultCorpus = "data/kjv.txt";  // train's corpus when none is named
 
 struct TrainArgs {
   train::TrainOptions o;
@@ -154,9 +157,9 @@ void register_train(CLI::App& app) {
     const int64_t world = rt ? rt->world_size() : 1;
     const bool lead = !rt || rt->world_rank() == 0;
     x.o.model = !x.config.empty() ? x.config : (!x.preset.empty() ? x.preset : "small");
-    x.o.weight_dtype = train::parse_dtype(x.weight_dtype);
-    x.o.step.compute = train::parse_dtype(x.compute_dtype);
-    x.o.opt.moment_dtype = train::parse_dtype(x.moment_dtype);
+    x.o.weight_dtype = parse_dtype(x.weight_dtype);
+    x.o.step.compute = parse_dtype(x.compute_dtype);
+    x.o.opt.moment_dtype = parse_dtype(x.moment_dtype);
     if (x.remat == "auto") {
       if (x.budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
       if (!x.o.resume.empty())
@@ -192,6 +195,14 @@ void register_train(CLI::App& app) {
     x.o.remat_given = x.remat != "auto" && c->get_option("--remat")->count() > 0;
     x.o.delta_products_given = c->get_option("--delta-rule-products")->count() > 0;
     x.o.progress = !x.quiet;
+    // The default corpus is the CLI's (scripts/setup.sh renders it); a resume takes the checkpoint's back instead.
+    if (x.o.text.empty() && x.o.data.empty() && !x.o.synthetic && x.o.resume.empty()) {
+      if (!std::filesystem::exists(kDefaultCorpus))
+        throw std::invalid_argument(std::string("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to "
+                                                "install the default one (") + kDefaultCorpus +
+                                    "), or use --synthetic for random tokens");
+      x.o.text = kDefaultCorpus;
+    }
     if (x.threads > 0) omp_set_num_threads(x.threads);
     if (lead && (x.o.step.compute == DType::BF16 || !x.o.resume.empty())) note_bf16_widening("train");
     train::TrainSummary s;

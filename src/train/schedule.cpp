@@ -37,12 +37,6 @@ RematPolicy parse_remat(const std::string& s) {
   throw std::invalid_argument("unknown remat policy '" + s + "' (use none, block or sublayer)");
 }
 
-DType parse_dtype(const std::string& s) {
-  if (s == "fp32" || s == "f32" || s == "float32") return DType::F32;
-  if (s == "bf16" || s == "bfloat16") return DType::BF16;
-  throw std::invalid_argument("unknown dtype '" + s + "' (use fp32 or bf16)");
-}
-
 std::vector<LayerSlot> scan_order(const ModelConfig& c) {
   std::vector<LayerSlot> v;
   for (int64_t b = 0; b < c.blocks(); ++b) {

@@ -20,7 +20,6 @@ namespace hs::train {
 enum class RematPolicy { None, Block, Sublayer };
 std::string remat_name(RematPolicy p);
 RematPolicy parse_remat(const std::string& s);  // throws std::invalid_argument
-DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
 
 // 256 MiB: the 397B model's routed experts (24 MiB each in bf16) go 10 to a piece, so each collective still moves
 // well over a megabyte per rank at 256 ranks.

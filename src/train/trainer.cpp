@@ -16,6 +16,8 @@
 #include "core/profile.h"
 #include "model/params.h"
 #include "train/data.h"
+#include "train/evaluate.h"
+#include "train/loss_chart.h"
 
 namespace hs::train {
 
@@ -42,154 +44,7 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
   return r;
 }
 
-// Every rank must run the same command: rank 0's options and model are compared with each rank's before any step.
-void check_same_run(const TrainOptions& o, const model::ModelConfig& cfg, Collectives& world) {
-  const std::string mine = options_to_json(o).dump() + "|" + model::describe(cfg) + "|" + std::to_string(o.stop_after) +
-                           "|" + std::to_string(o.save_every) + "|" + o.out + "|" + o.init + "|" + o.resume + "|" +
-                           std::to_string(o.step.prefetch) + "|" + std::to_string(o.step.gather_piece_bytes) + "|" +
-                           std::to_string(o.step.vocab_piece_bytes) + "|" +
-                           std::to_string(o.update_in_backward) + "|" + std::to_string(o.dist->fsdp->size()) + "|" +
-                           std::to_string(o.step.expert_parallel);
-  uint64_t h = 1469598103934665603ull, root;
-  for (char ch : mine) h = (h ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
-  root = h;
-  world.broadcast(&root, sizeof root, 0);
-  const double differing = world.all_reduce_sum(root == h ? 0.0 : 1.0);
-  if (differing > 0)
-    throw std::invalid_argument(std::to_string(static_cast<int64_t>(differing)) + " of " + std::to_string(world.size()) +
-                                " ranks were started with other options or another model than rank 0" +
-                                (root == h ? std::string() : " (rank " + std::to_string(world.rank()) + " is one)") +
-                                ": every rank must run the same command");
-}
-
 }  // namespace
-
-EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
-                           int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches,
-                           Collectives* shards) {
-  EvalResult r;
-  double sum = 0;
-  int64_t n = eval_batch_count(tokens.size(), seq, batch);
-  if (max_batches >= 0) n = std::min(n, max_batches);
-  for (int64_t i = 0; i < n; ++i) {
-    const TokenBatch tb = eval_batch(tokens, seq, batch, i);
-    Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
-    StepResult s = forward_only(params, b, compute, mem, nullptr, shards);
-    sum += s.ce_sum;
-    r.count += s.count;
-    for (int32_t t : tb.targets)
-      if (t >= 0) r.text_bytes += tokens.text_bytes(t);
-  }
-  r.ce = r.count ? sum / static_cast<double>(r.count) : 0.0;
-  r.bits_per_byte = r.text_bytes ? sum / std::log(2.0) / static_cast<double>(r.text_bytes) : 0.0;
-  return r;
-}
-
-void write_svg_chart(const std::string& path, const std::string& title, const std::string& xlabel,
-                     const std::string& ylabel, const std::vector<Series>& series) {
-  double x0 = 1e300, x1 = -1e300, y0 = 1e300, y1 = -1e300;
-  for (const auto& s : series)
-    for (auto [x, y] : s.points) {
-      x0 = std::min(x0, x), x1 = std::max(x1, x), y0 = std::min(y0, y), y1 = std::max(y1, y);
-    }
-  if (x0 > x1) x0 = 0, x1 = 1, y0 = 0, y1 = 1;
-  if (x1 == x0) x1 = x0 + 1;
-  if (y1 == y0) y1 = y0 + 1;
-  const double W = 720, Hh = 420, L = 70, R = 20, T = 40, B = 50;
-  auto px = [&](double x) { return L + (x - x0) / (x1 - x0) * (W - L - R); };
-  auto py = [&](double y) { return T + (1 - (y - y0) / (y1 - y0)) * (Hh - T - B); };
-  std::ostringstream o;
-  o << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << Hh
-    << "\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n";
-  o << "<text x=\"" << W / 2 << "\" y=\"22\" text-anchor=\"middle\" font-size=\"15\">" << title << "</text>\n";
-  o << "<line x1=\"" << L << "\" y1=\"" << Hh - B << "\" x2=\"" << W - R << "\" y2=\"" << Hh - B << "\" stroke=\"black\"/>\n";
-  o << "<line x1=\"" << L << "\" y1=\"" << T << "\" x2=\"" << L << "\" y2=\"" << Hh - B << "\" stroke=\"black\"/>\n";
-  for (int i = 0; i <= 5; ++i) {
-    double yv = y0 + (y1 - y0) * i / 5, xv = x0 + (x1 - x0) * i / 5;
-    char b[64];
-    std::snprintf(b, sizeof b, "%.3g", yv);
-    o << "<text x=\"" << L - 6 << "\" y=\"" << py(yv) + 4 << "\" text-anchor=\"end\">" << b << "</text>\n";
-    o << "<line x1=\"" << L << "\" y1=\"" << py(yv) << "\" x2=\"" << W - R << "\" y2=\"" << py(yv) << "\" stroke=\"#eee\"/>\n";
-    std::snprintf(b, sizeof b, "%.0f", xv);
-    o << "<text x=\"" << px(xv) << "\" y=\"" << Hh - B + 18 << "\" text-anchor=\"middle\">" << b << "</text>\n";
-  }
-  o << "<text x=\"" << (L + W - R) / 2 << "\" y=\"" << Hh - 10 << "\" text-anchor=\"middle\">" << xlabel << "</text>\n";
-  o << "<text x=\"16\" y=\"" << (T + Hh - B) / 2 << "\" text-anchor=\"middle\" transform=\"rotate(-90 16 " << (T + Hh - B) / 2
-    << ")\">" << ylabel << "</text>\n";
-  int li = 0;
-  for (const auto& s : series) {
-    o << "<polyline fill=\"none\" stroke=\"" << s.color << "\" stroke-width=\"1.5\" points=\"";
-    for (auto [x, y] : s.points) o << px(x) << "," << py(y) << " ";
-    o << "\"/>\n<text x=\"" << W - R - 150 << "\" y=\"" << T + 16 * (li + 1) << "\" fill=\"" << s.color << "\">" << s.name
-      << "</text>\n";
-    ++li;
-  }
-  o << "</svg>\n";
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << o.str();
-    if (!f) throw std::runtime_error("cannot write '" + tmp + "'");
-  }
-  std::filesystem::rename(tmp, path);
-}
-
-nlohmann::json options_to_json(const TrainOptions& o) {
-  return {{"model", o.model}, {"text", o.text}, {"data", o.data}, {"synthetic", o.synthetic}, {"steps", o.steps},
-          {"batch", o.batch}, {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr}, {"min_lr_ratio", o.opt.min_lr_ratio},
-          {"warmup", o.opt.warmup}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
-          {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
-          {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
-          {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
-          {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
-          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
-}
-
-void options_from_json(const nlohmann::json& j, TrainOptions& o) {
-  // The tokenizer is not taken back: the checkpoint carries its own copy, which a resume uses.
-  o.text = j.value("text", o.text);
-  o.data = j.value("data", o.data);
-  o.synthetic = j.value("synthetic", o.synthetic);
-  o.batch = j.value("batch", o.batch);
-  o.seq = j.value("seq", o.seq);
-  o.seed = j.value("seed", o.seed);
-  o.opt.lr = j.value("lr", o.opt.lr);
-  o.opt.min_lr_ratio = j.value("min_lr_ratio", o.opt.min_lr_ratio);
-  o.opt.warmup = j.value("warmup", o.opt.warmup);
-  o.opt.beta1 = j.value("beta1", o.opt.beta1);
-  o.opt.beta2 = j.value("beta2", o.opt.beta2);
-  o.opt.eps = j.value("eps", o.opt.eps);
-  o.opt.weight_decay = j.value("weight_decay", o.opt.weight_decay);
-  o.opt.clip = j.value("clip", o.opt.clip);
-  o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
-  o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
-  o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
-  // The step's arithmetic: a resume without them would silently compute another curve, so they come back too, and a
-  // command line that names other ones is refused.
-  if (j.contains("compute_dtype")) {
-    const DType c = parse_dtype(j["compute_dtype"].get<std::string>());
-    if (o.compute_given && c != o.step.compute)
-      throw std::invalid_argument("--compute-dtype " + std::string(dtype_name(o.step.compute)) +
-                                  " differs from the checkpoint's " + std::string(dtype_name(c)) +
-                                  " (a resume continues the same arithmetic; leave the option out)");
-    o.step.compute = c;
-  }
-  if (j.contains("remat")) {
-    const RematPolicy r = parse_remat(j["remat"].get<std::string>());
-    if (o.remat_given && r != o.step.remat)
-      throw std::invalid_argument("--remat " + remat_name(o.step.remat) + " differs from the checkpoint's " +
-                                  remat_name(r) + " (a resume continues the same schedule; leave the option out)");
-    o.step.remat = r;
-  }
-  if (j.contains("delta_rule_products")) {
-    const bool bf16 = j["delta_rule_products"].get<std::string>() == "bf16";
-    if (o.delta_products_given && bf16 != o.step.delta_rule_bf16_products)
-      throw std::invalid_argument(std::string("--delta-rule-products ") + (bf16 ? "fp32" : "bf16") +
-                                  " differs from the checkpoint's " + (bf16 ? "bf16" : "fp32") +
-                                  " (a resume continues the same arithmetic; leave the option out)");
-    o.step.delta_rule_bf16_products = bf16;
-  }
-}
 
 TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   TrainOptions o = o_in;
@@ -244,10 +99,8 @@ TrainSummary run_training(const TrainOptions& o_in, std::ostream& log_in) {
   Tokens tokens;
   Corpus corpus;
   if (!o.synthetic) {
-    if (o.text.empty() && o.data.empty() && std::filesystem::exists("data/kjv.txt")) o.text = "data/kjv.txt";
     if (o.text.empty() && o.data.empty())
-      throw std::invalid_argument("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to install the "
-                                  "default one (data/kjv.txt), or use --synthetic for random tokens");
+      throw std::invalid_argument("no corpus: neither a token file nor a text was given, and no synthetic tokens asked for");
     tokens = load_tokens({o.data, o.text, o.tokenizer}, vocab);
     corpus = split_heldout(tokens.tokens, o.heldout_fraction, o.seq, tokens.description);
   }
