@@ -169,7 +169,7 @@ TEST(Planner, PlannedPeakEqualsMeasuredTrainingStep) {
         r.model = model::preset(preset);
         r.batch_per_device = 2;
         r.seq = 32;
-        r.remat = pol;
+        r.step.remat = pol;
         r.weight_dtype = w;
         planner::PlanResult p = planner::plan(r);
         const double measured = double(s.peak_bytes), planned = double(p.total_bytes);
@@ -190,9 +190,9 @@ TEST(Planner, SublayerPlansAboveBlockByAtMostItsKeptInputsAndAutoPicks) {
       r.devices = std::string(preset) == "small" ? 1 : 256;
       r.seq = 1024;
       r.weight_dtype = w;
-      r.remat = RematPolicy::Block;
+      r.step.remat = RematPolicy::Block;
       planner::PlanResult block = planner::plan(r);
-      r.remat = RematPolicy::Sublayer;
+      r.step.remat = RematPolicy::Sublayer;
       planner::PlanResult sub = planner::plan(r);
       const model::ModelConfig& c = r.model;
       const size_t kept_inputs = size_t(c.layers - c.blocks() - (c.remainder() > 0)) * size_t(r.seq * c.hidden) * 2;

@@ -114,23 +114,23 @@ void register_plan(CLI::App& app) {
       return;
     }
     planner::PlanRequest r;
-    r.gather_piece_bytes = parse_bytes(a->piece);
-    r.vocab_piece_bytes = parse_bytes(a->vocab_piece);
+    r.step.gather_piece_bytes = parse_bytes(a->piece);
+    r.step.vocab_piece_bytes = parse_bytes(a->vocab_piece);
     r.model = model::load_config(a->model);
     r.devices = a->devices;
     r.fsdp = a->fsdp;
-    r.expert_parallel = a->ep;
-    r.prefetch = a->prefetch;
+    r.step.expert_parallel = a->ep;
+    r.step.prefetch = a->prefetch;
     // A plan for this machine (no --chip / --hbm) packs as train does by default; an accelerator's plan does not.
-    r.pack_weights = !a->packed_weights.empty() ? a->packed_weights == "on"
+    r.step.pack_weights = !a->packed_weights.empty() ? a->packed_weights == "on"
                                                 : a->chip.empty() && a->hbm.empty() && kernels::weight_packing_default();
     r.batch_per_device = a->batch;
     r.seq = a->seq;
     r.weight_dtype = parse_dtype(a->weight_dtype);
-    r.compute_dtype = parse_dtype(a->compute_dtype);
+    r.step.compute = parse_dtype(a->compute_dtype);
     r.moment_dtype = parse_dtype(a->moment_dtype);
     r.update_in_backward = a->update_in_backward;
-    r.delta_rule_bf16_products = a->delta_products == "bf16";
+    r.step.delta_rule_bf16_products = a->delta_products == "bf16";
     r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);
     std::vector<planner::PlanResult> plans;
     if (a->fit) {
@@ -161,14 +161,14 @@ void register_plan(CLI::App& app) {
     }
     if (a->compare) {
       for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
-        r.remat = p;
+        r.step.remat = p;
         plans.push_back(planner::plan(r));
       }
     } else if (a->remat == "auto") {
       if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --hbm");
       plans.push_back(planner::plan_auto(r, r.hbm_bytes));
     } else {
-      r.remat = train::parse_remat(a->remat);
+      r.step.remat = train::parse_remat(a->remat);
       plans.push_back(planner::plan(r));
     }
     if (a->json) {

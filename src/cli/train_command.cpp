@@ -171,16 +171,10 @@ void register_train(CLI::App& app) {
                                                                           : x.o.model);
       r.devices = world;
       r.fsdp = x.fsdp;
-      r.expert_parallel = x.o.step.expert_parallel;
       r.batch_per_device = std::max<int64_t>(1, x.o.batch / world);
-      r.prefetch = x.o.step.prefetch;
-      r.pack_weights = x.o.step.pack_weights;
-      r.delta_rule_bf16_products = x.o.step.delta_rule_bf16_products;
-      r.gather_piece_bytes = x.o.step.gather_piece_bytes;
-      r.vocab_piece_bytes = x.o.step.vocab_piece_bytes;
+      r.step = x.o.step;
       r.seq = x.o.seq;
       r.weight_dtype = x.o.weight_dtype;
-      r.compute_dtype = x.o.step.compute;
       r.moment_dtype = x.o.opt.moment_dtype;
       r.update_in_backward = x.o.update_in_backward;
       planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.budget));
