@@ -69,7 +69,7 @@ TEST(Train, ResumeTakesTheDeltaRuleProductsBack) {
   TrainOptions named = tiny_options(fs::temp_directory_path() / "unused");
   named.delta_products_given = true;  // --delta-rule-products fp32 on the command line
   EXPECT_NE(test::error_of([&] { options_from_json(j, named); })
-                .find("--delta-rule-products fp32 differs from the checkpoint's bf16"),
+                .find("delta rule products fp32 differs from the checkpoint's bf16"),
             std::string::npos);
   TrainOptions old = tiny_options(fs::temp_directory_path() / "unused");
   nlohmann::json before = j;
@@ -105,7 +105,7 @@ TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
     run_training(named, log);
     ADD_FAILURE() << "a resume with another --compute-dtype was not refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--compute-dtype bf16 differs from the checkpoint's f32"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("compute dtype bf16 differs from the checkpoint's f32"), std::string::npos)
         << e.what();
   }
   named.compute_given = false;
@@ -115,7 +115,7 @@ TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
     run_training(named, log);
     ADD_FAILURE() << "a resume with another --remat was not refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--remat sublayer differs from the checkpoint's none"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("remat policy sublayer differs from the checkpoint's none"), std::string::npos)
         << e.what();
   }
   fs::remove_all(root);

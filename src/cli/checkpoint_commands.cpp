@@ -7,6 +7,7 @@
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/step_options.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 
@@ -112,7 +113,7 @@ void register_eval(CLI::App& app) {
       ->check(CLI::ExistingPath);
   c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
   c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
-  c->add_option("--compute-dtype", a->compute, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  add_dtype_option(c, "--compute-dtype", a->compute, "fp32 | bf16");
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");

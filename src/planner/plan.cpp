@@ -19,7 +19,7 @@ size_t chip_hbm_bytes(const std::string& chip) {
   if (chip == "tpu7x") return static_cast<size_t>(192 * GiB);
   if (chip == "h100") return static_cast<size_t>(80e9);
   if (chip == "h200") return static_cast<size_t>(141e9);
-  throw std::invalid_argument("unknown chip '" + chip + "' (known: v5p, v6e, tpu7x, h100, h200; or give --hbm SIZE)");
+  throw std::invalid_argument("unknown chip '" + chip + "' (known: v5p, v6e, tpu7x, h100, h200; or give the memory per device)");
 }
 
 PlanResult plan(const PlanRequest& r) {
@@ -76,7 +76,7 @@ PlanResult plan_auto(PlanRequest r, size_t budget) {
 }
 
 GeneratePlan plan_generate(const GeneratePlanRequest& r) {
-  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("plan --generate: context and batch must be positive");
+  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("generation plan: the context (" + std::to_string(r.context) + ") and the batch (" + std::to_string(r.batch) + ") must be positive");
   r.model.validate();
   MemoryAccountant mem(/*planning=*/true);
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);

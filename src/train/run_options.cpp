@@ -41,24 +41,24 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   if (j.contains("compute_dtype")) {
     const DType c = parse_dtype(j["compute_dtype"].get<std::string>());
     if (o.compute_given && c != o.step.compute)
-      throw std::invalid_argument("--compute-dtype " + std::string(dtype_name(o.step.compute)) +
+      throw std::invalid_argument("compute dtype " + std::string(dtype_name(o.step.compute)) +
                                   " differs from the checkpoint's " + std::string(dtype_name(c)) +
-                                  " (a resume continues the same arithmetic; leave the option out)");
+                                  " (a resume continues the same arithmetic; leave it unset)");
     o.step.compute = c;
   }
   if (j.contains("remat")) {
     const RematPolicy r = parse_remat(j["remat"].get<std::string>());
     if (o.remat_given && r != o.step.remat)
-      throw std::invalid_argument("--remat " + remat_name(o.step.remat) + " differs from the checkpoint's " +
-                                  remat_name(r) + " (a resume continues the same schedule; leave the option out)");
+      throw std::invalid_argument("remat policy " + remat_name(o.step.remat) + " differs from the checkpoint's " +
+                                  remat_name(r) + " (a resume continues the same schedule; leave it unset)");
     o.step.remat = r;
   }
   if (j.contains("delta_rule_products")) {
     const bool bf16 = j["delta_rule_products"].get<std::string>() == "bf16";
     if (o.delta_products_given && bf16 != o.step.delta_rule_bf16_products)
-      throw std::invalid_argument(std::string("--delta-rule-products ") + (bf16 ? "fp32" : "bf16") +
+      throw std::invalid_argument(std::string("delta rule products ") + (bf16 ? "fp32" : "bf16") +
                                   " differs from the checkpoint's " + (bf16 ? "bf16" : "fp32") +
-                                  " (a resume continues the same arithmetic; leave the option out)");
+                                  " (a resume continues the same arithmetic; leave it unset)");
     o.step.delta_rule_bf16_products = bf16;
   }
 }

@@ -649,10 +649,10 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
                             std::unique_ptr<ParamSet>* grads) {
   const int64_t ep = opt.expert_parallel;
   if (ep < 1 || (params.config().moe() && params.config().experts % ep != 0))
-    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the number of experts (" +
+    throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the number of experts (" +
                                 std::to_string(params.config().experts) + ")");
   if (ep > 1 && (params.shards() % ep != 0))
-    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the FSDP group (" +
+    throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the FSDP group (" +
                                 std::to_string(params.shards()) + " ranks)");
   VirtualCollectives planned_ep(ep);
   Collectives* ep_group = opt.ep_group;

@@ -47,30 +47,33 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
 
 // The options of a run against its model and process groups, before any data is read.
 void check_options(const TrainOptions& o, const model::ModelConfig& cfg, bool resumed) {
-  if (o.batch < 1 || o.seq < 1 || o.steps < 0) throw std::invalid_argument("--batch and --seq must be >= 1, --steps >= 0");
+  if (o.batch < 1 || o.seq < 1 || o.steps < 0)
+    throw std::invalid_argument("batch size " + std::to_string(o.batch) + ", sequence length " + std::to_string(o.seq) +
+                                ", steps " + std::to_string(o.steps) +
+                                ": the batch and the sequence must be positive, the steps not negative");
   if (o.update_in_backward) {
     if (resumed && o.opt.clip > 0)
-      throw std::invalid_argument(o.resume + " was trained with --clip " + std::to_string(o.opt.clip) +
-                                  ", which a resume keeps; --update-in-backward needs --clip 0 (resume without "
-                                  "--update-in-backward, or start a new run with --clip 0)");
+      throw std::invalid_argument(o.resume + " was trained with gradient clipping at " + std::to_string(o.opt.clip) +
+                                  ", which a resume keeps; AdamW in the backward needs clipping off (resume with the "
+                                  "usual update, or start a new run without clipping)");
     check_update_in_backward(o.opt);
   }
   const Distributed* dist = o.dist;
   if (dist) {
     check_same_run(o, cfg, *dist->world);
     if (o.batch % dist->world->size() != 0)
-      throw std::invalid_argument("--batch " + std::to_string(o.batch) + " (the global batch) must be a multiple of the " +
+      throw std::invalid_argument("a global batch of " + std::to_string(o.batch) + " sequences must be a multiple of the " +
                                   std::to_string(dist->world->size()) + " ranks");
   }
   if (o.step.expert_parallel != 1) {
     const int64_t ep = o.step.expert_parallel;
-    if (ep < 1) throw std::invalid_argument("--expert-parallel must be >= 1");
+    if (ep < 1) throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks: must be at least 1");
     if (!dist || !dist->experts || dist->experts->size() != ep)
-      throw std::invalid_argument("--expert-parallel " + std::to_string(ep) +
-                                  " needs that many processes of an FSDP group: start with mpirun -np N");
-    if (!cfg.moe()) throw std::invalid_argument("--expert-parallel needs a model with routed experts");
+      throw std::invalid_argument("expert parallelism over " + std::to_string(ep) +
+                                  " ranks needs that many processes of an FSDP group: start with mpirun -np N");
+    if (!cfg.moe()) throw std::invalid_argument("expert parallelism needs a model with routed experts");
     if (cfg.experts % ep != 0)
-      throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the number of experts (" +
+      throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the number of experts (" +
                                   std::to_string(cfg.experts) + ")");
   }
 }
@@ -193,12 +196,13 @@ void Run::open_resume() {
   if (o_.resume.empty()) return;
   resume_ = checkpoint::open_checkpoint_dir(o_.resume);
   if (resume_->format != checkpoint::Format::Native || !resume_->native.contains("state"))
-    throw std::invalid_argument(o_.resume + " is not a hybridscan training checkpoint (no training state); use --init to start from its weights");
+    throw std::invalid_argument(o_.resume + " is not a hybridscan training checkpoint (no training state): it can only give a new run its weights");
   const nlohmann::json& st = resume_->native["state"];
   options_from_json(st.value("options", nlohmann::json::object()), o_);
   first_step_ = st.value("step", int64_t(0));
   if (o_.steps <= first_step_)
-    throw std::invalid_argument("--steps " + std::to_string(o_.steps) + " is not beyond the checkpoint's step " + std::to_string(first_step_));
+    throw std::invalid_argument("a schedule of " + std::to_string(o_.steps) + " steps is not beyond the checkpoint's step " +
+                                std::to_string(first_step_));
 }
 
 void Run::load_corpus() {
