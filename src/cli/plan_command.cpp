@@ -75,6 +75,84 @@ planner::PlanRequest plan_request(const PlanArgs& a) {
   return r;
 }
 
+// plan --fit: every candidate, the choice and why each other is not it.
+void run_fit(const PlanArgs& a, const planner::PlanRequest& r) {
+  if (r.hbm_bytes == 0) throw std::invalid_argument("--fit needs a memory budget: --chip or --memory-budget");
+  const planner::FitResult f = planner::plan_fit(r, r.hbm_bytes);
+  if (a.json) {
+    nlohmann::json j = {{"choice", f.choice}, {"candidates", nlohmann::json::array()}};
+    for (const auto& cand : f.candidates) {
+      nlohmann::json e = to_json(cand.plan);
+      e["why_not"] = cand.why;
+      j["candidates"].push_back(e);
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s\n%lld devices, batch %lld x seq %lld per device, weights %s, compute %s, budget %s\n",
+              model::describe(r.model).c_str(), (long long)r.devices, (long long)r.batch_per_device, (long long)r.seq,
+              a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str(), gb(r.hbm_bytes).c_str());
+  std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", "remat", "moments", "update", "argument", "temp", "total", "");
+  for (const auto& cand : f.candidates)
+    std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
+                std::string(dtype_name(cand.plan.moment_dtype)).c_str(),
+                cand.plan.update_in_backward ? "backward" : "step", gb(cand.plan.argument_bytes).c_str(),
+                gb(cand.plan.temp_bytes).c_str(), gb(cand.plan.total_bytes).c_str(),
+                cand.why.empty() ? "<- the choice" : cand.why.c_str());
+  if (f.choice < 0) std::printf("nothing fits\n");
+}
+
+// The plans of one policy, of each (--compare) or of the one --remat auto picks: JSON, or a table with the last
+// one's temp by category and its largest buffers.
+void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::vector<planner::PlanResult>& plans) {
+  if (a.json) {
+    nlohmann::json j = a.compare ? nlohmann::json::array() : to_json(plans[0]);
+    if (a.compare)
+      for (const auto& p : plans) j.push_back(to_json(p));
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
+              model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
+              (long long)r.seq, a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str());
+  std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
+  for (const auto& p : plans)
+    std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),
+                gb(p.temp_bytes).c_str(), gb(p.total_bytes).c_str(), p.hbm_bytes ? gb(p.hbm_bytes).c_str() : "-",
+                p.hbm_bytes ? (p.fits ? "yes" : "NO") : "-");
+  const auto& last = plans.back();
+  std::printf("temp of '%s' by category:", train::remat_name(last.remat).c_str());
+  for (size_t i = 0; i < kNumMemCategories; ++i)
+    if (!is_argument(static_cast<MemCategory>(i)))
+      std::printf(" %s %s;", std::string(category_name(static_cast<MemCategory>(i))).c_str(), gb(last.peak.bytes[i]).c_str());
+  std::printf("\nlargest live buffers at the peak:\n");
+  for (const auto& b : last.peak.largest)
+    std::printf("  %-24s %-16s %s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(), gb(b.bytes).c_str());
+}
+
+void run_plan(const PlanArgs& a) {
+  apply_threads(a.step.threads);
+  if (a.generate) {
+    plan_generation(a);
+    return;
+  }
+  planner::PlanRequest r = plan_request(a);
+  if (a.fit) return run_fit(a, r);
+  std::vector<planner::PlanResult> plans;
+  if (a.compare) {
+    for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
+      r.step.remat = p;
+      plans.push_back(planner::plan(r));
+    }
+  } else if (a.step.remat == "auto") {
+    if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --memory-budget");
+    plans.push_back(planner::plan_auto(r, r.hbm_bytes));
+  } else {
+    plans.push_back(planner::plan(r));
+  }
+  print_plans(a, r, plans);
+}
+
 }  // namespace
 
 void register_plan(CLI::App& app) {
@@ -96,75 +174,7 @@ void register_plan(CLI::App& app) {
               "With --chip or --memory-budget: the cheapest remat x moment dtype x update in backward that fits (least "
               "recomputation, then exact moments, then the usual step before --update-in-backward, then least memory), "
               "and why each other does not win");
-  c->callback([a] {
-    apply_threads(a->step.threads);
-    if (a->generate) {
-      plan_generation(*a);
-      return;
-    }
-    planner::PlanRequest r = plan_request(*a);
-    std::vector<planner::PlanResult> plans;
-    if (a->fit) {
-      if (r.hbm_bytes == 0) throw std::invalid_argument("--fit needs a memory budget: --chip or --memory-budget");
-      const planner::FitResult f = planner::plan_fit(r, r.hbm_bytes);
-      if (a->json) {
-        nlohmann::json j = {{"choice", f.choice}, {"candidates", nlohmann::json::array()}};
-        for (const auto& cand : f.candidates) {
-          nlohmann::json e = to_json(cand.plan);
-          e["why_not"] = cand.why;
-          j["candidates"].push_back(e);
-        }
-        std::printf("%s\n", j.dump().c_str());
-        return;
-      }
-      std::printf("%s\n%lld devices, batch %lld x seq %lld per device, weights %s, compute %s, budget %s\n",
-                  model::describe(r.model).c_str(), (long long)r.devices, (long long)r.batch_per_device, (long long)r.seq,
-                  a->step.weight_dtype.c_str(), a->step.compute_dtype.c_str(), gb(r.hbm_bytes).c_str());
-      std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", "remat", "moments", "update", "argument", "temp", "total", "");
-      for (const auto& cand : f.candidates)
-        std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
-                    std::string(dtype_name(cand.plan.moment_dtype)).c_str(),
-                    cand.plan.update_in_backward ? "backward" : "step", gb(cand.plan.argument_bytes).c_str(),
-                    gb(cand.plan.temp_bytes).c_str(), gb(cand.plan.total_bytes).c_str(),
-                    cand.why.empty() ? "<- the choice" : cand.why.c_str());
-      if (f.choice < 0) std::printf("nothing fits\n");
-      return;
-    }
-    if (a->compare) {
-      for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
-        r.step.remat = p;
-        plans.push_back(planner::plan(r));
-      }
-    } else if (a->step.remat == "auto") {
-      if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --memory-budget");
-      plans.push_back(planner::plan_auto(r, r.hbm_bytes));
-    } else {
-      plans.push_back(planner::plan(r));
-    }
-    if (a->json) {
-      nlohmann::json j = a->compare ? nlohmann::json::array() : to_json(plans[0]);
-      if (a->compare)
-        for (const auto& p : plans) j.push_back(to_json(p));
-      std::printf("%s\n", j.dump().c_str());
-      return;
-    }
-    std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
-                model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
-                (long long)r.seq, a->step.weight_dtype.c_str(), a->step.compute_dtype.c_str());
-    std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
-    for (const auto& p : plans)
-      std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),
-                  gb(p.temp_bytes).c_str(), gb(p.total_bytes).c_str(), p.hbm_bytes ? gb(p.hbm_bytes).c_str() : "-",
-                  p.hbm_bytes ? (p.fits ? "yes" : "NO") : "-");
-    const auto& last = plans.back();
-    std::printf("temp of '%s' by category:", train::remat_name(last.remat).c_str());
-    for (size_t i = 0; i < kNumMemCategories; ++i)
-      if (!is_argument(static_cast<MemCategory>(i)))
-        std::printf(" %s %s;", std::string(category_name(static_cast<MemCategory>(i))).c_str(), gb(last.peak.bytes[i]).c_str());
-    std::printf("\nlargest live buffers at the peak:\n");
-    for (const auto& b : last.peak.largest)
-      std::printf("  %-24s %-16s %s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(), gb(b.bytes).c_str());
-  });
+  c->callback([a] { run_plan(*a); });
 }
 
 }  // namespace hs::cli

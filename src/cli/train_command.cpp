@@ -46,6 +46,130 @@ void print_memory(const MemorySnapshot& s) {
                 format_bytes(double(b.bytes)).c_str());
 }
 
+// --remat auto: the planner's choice for exactly this run, the same step over shapes.
+void choose_remat(TrainArgs& x, int64_t world, bool lead) {
+  if (x.step.memory_budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
+  if (!x.o.resume.empty())
+    throw std::invalid_argument("--remat auto chooses the policy of a new run; a resume continues the checkpoint's "
+                                "(leave --remat out)");
+  const planner::PlanRequest r =
+      step_plan_request(x.step, model::load_config(!x.o.init.empty() ? x.o.init : x.o.model), world,
+                        std::max<int64_t>(1, x.o.batch / world), /*for_this_machine=*/true);
+  const planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.step.memory_budget));
+  x.o.step.remat = p.remat;
+  if (lead) std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),
+               format_bytes(double(p.total_bytes)).c_str(), x.step.memory_budget.c_str(),
+               p.fits ? "" : " -- does not fit: the smallest policy is used, expect to run out of memory");
+}
+
+// The default corpus is the CLI's (scripts/setup.sh renders it); a resume takes the checkpoint's back instead.
+void take_default_corpus(train::TrainOptions& o) {
+  if (o.text.empty() && o.data.empty() && !o.synthetic && o.resume.empty()) {
+    if (!std::filesystem::exists(kDefaultCorpus))
+      throw std::invalid_argument(std::string("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to "
+                                              "install the default one (") + kDefaultCorpus +
+                                  "), or use --synthetic for random tokens");
+    o.text = kDefaultCorpus;
+  }
+}
+
+// Rank 0's report: the summary line, the memory and phase tables, the JSON line.
+void report(const TrainArgs& x, const train::TrainSummary& s, int64_t world, bool distributed,
+            const std::vector<double>& peaks, const std::vector<double>& exposed) {
+  if (x.report_memory) print_memory(s.peak);
+  std::printf("trained %lld steps: final loss %.4f (ce %.4f), %.0f tokens/s%s\n", (long long)s.steps, s.final_loss,
+              s.final_ce, s.tokens_per_s,
+              s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats/token = " +
+                                std::to_string(s.eval_bits_per_byte) + " bits/byte").c_str()
+                             : "");
+  if (distributed)
+    std::printf("%lld ranks: rank 0 waited %.3f s for communication in %.3f s of steady-state steps\n",
+                (long long)world, s.comm_exposed_s, s.step_s);
+  if (!s.profile.is_null() && !x.json) {
+    const double step = s.profile["step_s"].get<double>();
+    std::printf("phase time of the steady-state steps (%.3f s; the phases add up to %.3f s):\n", step,
+                s.profile["phase_sum_s"].get<double>());
+    for (const auto& [name, sec] : s.profile["seconds"].items())
+      std::printf("  %-14s %9.4f s %6.1f%%  %llu calls\n", name.c_str(), sec.get<double>(),
+                  step > 0 ? 100.0 * sec.get<double>() / step : 0.0,
+                  (unsigned long long)s.profile["calls"][name].get<uint64_t>());
+  }
+  if (x.json) {
+    nlohmann::json j = {{"steps", s.steps},
+                        {"tokens_per_s", s.tokens_per_s},
+                        {"final_loss", s.final_loss},
+                        {"final_ce", s.final_ce},
+                        {"eval_ce", s.eval_ce},
+                        {"eval_bits_per_byte", s.eval_bits_per_byte},
+                        {"argument_bytes", s.argument_bytes},
+                        {"temp_bytes", s.temp_bytes},
+                        {"peak_bytes", s.peak_bytes},
+                        {"peak_rss_bytes", peak_resident_bytes()},
+                        {"ranks", world},
+                        {"rank_peak_bytes", std::vector<size_t>(peaks.begin(), peaks.end())},
+                        {"rank_comm_exposed_s", exposed},
+                        {"step_s", s.step_s},
+                        {"losses", s.losses},
+                        {"temp_by_category", memory_json(s.peak)},
+                        {"remat", x.step.remat},
+                        {"weight_dtype", x.step.weight_dtype},
+                        {"compute_dtype", x.step.compute_dtype}};
+    if (!s.profile.is_null()) j["profile"] = s.profile;
+    std::printf("%s\n", j.dump().c_str());
+  }
+}
+
+void run_train(TrainArgs& x) {
+  fill_train_options(x.step, x.o);
+  // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
+  std::unique_ptr<mpi::Runtime> rt;
+  mpi::Groups groups;
+  train::Distributed dist;
+  if (mpi::launched_by_mpirun()) {
+    rt = std::make_unique<mpi::Runtime>(nullptr, nullptr);
+    try {
+      groups = mpi::make_groups(*rt, x.step.fsdp, x.o.step.expert_parallel);
+    } catch (const std::exception& e) {
+      rt->abort(std::string("error: ") + e.what());
+    }
+    dist = {groups.world.get(), groups.fsdp.get(), groups.replicas.get(), groups.experts.get()};
+    x.o.dist = &dist;
+  } else if (x.step.fsdp > 1) {
+    throw std::invalid_argument("--fsdp " + std::to_string(x.step.fsdp) + " needs that many processes: start with mpirun -np N");
+  }
+  const int64_t world = rt ? rt->world_size() : 1;
+  const bool lead = !rt || rt->world_rank() == 0;
+  if (x.step.remat == "auto") choose_remat(x, world, lead);
+  x.o.compute_given = x.step.compute_option->count() > 0;
+  x.o.remat_given = x.step.remat != "auto" && x.step.remat_option->count() > 0;
+  x.o.delta_products_given = x.step.delta_option->count() > 0;
+  x.o.progress = !x.quiet;
+  take_default_corpus(x.o);
+  apply_threads(x.step.threads);
+  if (lead && (x.o.step.compute == DType::BF16 || !x.o.resume.empty())) note_bf16_widening("train");
+  train::TrainSummary s;
+  if (rt) {
+    // A rank's error ends the job: the other ranks would wait for it in their next collective.
+    try {
+      s = train::run_training(x.o, std::cerr);
+    } catch (const std::exception& e) {
+      rt->abort(std::string("error: ") + e.what());
+    }
+  } else {
+    s = train::run_training(x.o, std::cerr);
+  }
+  // Every rank's step peak and exposed communication, for rank 0 to report.
+  std::vector<double> peaks(static_cast<size_t>(world), 0.0), exposed(static_cast<size_t>(world), 0.0);
+  const size_t me = rt ? static_cast<size_t>(rt->world_rank()) : 0;
+  peaks[me] = double(s.peak_bytes);
+  exposed[me] = s.comm_exposed_s;
+  if (rt) {
+    dist.world->all_reduce_sum(peaks.data(), world);
+    dist.world->all_reduce_sum(exposed.data(), world);
+  }
+  if (lead) report(x, s, world, rt != nullptr, peaks, exposed);
+}
+
 }  // namespace
 
 void register_train(CLI::App& app) {
@@ -85,119 +209,7 @@ void register_train(CLI::App& app) {
                      ->check(CLI::ExistingDirectory);
   init->excludes(resume);
   c->add_option("--stop-after", a->o.stop_after, "Stop (and save) after N steps of the --steps schedule");
-  c->callback([a] {
-    TrainArgs& x = *a;
-    fill_train_options(x.step, x.o);
-    // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
-    std::unique_ptr<mpi::Runtime> rt;
-    mpi::Groups groups;
-    train::Distributed dist;
-    if (mpi::launched_by_mpirun()) {
-      rt = std::make_unique<mpi::Runtime>(nullptr, nullptr);
-      try {
-        groups = mpi::make_groups(*rt, x.step.fsdp, x.o.step.expert_parallel);
-      } catch (const std::exception& e) {
-        rt->abort(std::string("error: ") + e.what());
-      }
-      dist = {groups.world.get(), groups.fsdp.get(), groups.replicas.get(), groups.experts.get()};
-      x.o.dist = &dist;
-    } else if (x.step.fsdp > 1) {
-      throw std::invalid_argument("--fsdp " + std::to_string(x.step.fsdp) + " needs that many processes: start with mpirun -np N");
-    }
-    const int64_t world = rt ? rt->world_size() : 1;
-    const bool lead = !rt || rt->world_rank() == 0;
-    if (x.step.remat == "auto") {
-      if (x.step.memory_budget.empty()) throw std::invalid_argument("--remat auto needs --memory-budget SIZE (e.g. 2GiB)");
-      if (!x.o.resume.empty())
-        throw std::invalid_argument("--remat auto chooses the policy of a new run; a resume continues the checkpoint's "
-                                    "(leave --remat out)");
-      // The planner's choice for exactly this run: the same step over shapes.
-      const planner::PlanRequest r =
-          step_plan_request(x.step, model::load_config(!x.o.init.empty() ? x.o.init : x.o.model), world,
-                            std::max<int64_t>(1, x.o.batch / world), /*for_this_machine=*/true);
-      const planner::PlanResult p = planner::plan_auto(r, parse_bytes(x.step.memory_budget));
-      x.o.step.remat = p.remat;
-      if (lead) std::fprintf(stderr, "remat auto: %s (planned step peak %s, budget %s)%s\n", train::remat_name(p.remat).c_str(),
-                   format_bytes(double(p.total_bytes)).c_str(), x.step.memory_budget.c_str(),
-                   p.fits ? "" : " -- does not fit: the smallest policy is used, expect to run out of memory");
-    }
-    x.o.compute_given = x.step.compute_option->count() > 0;
-    x.o.remat_given = x.step.remat != "auto" && x.step.remat_option->count() > 0;
-    x.o.delta_products_given = x.step.delta_option->count() > 0;
-    x.o.progress = !x.quiet;
-    // The default corpus is the CLI's (scripts/setup.sh renders it); a resume takes the checkpoint's back instead.
-    if (x.o.text.empty() && x.o.data.empty() && !x.o.synthetic && x.o.resume.empty()) {
-      if (!std::filesystem::exists(kDefaultCorpus))
-        throw std::invalid_argument(std::string("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to "
-                                                "install the default one (") + kDefaultCorpus +
-                                    "), or use --synthetic for random tokens");
-      x.o.text = kDefaultCorpus;
-    }
-    apply_threads(x.step.threads);
-    if (lead && (x.o.step.compute == DType::BF16 || !x.o.resume.empty())) note_bf16_widening("train");
-    train::TrainSummary s;
-    if (rt) {
-      // A rank's error ends the job: the other ranks would wait for it in their next collective.
-      try {
-        s = train::run_training(x.o, std::cerr);
-      } catch (const std::exception& e) {
-        rt->abort(std::string("error: ") + e.what());
-      }
-    } else {
-      s = train::run_training(x.o, std::cerr);
-    }
-    // Every rank's step peak and exposed communication, for rank 0 to report.
-    std::vector<double> peaks(static_cast<size_t>(world), 0.0), exposed(static_cast<size_t>(world), 0.0);
-    const size_t me = rt ? static_cast<size_t>(rt->world_rank()) : 0;
-    peaks[me] = double(s.peak_bytes);
-    exposed[me] = s.comm_exposed_s;
-    if (rt) {
-      dist.world->all_reduce_sum(peaks.data(), world);
-      dist.world->all_reduce_sum(exposed.data(), world);
-    }
-    if (!lead) return;
-    if (x.report_memory) print_memory(s.peak);
-    std::printf("trained %lld steps: final loss %.4f (ce %.4f), %.0f tokens/s%s\n", (long long)s.steps, s.final_loss,
-                s.final_ce, s.tokens_per_s,
-                s.eval_ce >= 0 ? (", held-out " + std::to_string(s.eval_ce) + " nats/token = " +
-                                  std::to_string(s.eval_bits_per_byte) + " bits/byte").c_str()
-                               : "");
-    if (rt)
-      std::printf("%lld ranks: rank 0 waited %.3f s for communication in %.3f s of steady-state steps\n",
-                  (long long)world, s.comm_exposed_s, s.step_s);
-    if (!s.profile.is_null() && !x.json) {
-      const double step = s.profile["step_s"].get<double>();
-      std::printf("phase time of the steady-state steps (%.3f s; the phases add up to %.3f s):\n", step,
-                  s.profile["phase_sum_s"].get<double>());
-      for (const auto& [name, sec] : s.profile["seconds"].items())
-        std::printf("  %-14s %9.4f s %6.1f%%  %llu calls\n", name.c_str(), sec.get<double>(),
-                    step > 0 ? 100.0 * sec.get<double>() / step : 0.0,
-                    (unsigned long long)s.profile["calls"][name].get<uint64_t>());
-    }
-    if (x.json) {
-      nlohmann::json j = {{"steps", s.steps},
-                          {"tokens_per_s", s.tokens_per_s},
-                          {"final_loss", s.final_loss},
-                          {"final_ce", s.final_ce},
-                          {"eval_ce", s.eval_ce},
-                          {"eval_bits_per_byte", s.eval_bits_per_byte},
-                          {"argument_bytes", s.argument_bytes},
-                          {"temp_bytes", s.temp_bytes},
-                          {"peak_bytes", s.peak_bytes},
-                          {"peak_rss_bytes", peak_resident_bytes()},
-                          {"ranks", world},
-                          {"rank_peak_bytes", std::vector<size_t>(peaks.begin(), peaks.end())},
-                          {"rank_comm_exposed_s", exposed},
-                          {"step_s", s.step_s},
-                          {"losses", s.losses},
-                          {"temp_by_category", memory_json(s.peak)},
-                          {"remat", x.step.remat},
-                          {"weight_dtype", x.step.weight_dtype},
-                          {"compute_dtype", x.step.compute_dtype}};
-      if (!s.profile.is_null()) j["profile"] = s.profile;
-      std::printf("%s\n", j.dump().c_str());
-    }
-  });
+  c->callback([a] { run_train(*a); });
 }
 
 }  // namespace hs::cli
