@@ -115,6 +115,10 @@ StepResult forward_only(const model::ParamSet& params, const Batch& b, DType com
 // Collectives::all_reduce_scratch_elems floats, so that the plan sees it as the run does.
 void sum_over_replicas(model::ParamSet& grads, Collectives& replicas, MemoryAccountant& mem);
 
+// Refuses (std::invalid_argument) routed experts split over `ep` ranks that do not divide the experts or the FSDP
+// group of `shards` ranks (forward_backward's own check, which a run also makes before it starts).
+void check_expert_parallel(const model::ModelConfig& c, int64_t ep, int64_t shards);
+
 // The layers in scan order (block by block: local layers then the global layer; then the remainder).
 std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);
 

@@ -65,16 +65,12 @@ void check_options(const TrainOptions& o, const model::ModelConfig& cfg, bool re
       throw std::invalid_argument("a global batch of " + std::to_string(o.batch) + " sequences must be a multiple of the " +
                                   std::to_string(dist->world->size()) + " ranks");
   }
-  if (o.step.expert_parallel != 1) {
-    const int64_t ep = o.step.expert_parallel;
-    if (ep < 1) throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks: must be at least 1");
-    if (!dist || !dist->experts || dist->experts->size() != ep)
+  if (const int64_t ep = o.step.expert_parallel; ep != 1) {
+    if (ep > 1 && (!dist || !dist->experts || dist->experts->size() != ep))
       throw std::invalid_argument("expert parallelism over " + std::to_string(ep) +
                                   " ranks needs that many processes of an FSDP group: start with mpirun -np N");
     if (!cfg.moe()) throw std::invalid_argument("expert parallelism needs a model with routed experts");
-    if (cfg.experts % ep != 0)
-      throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the number of experts (" +
-                                  std::to_string(cfg.experts) + ")");
+    check_expert_parallel(cfg, ep, dist ? dist->fsdp->size() : 1);
   }
 }
 
