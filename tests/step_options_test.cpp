@@ -14,7 +14,7 @@ namespace hs::cli {
 namespace {
 
 // Parses `args` into a fresh StepArgs through add_step_options.
-StepArgs parse(std::vector<std::string> args, StepDefaults d = {}) {
+StepArgs parse(std::vector<std::string> args, StepDefaults d = {train::TrainOptions{}.batch, train::TrainOptions{}.seq}) {
   CLI::App app;
   StepArgs a;
   add_step_options(&app, a, d);
@@ -37,8 +37,10 @@ TEST(StepOptions, DefaultsAreTheLibrariesOwn) {
   fill_train_options(a, o);
   EXPECT_EQ(o.weight_dtype, train::TrainOptions{}.weight_dtype);
   EXPECT_EQ(o.opt.moment_dtype, train::OptimizerConfig{}.moment_dtype);
-  EXPECT_EQ(o.batch, StepDefaults{}.batch);
-  EXPECT_EQ(o.seq, StepDefaults{}.seq);
+  EXPECT_EQ(o.model, train::TrainOptions{}.model);
+  EXPECT_EQ(o.batch, train::TrainOptions{}.batch);
+  EXPECT_EQ(o.seq, train::TrainOptions{}.seq);
+  EXPECT_EQ(o.step.delta_rule_bf16_products, lib.delta_rule_bf16_products);
   EXPECT_EQ(parse({}, {1, 1024}).seq, 1024);
 }
 

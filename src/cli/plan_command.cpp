@@ -66,7 +66,8 @@ planner::PlanRequest plan_request(const PlanArgs& a) {
   if (global_batch && a.step.batch % a.devices != 0)
     throw std::invalid_argument("--batch " + std::to_string(a.step.batch) + " must be a multiple of --devices " +
                                 std::to_string(a.devices));
-  const int64_t per_device = global_batch ? a.step.batch / a.devices : (a.batch_per_device > 0 ? a.batch_per_device : 1);
+  const int64_t per_device =
+      global_batch ? a.step.batch / a.devices : (a.batch_per_device > 0 ? a.batch_per_device : planner::PlanRequest{}.batch_per_device);
   const bool budget = !a.chip.empty() || !a.step.memory_budget.empty();
   planner::PlanRequest r = step_plan_request(a.step, model::load_config(a.step.model), a.devices, per_device,
                                              /*for_this_machine=*/!budget);
@@ -158,7 +159,8 @@ void run_plan(const PlanArgs& a) {
 void register_plan(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   CLI::App* c = app.add_subcommand("plan", "Predict the per-device memory of a training step (no hardware needed)");
-  add_step_options(c, a->step, {/*batch=*/1, /*seq=*/1024});
+  // Without --batch: one sequence per device (PlanRequest::batch_per_device).
+  add_step_options(c, a->step, {planner::PlanRequest{}.batch_per_device, planner::PlanRequest{}.seq});
   c->add_option("--devices", a->devices, "Devices in the job")->capture_default_str();
   c->add_option("--batch-per-device", a->batch_per_device, "Sequences per device per step (default 1; or --batch for all)")
       ->excludes(a->step.batch_option);

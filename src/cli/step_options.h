@@ -18,13 +18,13 @@ std::string dtype_flag(DType t);
 // Adds an fp32 | bf16 option whose default is `value`'s current content.
 CLI::Option* add_dtype_option(CLI::App* c, const std::string& name, std::string& value, const std::string& help);
 
+// The defaults are the libraries' own (train::TrainOptions, train::StepOptions, train::OptimizerConfig).
 struct StepArgs {
-  std::string model = "small";  // --model (also --preset, --config): a preset name, or a config.json or its directory
+  std::string model = train::TrainOptions{}.model;  // --model (also --preset, --config): a preset name, or a config.json or its directory
   int64_t batch = 0;            // --batch: sequences per step over all devices (ranks)
   int64_t seq = 0;              // --seq: tokens per sequence
-  std::string remat = "sublayer";
+  std::string remat = train::remat_name(train::StepOptions{}.remat);
   std::string memory_budget;    // --memory-budget (also --hbm): memory per device, for --remat auto and plan's fit
-  // The defaults are the libraries' own (train::TrainOptions, train::StepOptions, train::OptimizerConfig).
   std::string weight_dtype = dtype_flag(train::TrainOptions{}.weight_dtype);
   std::string compute_dtype = dtype_flag(train::StepOptions{}.compute);
   std::string moment_dtype = dtype_flag(train::OptimizerConfig{}.moment_dtype);
@@ -34,16 +34,17 @@ struct StepArgs {
   std::string gather_piece_bytes = std::to_string(train::StepOptions{}.gather_piece_bytes);
   std::string vocab_piece_bytes = std::to_string(train::StepOptions{}.vocab_piece_bytes);
   std::string packed_weights;   // on | off; empty: the subcommand's default (HS_PACKED_WEIGHTS, else off)
-  std::string delta_rule_products = "fp32";
+  std::string delta_rule_products = train::StepOptions{}.delta_rule_bf16_products ? "bf16" : "fp32";
   int threads = 0;
   // Set by add_step_options: whether the command line named them (a resume refuses other values than its own).
   CLI::Option *remat_option = nullptr, *compute_option = nullptr, *delta_option = nullptr, *batch_option = nullptr;
 };
 
-// The subcommand's defaults of the flags that have one of their own.
+// The subcommand's defaults of the flags that have one of their own (its library's: train::TrainOptions,
+// planner::PlanRequest).
 struct StepDefaults {
-  int64_t batch = 8;  // sequences per step
-  int64_t seq = 256;
+  int64_t batch;  // sequences per step
+  int64_t seq;
 };
 
 // Declares the step's flags on `c`, filling `a`.

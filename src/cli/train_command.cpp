@@ -175,7 +175,7 @@ void run_train(TrainArgs& x) {
 void register_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   CLI::App* c = app.add_subcommand("train", "Train a model on a text (byte tokens or a tokenizer's), a token file, or random tokens");
-  add_step_options(c, a->step, {/*batch=*/8, /*seq=*/256});
+  add_step_options(c, a->step, {train::TrainOptions{}.batch, train::TrainOptions{}.seq});
   auto* text = c->add_option("--text", a->o.text,
                              "Training text: byte tokens, or encoded by --tokenizer (default: the tokenizer.json beside "
                              "the --init / --resume weights); the last 2% is held out")
