@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "cli/threads.h"
 #include "core/cpu_load.h"
 
 namespace hs {
@@ -47,7 +48,7 @@ TEST(CpuLoad, RequestedThreadsComeFromTheFlagThenOmpNumThreads) {
   setenv("OMP_NUM_THREADS", "3,1", 1);
   auto threads = [](std::vector<const char*> args) {
     args.insert(args.begin(), "hybridscan");
-    return requested_threads(static_cast<int>(args.size()), args.data());
+    return cli::requested_threads(static_cast<int>(args.size()), args.data());
   };
   EXPECT_EQ(threads({"train", "--steps", "4"}), 3);  // OMP_NUM_THREADS' first value
   EXPECT_EQ(threads({"train", "--threads", "5"}), 5);

@@ -127,9 +127,9 @@ TEST(ExpertPieces, ShardedPlanHoldsTwoPiecesInsteadOfALayer) {
   r.model = moe_model("small", true);
   r.devices = 4;
   r.seq = 256;
-  r.gather_piece_bytes = 0;
+  r.step.gather_piece_bytes = 0;
   const planner::PlanResult whole = planner::plan(r);
-  r.gather_piece_bytes = 1;
+  r.step.gather_piece_bytes = 1;
   const planner::PlanResult piece = planner::plan(r);
   const double expert_bf16 = double(experts_bytes(r.model, 1)), expert_fp32 = 2 * expert_bf16;
   EXPECT_EQ(piece.argument_bytes, whole.argument_bytes);
@@ -631,10 +631,10 @@ TEST(VocabPieces, ShardedPlanHoldsPiecesInsteadOfTheWholeTensors) {
   for (bool update : {false, true})
     for (bool prefetch : {false, true}) {
       r.update_in_backward = update;
-      r.prefetch = prefetch;
-      r.vocab_piece_bytes = 0;
+      r.step.prefetch = prefetch;
+      r.step.vocab_piece_bytes = 0;
       const planner::PlanResult w = planner::plan(r);
-      r.vocab_piece_bytes = lm_bf16 / 8;
+      r.step.vocab_piece_bytes = lm_bf16 / 8;
       const planner::PlanResult p = planner::plan(r);
       std::printf("qwen3.5-tiny / 4%s%s: temp %.2f -> %.2f MB\n", update ? ", update in backward" : "",
                   prefetch ? ", prefetch" : "", w.temp_bytes / 1e6, p.temp_bytes / 1e6);

@@ -152,7 +152,7 @@ def case_fsdp(binary):
     print(f"4 ranks as 2 FSDP groups of 2: worst relative loss difference {w:.2e}")
     bad = train(binary, 4, "tiny", ["--steps", "1", "--batch", "4", "--fsdp", "3"], check=False)
     failures = [] if w <= TOL["fp32"] else [f"fsdp 2 x 2: {w:.2e}"]
-    if bad.returncode == 0 or "--fsdp 3 must divide the number of ranks (4)" not in bad.stderr:
+    if bad.returncode == 0 or "an FSDP group of 3 ranks must divide the number of ranks (4)" not in bad.stderr:
         failures.append(f"--fsdp 3 on 4 ranks: no clear error ({bad.returncode}): {bad.stderr[-400:]}")
     return failures
 
@@ -397,9 +397,9 @@ def case_expert(binary):
         h1 = safetensors_header(f"{d}/b/checkpoint-6/model.safetensors")
         if {k: (v["dtype"], v["shape"]) for k, v in h2.items()} != {k: (v["dtype"], v["shape"]) for k, v in h1.items()}:
             failures.append("the expert-parallel checkpoint's tensors differ from the 1-process one's")
-    for n, extra, msg in [(4, ["--expert-parallel", "3"], "--expert-parallel 3 must divide the FSDP group (4 ranks)"),
-                          (4, ["--expert-parallel", "4", "--fsdp", "2"], "--expert-parallel 4 must divide the FSDP group (2 ranks)"),
-                          (1, ["--expert-parallel", "2"], "--expert-parallel 2 needs that many processes")]:
+    for n, extra, msg in [(4, ["--expert-parallel", "3"], "expert parallelism over 3 ranks must divide the FSDP group (4 ranks)"),
+                          (4, ["--expert-parallel", "4", "--fsdp", "2"], "expert parallelism over 4 ranks must divide the FSDP group (2 ranks)"),
+                          (1, ["--expert-parallel", "2"], "expert parallelism over 2 ranks needs that many processes")]:
         p = train(binary, n, "tiny", ["--steps", "1", "--batch", "4", *extra], check=False)
         if p.returncode == 0 or msg not in p.stderr:
             failures.append(f"{' '.join(extra)} on {n}: no clear error ({p.returncode}): {p.stderr[-300:]}")
@@ -418,7 +418,7 @@ def case_expert(binary):
         (pathlib.Path(d) / "config.json").write_text(json.dumps(cfg))
         p = run(mpirun(4, [binary, "train", "--config", d, "--synthetic", "--seq", "16", "--threads", "1", "--quiet",
                            "--steps", "1", "--batch", "4", "--expert-parallel", "4"]), check=False)
-        if p.returncode == 0 or "--expert-parallel 4 must divide the number of experts (6)" not in p.stderr:
+        if p.returncode == 0 or "expert parallelism over 4 ranks must divide the number of experts (6)" not in p.stderr:
             failures.append(f"6 experts over 4: no clear error ({p.returncode}): {p.stderr[-300:]}")
     return failures
 
@@ -509,7 +509,7 @@ def case_faults(binary):
         failures.append(f"--prefetch on one rank only: no clear error: {p.stderr[-500:]}")
     p = train(binary, 2, "tiny", ["--steps", "1", "--batch", "3"], check=False)
     print("batch 3 on 2 ranks:", [l for l in p.stderr.splitlines() if "multiple" in l][:1])
-    if p.returncode == 0 or "--batch 3 (the global batch) must be a multiple of the 2 ranks" not in p.stderr:
+    if p.returncode == 0 or "a global batch of 3 sequences must be a multiple of the 2 ranks" not in p.stderr:
         failures.append(f"batch 3 on 2 ranks: no clear error: {p.stderr[-500:]}")
     return failures
 

@@ -16,6 +16,7 @@
 #include "model/params.h"
 #include "test_util.h"
 #include "train/data.h"
+#include "train/evaluate.h"
 #include "train/trainer.h"
 
 namespace hs::dataset {

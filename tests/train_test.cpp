@@ -69,7 +69,7 @@ TEST(Train, ResumeTakesTheDeltaRuleProductsBack) {
   TrainOptions named = tiny_options(fs::temp_directory_path() / "unused");
   named.delta_products_given = true;  // --delta-rule-products fp32 on the command line
   EXPECT_NE(test::error_of([&] { options_from_json(j, named); })
-                .find("--delta-rule-products fp32 differs from the checkpoint's bf16"),
+                .find("delta rule products fp32 differs from the checkpoint's bf16"),
             std::string::npos);
   TrainOptions old = tiny_options(fs::temp_directory_path() / "unused");
   nlohmann::json before = j;
@@ -105,7 +105,7 @@ TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
     run_training(named, log);
     ADD_FAILURE() << "a resume with another --compute-dtype was not refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--compute-dtype bf16 differs from the checkpoint's f32"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("compute dtype bf16 differs from the checkpoint's f32"), std::string::npos)
         << e.what();
   }
   named.compute_given = false;
@@ -115,7 +115,7 @@ TEST(Train, ResumeTakesComputeDtypeAndRematBack) {
     run_training(named, log);
     ADD_FAILURE() << "a resume with another --remat was not refused";
   } catch (const std::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("--remat sublayer differs from the checkpoint's none"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("remat policy sublayer differs from the checkpoint's none"), std::string::npos)
         << e.what();
   }
   fs::remove_all(root);
@@ -169,7 +169,7 @@ TEST(Planner, PlannedPeakEqualsMeasuredTrainingStep) {
         r.model = model::preset(preset);
         r.batch_per_device = 2;
         r.seq = 32;
-        r.remat = pol;
+        r.step.remat = pol;
         r.weight_dtype = w;
         planner::PlanResult p = planner::plan(r);
         const double measured = double(s.peak_bytes), planned = double(p.total_bytes);
@@ -190,9 +190,9 @@ TEST(Planner, SublayerPlansAboveBlockByAtMostItsKeptInputsAndAutoPicks) {
       r.devices = std::string(preset) == "small" ? 1 : 256;
       r.seq = 1024;
       r.weight_dtype = w;
-      r.remat = RematPolicy::Block;
+      r.step.remat = RematPolicy::Block;
       planner::PlanResult block = planner::plan(r);
-      r.remat = RematPolicy::Sublayer;
+      r.step.remat = RematPolicy::Sublayer;
       planner::PlanResult sub = planner::plan(r);
       const model::ModelConfig& c = r.model;
       const size_t kept_inputs = size_t(c.layers - c.blocks() - (c.remainder() > 0)) * size_t(r.seq * c.hidden) * 2;

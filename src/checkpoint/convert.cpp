@@ -137,7 +137,7 @@ void install_directory(const fs::path& tmp, const fs::path& to, bool overwrite) 
   if (fs::exists(to)) {
     if (!fs::is_directory(to)) throw std::runtime_error("destination " + to.string() + " exists and is not a directory");
     if (!fs::is_empty(to) && !overwrite)
-      throw std::runtime_error("destination " + to.string() + " exists and is not empty (pass --overwrite to replace it)");
+      throw std::runtime_error("destination " + to.string() + " exists and is not empty, and replacing it was not asked for");
     const fs::path old = to.parent_path() / ("." + to.filename().string() + ".old-" + std::to_string(getpid()));
     fs::rename(to, old);
     fs::rename(tmp, to);

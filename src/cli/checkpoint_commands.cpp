@@ -7,8 +7,9 @@
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/step_options.h"
 #include "train/data.h"
-#include "train/trainer.h"
+#include "train/evaluate.h"
 
 namespace hs::cli {
 
@@ -112,7 +113,7 @@ void register_eval(CLI::App& app) {
       ->check(CLI::ExistingPath);
   c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
   c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
-  c->add_option("--compute-dtype", a->compute, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
+  add_dtype_option(c, "--compute-dtype", a->compute, "fp32 | bf16");
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
@@ -122,7 +123,7 @@ void register_eval(CLI::App& app) {
     MemoryAccountant mem;
     model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
     for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
-    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, train::parse_dtype(a->compute), mem);
+    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, parse_dtype(a->compute), mem);
     nlohmann::json j = {{"cross_entropy", e.ce}, {"tokens", e.count}, {"text_bytes", e.text_bytes},
                         {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq}};
     if (!a->data.text.empty()) j["text"] = a->data.text;

@@ -13,6 +13,8 @@
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/step_options.h"
+#include "cli/threads.h"
 #include "core/memory.h"
 #include "infer/generate.h"
 #include "infer/weights.h"
@@ -89,8 +91,7 @@ std::vector<int32_t> eos_ids(const nlohmann::json& cfg) {
 void run_generate(const GenerateArgs& a) {
   const int given = !a.prompt.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty();
   if (given != 1) throw std::invalid_argument("give exactly one of --prompt, --prompt-ids, --prompts");
-  if (a.threads < 0) throw std::invalid_argument("--threads must be >= 0");
-  if (a.threads > 0) omp_set_num_threads(a.threads);
+  apply_threads(a.threads);
   if (a.max_new_tokens <= 0)
     throw std::invalid_argument("--max-new-tokens must be positive (got " + std::to_string(a.max_new_tokens) + ")");
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
@@ -155,7 +156,7 @@ void run_generate(const GenerateArgs& a) {
   // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
   std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
-      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(train::parse_dtype(a.weight_dtype)), mem,
+      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(parse_dtype(a.weight_dtype)), mem,
       infer::parse_weights_memory(a.weights_memory));
   for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
   if (weights->memory == infer::WeightsMemory::Copy)
@@ -246,8 +247,7 @@ void register_generate(CLI::App& app) {
   c->add_option("--top-p", a->top_p, "Sample among the most likely up to this probability")->capture_default_str();
   c->add_option("--seed", a->seed, "Sampling seed (prompt i uses seed + i)")->capture_default_str();
   c->add_option("--stop", a->stop, "End a sequence when its text holds this string (repeatable)");
-  c->add_option("--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)")
-      ->check(CLI::IsMember({"fp32", "bf16"}));
+  add_dtype_option(c, "--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
   c->add_option("--weights-memory", a->weights_memory,
                 "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
                 "cache, 4 KiB pages, outside the accountant), copy (all but the embedding table read once into "
@@ -259,7 +259,7 @@ void register_generate(CLI::App& app) {
   c->add_flag("--chat", a->chat, "Wrap the prompt in the Qwen chat format");
   c->add_flag("--ignore-eos", a->ignore_eos,
               "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");
-  c->add_option("--threads", a->threads, "OpenMP threads (0: all cores)")->capture_default_str();
+  add_threads_option(c, a->threads);
   c->add_flag("--json", a->json, "End with one JSON line: tokens, text, tokens/s, peak RSS");
   c->callback([a] { run_generate(*a); });
 }

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/cpu_load.h"
 #include "kernels/cpu.h"
 #include "kernels/paths.h"
@@ -37,7 +38,7 @@ int main(int argc, char** argv) {
   bool reexec = false, chose_wait = false;
   if (!std::getenv("OMP_WAIT_POLICY") && !std::getenv("GOMP_SPINCOUNT")) {
     const int usable = hs::usable_cpus();
-    int threads = hs::requested_threads(argc, argv);
+    int threads = hs::cli::requested_threads(argc, argv);
     // An MPI launch's ranks on this machine each run `threads`, on the same processors.
     threads = static_cast<int>(std::min<long long>(1 << 20, static_cast<long long>(threads) * hs::local_processes()));
     const int online = hs::online_cpus();

@@ -3,7 +3,8 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "kernels/matmul.h"
+#include "cli/step_options.h"
+#include "cli/threads.h"
 #include "planner/plan.h"
 
 namespace hs::cli {
@@ -11,11 +12,10 @@ namespace hs::cli {
 namespace {
 
 struct PlanArgs {
-  std::string model = "small", remat = "sublayer", weight_dtype = "fp32", compute_dtype = "bf16", moment_dtype = "fp32", chip, hbm,
-      piece = std::to_string(train::kDefaultGatherPieceBytes),
-      vocab_piece = std::to_string(train::kDefaultGatherPieceBytes), packed_weights, delta_products = "fp32";
-  int64_t devices = 1, fsdp = 0, batch = 1, seq = 1024, ep = 1, context = 4096, gen_batch = 1;
-  bool compare = false, json = false, generate = false, prefetch = false, fit = false, update_in_backward = false;
+  StepArgs step;
+  std::string chip;
+  int64_t devices = 1, batch_per_device = 0, context = 4096;
+  bool compare = false, json = false, generate = false, fit = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -39,10 +39,10 @@ std::string gb(size_t b) {
 
 void plan_generation(const PlanArgs& a) {
   planner::GeneratePlanRequest r;
-  r.model = model::load_config(a.model);
+  r.model = model::load_config(a.step.model);
   r.context = a.context;
-  r.batch = a.gen_batch;
-  r.weight_dtype = train::parse_dtype(a.weight_dtype);
+  r.batch = a.step.batch;
+  r.weight_dtype = parse_dtype(a.step.weight_dtype);
   const planner::GeneratePlan p = planner::plan_generate(r);
   if (a.json) {
     std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
@@ -53,10 +53,105 @@ void plan_generation(const PlanArgs& a) {
     return;
   }
   std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
-              (long long)r.batch, (long long)r.context, a.weight_dtype.c_str());
+              (long long)r.batch, (long long)r.context, a.step.weight_dtype.c_str());
   for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
                                     {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
     std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+}
+
+// The request of a training-step plan: --batch is over all devices (a multiple of them), --batch-per-device per device
+// (default 1); the budget is --chip's HBM or --memory-budget.
+planner::PlanRequest plan_request(const PlanArgs& a) {
+  const bool global_batch = a.step.batch_option->count() > 0;
+  if (global_batch && a.step.batch % a.devices != 0)
+    throw std::invalid_argument("--batch " + std::to_string(a.step.batch) + " must be a multiple of --devices " +
+                                std::to_string(a.devices));
+  const int64_t per_device =
+      global_batch ? a.step.batch / a.devices : (a.batch_per_device > 0 ? a.batch_per_device : planner::PlanRequest{}.batch_per_device);
+  const bool budget = !a.chip.empty() || !a.step.memory_budget.empty();
+  planner::PlanRequest r = step_plan_request(a.step, model::load_config(a.step.model), a.devices, per_device,
+                                             /*for_this_machine=*/!budget);
+  r.hbm_bytes = !a.chip.empty() ? planner::chip_hbm_bytes(a.chip)
+                                : (!a.step.memory_budget.empty() ? parse_bytes(a.step.memory_budget) : 0);
+  return r;
+}
+
+// plan --fit: every candidate, the choice and why each other is not it.
+void run_fit(const PlanArgs& a, const planner::PlanRequest& r) {
+  if (r.hbm_bytes == 0) throw std::invalid_argument("--fit needs a memory budget: --chip or --memory-budget");
+  const planner::FitResult f = planner::plan_fit(r, r.hbm_bytes);
+  if (a.json) {
+    nlohmann::json j = {{"choice", f.choice}, {"candidates", nlohmann::json::array()}};
+    for (const auto& cand : f.candidates) {
+      nlohmann::json e = to_json(cand.plan);
+      e["why_not"] = cand.why;
+      j["candidates"].push_back(e);
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s\n%lld devices, batch %lld x seq %lld per device, weights %s, compute %s, budget %s\n",
+              model::describe(r.model).c_str(), (long long)r.devices, (long long)r.batch_per_device, (long long)r.seq,
+              a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str(), gb(r.hbm_bytes).c_str());
+  std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", "remat", "moments", "update", "argument", "temp", "total", "");
+  for (const auto& cand : f.candidates)
+    std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
+                std::string(dtype_name(cand.plan.moment_dtype)).c_str(),
+                cand.plan.update_in_backward ? "backward" : "step", gb(cand.plan.argument_bytes).c_str(),
+                gb(cand.plan.temp_bytes).c_str(), gb(cand.plan.total_bytes).c_str(),
+                cand.why.empty() ? "<- the choice" : cand.why.c_str());
+  if (f.choice < 0) std::printf("nothing fits\n");
+}
+
+// The plans of one policy, of each (--compare) or of the one --remat auto picks: JSON, or a table with the last
+// one's temp by category and its largest buffers.
+void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::vector<planner::PlanResult>& plans) {
+  if (a.json) {
+    nlohmann::json j = a.compare ? nlohmann::json::array() : to_json(plans[0]);
+    if (a.compare)
+      for (const auto& p : plans) j.push_back(to_json(p));
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
+              model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
+              (long long)r.seq, a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str());
+  std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
+  for (const auto& p : plans)
+    std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),
+                gb(p.temp_bytes).c_str(), gb(p.total_bytes).c_str(), p.hbm_bytes ? gb(p.hbm_bytes).c_str() : "-",
+                p.hbm_bytes ? (p.fits ? "yes" : "NO") : "-");
+  const auto& last = plans.back();
+  std::printf("temp of '%s' by category:", train::remat_name(last.remat).c_str());
+  for (size_t i = 0; i < kNumMemCategories; ++i)
+    if (!is_argument(static_cast<MemCategory>(i)))
+      std::printf(" %s %s;", std::string(category_name(static_cast<MemCategory>(i))).c_str(), gb(last.peak.bytes[i]).c_str());
+  std::printf("\nlargest live buffers at the peak:\n");
+  for (const auto& b : last.peak.largest)
+    std::printf("  %-24s %-16s %s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(), gb(b.bytes).c_str());
+}
+
+void run_plan(const PlanArgs& a) {
+  apply_threads(a.step.threads);
+  if (a.generate) {
+    plan_generation(a);
+    return;
+  }
+  planner::PlanRequest r = plan_request(a);
+  if (a.fit) return run_fit(a, r);
+  std::vector<planner::PlanResult> plans;
+  if (a.compare) {
+    for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
+      r.step.remat = p;
+      plans.push_back(planner::plan(r));
+    }
+  } else if (a.step.remat == "auto") {
+    if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --memory-budget");
+    plans.push_back(planner::plan_auto(r, r.hbm_bytes));
+  } else {
+    plans.push_back(planner::plan(r));
+  }
+  print_plans(a, r, plans);
 }
 
 }  // namespace
@@ -64,137 +159,24 @@ void plan_generation(const PlanArgs& a) {
 void register_plan(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   CLI::App* c = app.add_subcommand("plan", "Predict the per-device memory of a training step (no hardware needed)");
-  c->add_option("--model", a->model, "Preset name or Hugging Face config.json")->capture_default_str();
+  // Without --batch: one sequence per device (PlanRequest::batch_per_device).
+  add_step_options(c, a->step, {planner::PlanRequest{}.batch_per_device, planner::PlanRequest{}.seq});
   c->add_option("--devices", a->devices, "Devices in the job")->capture_default_str();
-  c->add_option("--fsdp", a->fsdp, "FSDP group size (default: all devices)");
-  c->add_option("--expert-parallel", a->ep,
-                "Split routed experts over E devices of each FSDP group (train --expert-parallel): each gathers only "
-                "its 1/E of them and exchanges its tokens' rows; balanced routing is assumed")
-      ->capture_default_str();
-  c->add_option("--batch-per-device", a->batch, "Sequences per device per step")->capture_default_str();
-  c->add_option("--seq", a->seq, "Tokens per sequence")->capture_default_str();
-  c->add_option("--remat", a->remat, "none | block | sublayer | auto")
-      ->check(CLI::IsMember({"none", "block", "sublayer", "auto"}))->capture_default_str();
-  c->add_option("--weight-dtype", a->weight_dtype, "fp32 | bf16")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  c->add_option("--compute-dtype", a->compute_dtype, "bf16 | fp32")->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  c->add_option("--moment-dtype", a->moment_dtype, "AdamW moments: fp32 | bf16")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  c->add_option("--packed-weights", a->packed_weights,
-                "on | off: reorder each sub-layer's weights once into oneDNN's packed layout for its products "
-                "(default: as train without --chip / --hbm, off with them: the sizes are this CPU's oneDNN layouts); it "
-                "must match train's for plan = measured")
-      ->check(CLI::IsMember({"on", "off"}));
-  c->add_option("--delta-rule-products", a->delta_products,
-                "As train --delta-rule-products: fp32 | bf16 (bf16 plans the products' pack buffers where this CPU "
-                "would run them)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))->capture_default_str();
-  auto* chip = c->add_option("--chip", a->chip, "v5p | v6e | tpu7x | h100 | h200 (sets the HBM per device)");
-  auto* hbm = c->add_option("--hbm", a->hbm, "HBM per device, e.g. 95GiB or 80GB");
-  chip->excludes(hbm);
+  c->add_option("--batch-per-device", a->batch_per_device, "Sequences per device per step (default 1; or --batch for all)")
+      ->excludes(a->step.batch_option);
+  c->add_option("--chip", a->chip, "v5p | v6e | tpu7x | h100 | h200 (sets --memory-budget to its HBM per device)")
+      ->excludes(c->get_option("--memory-budget"));
   c->add_flag("--compare", a->compare, "Plan none, block and sublayer side by side");
-  c->add_flag("--generate", a->generate, "Plan generation instead of training (weights in --weight-dtype)");
+  c->add_flag("--generate", a->generate,
+              "Plan generation instead of training: --batch sequences decoded together on one device, weights in "
+              "--weight-dtype");
   c->add_option("--context", a->context, "--generate: positions per sequence (prompt + new tokens)")->capture_default_str();
-  c->add_option("--batch", a->gen_batch, "--generate: sequences decoded together")->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->add_flag("--fit", a->fit,
-              "With --chip or --hbm: the cheapest remat x moment dtype x update in backward that fits (least "
+              "With --chip or --memory-budget: the cheapest remat x moment dtype x update in backward that fits (least "
               "recomputation, then exact moments, then the usual step before --update-in-backward, then least memory), "
               "and why each other does not win");
-  c->add_flag("--update-in-backward", a->update_in_backward,
-              "As train --update-in-backward: AdamW per gradient shard in the backward, no gradient set across the step");
-  c->add_flag("--prefetch", a->prefetch, "As train --prefetch: the next sub-layer's gathers overlap this one's compute");
-  c->add_option("--gather-piece-bytes", a->piece, "As train --gather-piece-bytes (0: a whole layer's experts at once)")
-      ->capture_default_str();
-  c->add_option("--vocab-piece-bytes", a->vocab_piece,
-                "As train --vocab-piece-bytes (0: the LM head and the embedding whole)")
-      ->capture_default_str();
-  c->callback([a] {
-    if (a->generate) {
-      plan_generation(*a);
-      return;
-    }
-    planner::PlanRequest r;
-    r.gather_piece_bytes = parse_bytes(a->piece);
-    r.vocab_piece_bytes = parse_bytes(a->vocab_piece);
-    r.model = model::load_config(a->model);
-    r.devices = a->devices;
-    r.fsdp = a->fsdp;
-    r.expert_parallel = a->ep;
-    r.prefetch = a->prefetch;
-    // A plan for this machine (no --chip / --hbm) packs as train does by default; an accelerator's plan does not.
-    r.pack_weights = !a->packed_weights.empty() ? a->packed_weights == "on"
-                                                : a->chip.empty() && a->hbm.empty() && kernels::weight_packing_default();
-    r.batch_per_device = a->batch;
-    r.seq = a->seq;
-    r.weight_dtype = train::parse_dtype(a->weight_dtype);
-    r.compute_dtype = train::parse_dtype(a->compute_dtype);
-    r.moment_dtype = train::parse_dtype(a->moment_dtype);
-    r.update_in_backward = a->update_in_backward;
-    r.delta_rule_bf16_products = a->delta_products == "bf16";
-    r.hbm_bytes = !a->chip.empty() ? planner::chip_hbm_bytes(a->chip) : (!a->hbm.empty() ? parse_bytes(a->hbm) : 0);
-    std::vector<planner::PlanResult> plans;
-    if (a->fit) {
-      if (r.hbm_bytes == 0) throw std::invalid_argument("--fit needs a memory budget: --chip or --hbm");
-      const planner::FitResult f = planner::plan_fit(r, r.hbm_bytes);
-      if (a->json) {
-        nlohmann::json j = {{"choice", f.choice}, {"candidates", nlohmann::json::array()}};
-        for (const auto& cand : f.candidates) {
-          nlohmann::json e = to_json(cand.plan);
-          e["why_not"] = cand.why;
-          j["candidates"].push_back(e);
-        }
-        std::printf("%s\n", j.dump().c_str());
-        return;
-      }
-      std::printf("%s\n%lld devices, batch %lld x seq %lld per device, weights %s, compute %s, budget %s\n",
-                  model::describe(r.model).c_str(), (long long)r.devices, (long long)r.batch_per_device, (long long)r.seq,
-                  a->weight_dtype.c_str(), a->compute_dtype.c_str(), gb(r.hbm_bytes).c_str());
-      std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", "remat", "moments", "update", "argument", "temp", "total", "");
-      for (const auto& cand : f.candidates)
-        std::printf("%-10s %-8s %-9s %12s %12s %12s  %s\n", train::remat_name(cand.plan.remat).c_str(),
-                    std::string(dtype_name(cand.plan.moment_dtype)).c_str(),
-                    cand.plan.update_in_backward ? "backward" : "step", gb(cand.plan.argument_bytes).c_str(),
-                    gb(cand.plan.temp_bytes).c_str(), gb(cand.plan.total_bytes).c_str(),
-                    cand.why.empty() ? "<- the choice" : cand.why.c_str());
-      if (f.choice < 0) std::printf("nothing fits\n");
-      return;
-    }
-    if (a->compare) {
-      for (auto p : {train::RematPolicy::None, train::RematPolicy::Block, train::RematPolicy::Sublayer}) {
-        r.remat = p;
-        plans.push_back(planner::plan(r));
-      }
-    } else if (a->remat == "auto") {
-      if (r.hbm_bytes == 0) throw std::invalid_argument("--remat auto needs a memory budget: --chip or --hbm");
-      plans.push_back(planner::plan_auto(r, r.hbm_bytes));
-    } else {
-      r.remat = train::parse_remat(a->remat);
-      plans.push_back(planner::plan(r));
-    }
-    if (a->json) {
-      nlohmann::json j = a->compare ? nlohmann::json::array() : to_json(plans[0]);
-      if (a->compare)
-        for (const auto& p : plans) j.push_back(to_json(p));
-      std::printf("%s\n", j.dump().c_str());
-      return;
-    }
-    std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
-                model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
-                (long long)r.seq, a->weight_dtype.c_str(), a->compute_dtype.c_str());
-    std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
-    for (const auto& p : plans)
-      std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),
-                  gb(p.temp_bytes).c_str(), gb(p.total_bytes).c_str(), p.hbm_bytes ? gb(p.hbm_bytes).c_str() : "-",
-                  p.hbm_bytes ? (p.fits ? "yes" : "NO") : "-");
-    const auto& last = plans.back();
-    std::printf("temp of '%s' by category:", train::remat_name(last.remat).c_str());
-    for (size_t i = 0; i < kNumMemCategories; ++i)
-      if (!is_argument(static_cast<MemCategory>(i)))
-        std::printf(" %s %s;", std::string(category_name(static_cast<MemCategory>(i))).c_str(), gb(last.peak.bytes[i]).c_str());
-    std::printf("\nlargest live buffers at the peak:\n");
-    for (const auto& b : last.peak.largest)
-      std::printf("  %-24s %-16s %s\n", b.tag.c_str(), std::string(category_name(b.category)).c_str(), gb(b.bytes).c_str());
-  });
+  c->callback([a] { run_plan(*a); });
 }
 
 }  // namespace hs::cli

@@ -10,6 +10,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/threads.h"
 #include "core/memory.h"
 #include "dataset/token_file.h"
 #include "dataset/vocabulary.h"
@@ -36,7 +37,7 @@ void register_tokenize(CLI::App& app) {
   c->add_flag("--raw", a->raw,
               "Debugging: the ids of one file encoded as one string (no special tokens added), as plain "
               "little-endian uint32 without a header");
-  c->add_option("--threads", a->threads, "Encoding threads (0: all cores)")->capture_default_str();
+  add_threads_option(c, a->threads, "Encoding threads (0: all cores)");
   c->add_flag("--quiet", a->quiet, "No progress line");
   c->callback([a] {
     const int threads = a->threads > 0 ? a->threads : omp_get_max_threads();

@@ -106,17 +106,6 @@ int positive_count(const char* text) {
   return end != text && n > 0 && n <= (1 << 20) ? static_cast<int>(n) : 0;
 }
 
-int requested_threads(int argc, const char* const* argv) {
-  int threads = positive_count(std::getenv("OMP_NUM_THREADS"));
-  if (threads == 0) threads = affinity_cpus();
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const char* v = a == "--threads" && i + 1 < argc ? argv[i + 1] : a.rfind("--threads=", 0) == 0 ? argv[i] + 10 : nullptr;
-    if (positive_count(v) > 0) threads = positive_count(v);
-  }
-  return threads;
-}
-
 int local_processes() {
   for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
     if (const int n = positive_count(std::getenv(v)); n > 0) return n;

@@ -33,10 +33,6 @@ int other_runnable_tasks(int readings = 5, int spacing_ms = 50, int enough = 0);
 // A count in a text: its leading integer when that is 1..2^20 ("4,2": 4), else 0.
 int positive_count(const char* text);
 
-// The threads a subcommand will run: its last --threads N (or --threads=N) with N > 0, else OpenMP's default (the
-// first value of OMP_NUM_THREADS when positive, else affinity_cpus(), whatever a CPU quota allows).
-int requested_threads(int argc, const char* const* argv);
-
 // Processes of one job on this machine (an MPI launch's local ranks: OMPI_COMM_WORLD_LOCAL_SIZE or MPI_LOCALNRANKS),
 // 1 otherwise: each runs its own threads.
 int local_processes();

@@ -1,6 +1,15 @@
 #include "core/dtype.h"
 
+#include <stdexcept>
+#include <string>
+
 namespace hs {
+
+DType parse_dtype(std::string_view s) {
+  if (s == "fp32" || s == "f32" || s == "float32") return DType::F32;
+  if (s == "bf16" || s == "bfloat16") return DType::BF16;
+  throw std::invalid_argument("unknown dtype '" + std::string(s) + "' (use fp32 or bf16)");
+}
 
 void convert(const float* src, bf16* dst, size_t n) {
 #pragma omp parallel for schedule(static) if (n > (1u << 16))

@@ -19,6 +19,10 @@ constexpr std::string_view dtype_name(DType t) {
   return "?";
 }
 
+// A floating-point dtype by name: "fp32" (also "f32", what dtype_name writes, and "float32") or "bf16" ("bfloat16");
+// std::invalid_argument otherwise.
+DType parse_dtype(std::string_view s);
+
 // bfloat16 stored as its upper 16 bits of an IEEE float. Conversion from fp32 rounds to nearest even
 // (NaN stays NaN), which is what PyTorch and oneDNN do.
 struct bf16 {

@@ -395,11 +395,11 @@ Groups make_groups(Runtime& rt, int64_t fsdp, int64_t expert_parallel) {
   const int world = rt.world_size(), rank = rt.world_rank();
   if (fsdp <= 0) fsdp = world;
   if (fsdp > world || world % fsdp != 0)
-    throw std::invalid_argument("--fsdp " + std::to_string(fsdp) + " must divide the number of ranks (" +
+    throw std::invalid_argument("an FSDP group of " + std::to_string(fsdp) + " ranks must divide the number of ranks (" +
                                 std::to_string(world) + ")");
   const int g = static_cast<int>(fsdp);
   if (expert_parallel < 1 || g % expert_parallel != 0)
-    throw std::invalid_argument("--expert-parallel " + std::to_string(expert_parallel) +
+    throw std::invalid_argument("expert parallelism over " + std::to_string(expert_parallel) + " ranks" +
                                 " must divide the FSDP group (" + std::to_string(g) + " ranks)");
   Groups gr;
   gr.world = MpiCollectives::split(rt, 0, "world");

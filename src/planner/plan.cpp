@@ -8,8 +8,7 @@
 
 #include "core/collectives.h"
 #include "infer/decoder.h"
-#include "model/params.h"
-#include "train/optimizer.h"
+#include "train/step.h"
 
 namespace hs::planner {
 
@@ -20,49 +19,37 @@ size_t chip_hbm_bytes(const std::string& chip) {
   if (chip == "tpu7x") return static_cast<size_t>(192 * GiB);
   if (chip == "h100") return static_cast<size_t>(80e9);
   if (chip == "h200") return static_cast<size_t>(141e9);
-  throw std::invalid_argument("unknown chip '" + chip + "' (known: v5p, v6e, tpu7x, h100, h200; or give --hbm SIZE)");
+  throw std::invalid_argument("unknown chip '" + chip + "' (known: v5p, v6e, tpu7x, h100, h200; or give the memory per device)");
 }
 
 PlanResult plan(const PlanRequest& r) {
   const auto t0 = std::chrono::steady_clock::now();
   r.model.validate();
   if (r.devices < 1 || r.batch_per_device < 1 || r.seq < 1)
-    throw std::invalid_argument("--devices, --batch-per-device and --seq must be >= 1");
+    throw std::invalid_argument("devices, batch per device and sequence length must be positive (" +
+                                std::to_string(r.devices) + ", " + std::to_string(r.batch_per_device) + ", " +
+                                std::to_string(r.seq) + ")");
   const int64_t fsdp = r.fsdp > 0 ? r.fsdp : r.devices;
   if (r.devices % fsdp != 0)
-    throw std::invalid_argument("--fsdp " + std::to_string(fsdp) + " must divide --devices " + std::to_string(r.devices));
+    throw std::invalid_argument("an FSDP group of " + std::to_string(fsdp) + " must divide the " +
+                                std::to_string(r.devices) + " devices");
+  if (r.step.comm || r.step.batch_group || r.step.ep_group || r.step.update)
+    throw std::invalid_argument("planner::plan: the plan's groups are its own (leave PlanRequest::step's null)");
   MemoryAccountant mem(/*planning=*/true);
   VirtualCollectives group(fsdp);
-  // Arguments: this device's shard of the parameters and of both AdamW moments (the optimizer's), and its batch.
-  model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false, fsdp);
+  VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
   train::OptimizerConfig oc;
   oc.moment_dtype = r.moment_dtype;
-  oc.clip = 0;  // what the plan counts does not depend on it; --update-in-backward needs it off
-  train::AdamWOptimizer adamw(params, oc, mem);
-  const int64_t tokens = r.batch_per_device * r.seq;
-  Buffer batch = mem.allocate(2 * static_cast<size_t>(tokens) * sizeof(int32_t), MemCategory::Batch, "batch");
-  mem.reset_peak();
-  std::unique_ptr<model::ParamSet> grads;
-  train::Batch b{nullptr, nullptr, r.batch_per_device, r.seq};
-  if (r.expert_parallel < 1 || fsdp % r.expert_parallel != 0)
-    throw std::invalid_argument("--expert-parallel " + std::to_string(r.expert_parallel) + " must divide the FSDP group (" +
-                                std::to_string(fsdp) + ")");
-  train::StepOptions opt{r.remat, r.compute_dtype, &group, r.expert_parallel};
-  opt.prefetch = r.prefetch;
-  opt.pack_weights = r.pack_weights;
-  opt.delta_rule_bf16_products = r.delta_rule_bf16_products;
-  opt.gather_piece_bytes = r.gather_piece_bytes;
-  opt.vocab_piece_bytes = r.vocab_piece_bytes;
-  // AdamW in the backward: the optimizer's own sink, which over shapes computes nothing and allocates only the replicas'
-  // sums' scratch, one tensor's at a time, as the real run does.
-  VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
-  train::InBackwardAdamW update(adamw, params, &group, &replicas, &mem);
-  if (r.update_in_backward) opt.update = &update;
-  train::forward_backward(params, b, opt, mem, r.update_in_backward ? nullptr : &grads);
-  if (!r.update_in_backward) train::sum_over_replicas(*grads, replicas, mem);
+  oc.clip = 0;  // what the plan counts does not depend on it; the update in the backward needs it off
+  train::StepOptions schedule = r.step;
+  schedule.comm = &group;
+  // The training step itself, over shapes: this device's shards of the parameters and of both AdamW moments, its
+  // batch, then forward, backward, the replicas' sum and the update (train::Step).
+  train::Step step(r.model, r.weight_dtype, oc, schedule, r.update_in_backward, &replicas, mem);
+  step.run(train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
 
   PlanResult out;
-  out.remat = r.remat;
+  out.remat = r.step.remat;
   out.moment_dtype = r.moment_dtype;
   out.update_in_backward = r.update_in_backward;
   out.fsdp = fsdp;
@@ -81,15 +68,15 @@ PlanResult plan(const PlanRequest& r) {
 
 PlanResult plan_auto(PlanRequest r, size_t budget) {
   r.hbm_bytes = budget;
-  r.remat = train::RematPolicy::None;
+  r.step.remat = train::RematPolicy::None;
   PlanResult none = plan(r);
   if (none.fits) return none;
-  r.remat = train::RematPolicy::Sublayer;
+  r.step.remat = train::RematPolicy::Sublayer;
   return plan(r);
 }
 
 GeneratePlan plan_generate(const GeneratePlanRequest& r) {
-  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("plan --generate: context and batch must be positive");
+  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("generation plan: the context (" + std::to_string(r.context) + ") and the batch (" + std::to_string(r.batch) + ") must be positive");
   r.model.validate();
   MemoryAccountant mem(/*planning=*/true);
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
@@ -128,7 +115,7 @@ FitResult plan_fit(PlanRequest r, size_t budget) {
   for (auto remat : {train::RematPolicy::None, train::RematPolicy::Sublayer, train::RematPolicy::Block})
     for (DType moments : {DType::F32, DType::BF16})
       for (bool update : {false, true}) {
-        r.remat = remat;
+        r.step.remat = remat;
         r.moment_dtype = moments;
         r.update_in_backward = update;
         out.candidates.push_back({plan(r), ""});

@@ -16,22 +16,17 @@ struct PlanRequest {
   model::ModelConfig model;
   int64_t devices = 1;
   int64_t fsdp = 0;              // shards of parameters/gradients/optimizer state; 0: all devices
-  int64_t expert_parallel = 1;   // routed experts split over this many devices of the FSDP group
   int64_t batch_per_device = 1;
   int64_t seq = 1024;
-  train::RematPolicy remat = train::RematPolicy::Sublayer;
   DType weight_dtype = DType::F32;
-  DType compute_dtype = DType::BF16;
-  DType moment_dtype = DType::F32;  // AdamW moments (train --moment-dtype)
+  DType moment_dtype = DType::F32;  // AdamW moments (OptimizerConfig::moment_dtype)
+  bool update_in_backward = false;  // AdamW per gradient shard in the backward (train::Step)
+  // The schedule's options, as a training run's (train::TrainOptions::step): remat policy, compute dtype, expert
+  // parallelism, prefetch, piece sizes, packed weights (this CPU's oneDNN packed forms: only meaningful for a run on
+  // this machine), the delta rule's products. Its groups (comm, batch_group, ep_group, update) are the plan's own
+  // virtual ones and must be left null.
+  train::StepOptions step;
   size_t hbm_bytes = 0;          // 0: unknown (fits is then not judged)
-  bool prefetch = false;         // train --prefetch: the next sub-layer's gathers in flight (train::StepOptions)
-  size_t gather_piece_bytes = train::kDefaultGatherPieceBytes;  // train --gather-piece-bytes (train::StepOptions)
-  size_t vocab_piece_bytes = train::kDefaultGatherPieceBytes;   // train --vocab-piece-bytes (train::StepOptions)
-  bool update_in_backward = false;  // train --update-in-backward: AdamW per gradient shard in the backward
-  // train --packed-weights: this CPU's oneDNN packed forms of each sub-layer's weights (sized by oneDNN's memory
-  // descriptors here, so only meaningful for a run on this machine; plan --chip leaves it off).
-  bool pack_weights = false;
-  bool delta_rule_bf16_products = false;  // train --delta-rule-products bf16 (train::StepOptions)
 };
 
 struct PlanResult {

@@ -58,7 +58,7 @@ std::string checkpoint_tokenizer(const std::string& checkpoint_dir) {
 
 Tokens load_tokens(const DataOptions& d, const ModelVocabulary& model) {
   if (!d.data.empty() && !d.text.empty())
-    throw std::invalid_argument("pass either --data (a token file) or --text, not both");
+    throw std::invalid_argument("a token file and a text were both given: train on one of them");
   // The tokenizer the ids must belong to: the one asked for, which must then be the model's own when it has one.
   std::optional<tokenizer::Tokenizer> tok;
   std::string tok_path = d.tokenizer.empty() ? model.tokenizer : d.tokenizer;
@@ -67,7 +67,7 @@ Tokens load_tokens(const DataOptions& d, const ModelVocabulary& model) {
     const tokenizer::Tokenizer own = tokenizer::Tokenizer::load(model.tokenizer);
     if (own.fingerprint() != tok->fingerprint())
       throw std::invalid_argument("tokenizer " + d.tokenizer + " is not the model's own (" + model.tokenizer +
-                                  ": different vocabulary fingerprint); drop --tokenizer to use the model's");
+                                  ": different vocabulary fingerprint); leave the tokenizer unset to use the model's");
   }
   Tokens out;
   out.tokenizer = tok_path.empty() ? "" : tokenizer_json(tok_path);
@@ -100,7 +100,7 @@ Corpus split_heldout(const TokenSource& all, double heldout_fraction, int64_t se
   if (held > 0) held = std::max<int64_t>(held, seq + 1);
   if (n - held < seq + 1)
     throw std::runtime_error(what + " has " + std::to_string(n) + " tokens: too short for windows of " +
-                             std::to_string(seq + 1) + " tokens plus a held-out part (use a longer text or a smaller --seq)");
+                             std::to_string(seq + 1) + " tokens plus a held-out part (use a longer text or shorter sequences)");
   return {all.slice(0, n - held), all.slice(n - held, n)};
 }
 

@@ -70,7 +70,7 @@ double AdamWOptimizer::step(model::ParamSet& params, model::ParamSet& grads, Col
 void check_update_in_backward(const OptimizerConfig& c) {
   if (c.clip > 0)
     throw std::invalid_argument(
-        "--update-in-backward needs --clip 0: AdamW is not scale-invariant, so clipping to the global gradient norm "
+        "AdamW in the backward needs gradient clipping off (clip 0): AdamW is not scale-invariant, so clipping to the global gradient norm "
         "needs that norm before the first update, and it is known only once the backward has produced every gradient");
 }
 

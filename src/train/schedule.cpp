@@ -37,12 +37,6 @@ RematPolicy parse_remat(const std::string& s) {
   throw std::invalid_argument("unknown remat policy '" + s + "' (use none, block or sublayer)");
 }
 
-DType parse_dtype(const std::string& s) {
-  if (s == "fp32" || s == "f32" || s == "float32") return DType::F32;
-  if (s == "bf16" || s == "bfloat16") return DType::BF16;
-  throw std::invalid_argument("unknown dtype '" + s + "' (use fp32 or bf16)");
-}
-
 std::vector<LayerSlot> scan_order(const ModelConfig& c) {
   std::vector<LayerSlot> v;
   for (int64_t b = 0; b < c.blocks(); ++b) {
@@ -651,15 +645,20 @@ struct Runner {
 
 }  // namespace
 
+void check_expert_parallel(const ModelConfig& c, int64_t ep, int64_t shards) {
+  if (ep < 1) throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks: must be at least 1");
+  if (c.moe() && c.experts % ep != 0)
+    throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the number of experts (" +
+                                std::to_string(c.experts) + ")");
+  if (ep > 1 && shards % ep != 0)
+    throw std::invalid_argument("expert parallelism over " + std::to_string(ep) + " ranks must divide the FSDP group (" +
+                                std::to_string(shards) + " ranks)");
+}
+
 StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOptions& opt, MemoryAccountant& mem,
                             std::unique_ptr<ParamSet>* grads) {
   const int64_t ep = opt.expert_parallel;
-  if (ep < 1 || (params.config().moe() && params.config().experts % ep != 0))
-    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the number of experts (" +
-                                std::to_string(params.config().experts) + ")");
-  if (ep > 1 && (params.shards() % ep != 0))
-    throw std::invalid_argument("--expert-parallel " + std::to_string(ep) + " must divide the FSDP group (" +
-                                std::to_string(params.shards()) + " ranks)");
+  check_expert_parallel(params.config(), ep, params.shards());
   VirtualCollectives planned_ep(ep);
   Collectives* ep_group = opt.ep_group;
   if (ep > 1 && !ep_group) {

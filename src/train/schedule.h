@@ -20,7 +20,6 @@ namespace hs::train {
 enum class RematPolicy { None, Block, Sublayer };
 std::string remat_name(RematPolicy p);
 RematPolicy parse_remat(const std::string& s);  // throws std::invalid_argument
-DType parse_dtype(const std::string& s);        // "fp32" | "bf16"
 
 // 256 MiB: the 397B model's routed experts (24 MiB each in bf16) go 10 to a piece, so each collective still moves
 // well over a megabyte per rank at 256 ranks.
@@ -115,6 +114,10 @@ StepResult forward_only(const model::ParamSet& params, const Batch& b, DType com
 // order), one tensor at a time through an accounted scratch (MemCategory::Workspace, "replica_all_reduce") of
 // Collectives::all_reduce_scratch_elems floats, so that the plan sees it as the run does.
 void sum_over_replicas(model::ParamSet& grads, Collectives& replicas, MemoryAccountant& mem);
+
+// Refuses (std::invalid_argument) routed experts split over `ep` ranks that do not divide the experts or the FSDP
+// group of `shards` ranks (forward_backward's own check, which a run also makes before it starts).
+void check_expert_parallel(const model::ModelConfig& c, int64_t ep, int64_t shards);
 
 // The layers in scan order (block by block: local layers then the global layer; then the remainder).
 std::vector<model::LayerSlot> scan_order(const model::ModelConfig& c);
