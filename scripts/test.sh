@@ -32,7 +32,9 @@ if [ "${HS_SKIP_SANITIZERS:-0}" != 1 ]; then
   # The sanitizers check memory and undefined behaviour, which the same code paths at smaller sizes show: the
   # `slow` tests (the same paths as other tests at larger sizes or more steps) are left out, as is the emulated CPU.
   echo "== tests (AddressSanitizer + UndefinedBehaviorSanitizer)"
-  scripts/setup.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DHS_SANITIZE=ON -DHS_BUILD_BENCH=OFF
+  # -g1: line tables only, all a sanitizer's report needs (its build ~30% faster than with full -g).
+  scripts/setup.sh build-asan -DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O2 -g1 -DNDEBUG" \
+    -DHS_SANITIZE=ON -DHS_BUILD_BENCH=OFF
   took "build (sanitizers)"
   # oneDNN keeps JIT kernels in process-lifetime caches; leak checking would report them.
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
