@@ -2,7 +2,6 @@
 
 #include "cli/threads.h"
 #include "core/memory.h"
-#include "kernels/matmul.h"
 
 namespace hs::cli {
 
@@ -74,7 +73,8 @@ train::StepOptions schedule_options(const StepArgs& a, bool for_this_machine) {
   s.prefetch = a.prefetch;
   s.gather_piece_bytes = parse_bytes(a.gather_piece_bytes);
   s.vocab_piece_bytes = parse_bytes(a.vocab_piece_bytes);
-  s.pack_weights = a.packed_weights.empty() ? for_this_machine && kernels::weight_packing_default() : a.packed_weights == "on";
+  s.pack_weights =
+      a.packed_weights.empty() ? for_this_machine && train::packed_weights_default() : a.packed_weights == "on";
   s.delta_rule_bf16_products = a.delta_rule_products == "bf16";
   return s;
 }

@@ -1,7 +1,6 @@
 #include "kernels/matmul.h"
 
 #include "core/profile.h"
-#include "core/settings.h"
 #include "kernels/common.h"
 #include "kernels/cpu.h"
 #include "kernels/gemv.h"
@@ -724,16 +723,6 @@ size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use) {
   std::lock_guard<std::mutex> lock(rt.mu);
   const auto layout = packed_layout_locked(rt, packed_key(dt, out, in, use));
   return layout ? layout->get_size() : 0;
-}
-
-bool weight_packing_default() {
-  const char* env = settings::value(settings::Setting::PackedWeights);
-  const std::string e = env ? env : "";
-  // Off unless asked for: on this AVX-512 (no AMX) machine it did not measure faster (README, "Weights in oneDNN's
-  // packed layout").
-  if (e == "on") return true;
-  if (e.empty() || e == "off") return false;
-  throw std::invalid_argument("HS_PACKED_WEIGHTS must be on or off, not '" + e + "'");
 }
 
 PackedWeight::PackedWeight(const void* W, DType dt, int64_t out, int64_t in, WeightUse use, MemoryAccountant& mem,

@@ -63,10 +63,6 @@ enum class WeightUse : uint8_t { Forward, BackwardData };
 // layout anyway (no brgemm kernel for this CPU and dtype). Planning and running query it the same way.
 size_t packed_weight_bytes(DType dt, int64_t out, int64_t in, WeightUse use);
 
-// The default of train --packed-weights (train::StepOptions::pack_weights): HS_PACKED_WEIGHTS=on|off, else off.
-// Throws for another value.
-bool weight_packing_default();
-
 // The packed copy of one weight for one use, allocated through the accountant (packed_weight_bytes of it; nothing
 // when that is 0). pack() reorders W into it once W's contents are final (a gather finished) and registers it;
 // the destructor unregisters it, so it must not outlive W's memory. Planning allocates and never packs.

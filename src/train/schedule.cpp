@@ -6,6 +6,7 @@
 #include <stdexcept>
 
 #include "core/profile.h"
+#include "core/settings.h"
 #include "kernels/embedding.h"
 #include "kernels/lm_head.h"
 #include "kernels/matmul.h"
@@ -35,6 +36,15 @@ RematPolicy parse_remat(const std::string& s) {
   if (s == "block") return RematPolicy::Block;
   if (s == "sublayer") return RematPolicy::Sublayer;
   throw std::invalid_argument("unknown remat policy '" + s + "' (use none, block or sublayer)");
+}
+
+bool packed_weights_default() {
+  const char* v = settings::value(settings::Setting::PackedWeights);
+  const std::string e = v ? v : "";
+  if (e == "on") return true;
+  if (e.empty() || e == "off") return false;
+  throw std::invalid_argument(std::string(settings::name(settings::Setting::PackedWeights)) + " must be on or off, not '" +
+                              e + "'");
 }
 
 std::vector<LayerSlot> scan_order(const ModelConfig& c) {

@@ -20,6 +20,10 @@ namespace hs::train {
 enum class RematPolicy { None, Block, Sublayer };
 std::string remat_name(RematPolicy p);
 RematPolicy parse_remat(const std::string& s);  // throws std::invalid_argument
+// The default of StepOptions::pack_weights for a run on this machine: HS_PACKED_WEIGHTS=on|off (core/settings.h),
+// else off (packing did not measure faster on an AVX-512 machine without AMX: bench/README.md). Throws
+// std::invalid_argument for another value.
+bool packed_weights_default();
 
 // 256 MiB: the 397B model's routed experts (24 MiB each in bf16) go 10 to a piece, so each collective still moves
 // well over a megabyte per rank at 256 ranks.
