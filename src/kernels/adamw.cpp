@@ -21,18 +21,6 @@ namespace {
 constexpr int64_t kMaxBlocks = 1024;
 constexpr int64_t kMinBlock = 1 << 15;
 
-// The step's scalars. PyTorch computes the bias corrections and the step size in double (Python floats), then uses
-// them as fp32 scalars.
-struct Scalars {
-  float step_size, bc2_sqrt, one_minus_b1, one_minus_b2;
-};
-Scalars scalars(const AdamWParams& p, int64_t step) {
-  if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based, got " + std::to_string(step));
-  const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(step));
-  return {static_cast<float>(static_cast<double>(p.lr) / bc1), static_cast<float>(std::sqrt(bc2)), 1.0f - p.beta1,
-          1.0f - p.beta2};
-}
 
 // The element formula, in PyTorch's order with the roundings the previous loop had (GCC contracted it, with FMA
 // available, to exactly these fused operations; kernels/reference/adamw_reference.cpp keeps it):
@@ -132,14 +120,14 @@ void update_range(cpu::Level isa, TW* w, float* grad, TM* m, TM* v, int64_t i0, 
   range_scalar<kClear>(w, grad, m, v, i0, i1, c);
 }
 
-Consts consts(const AdamWParams& p, const Scalars& k, float weight_decay) {
+Consts consts(const AdamWParams& p, const AdamWScalars& k, float weight_decay) {
   return {p.grad_scale, p.beta2, p.eps, k.step_size, k.bc2_sqrt, k.one_minus_b1, k.one_minus_b2,
           std::fma(-p.lr, weight_decay, 1.0f)};  // 1 - lr * wd, rounded once (as the previous loop had it)
 }
 
 template <typename TW>
 void update(TW* w, const float* grad, float* m, float* v, int64_t n, const AdamWParams& p, int64_t step) {
-  const Consts c = consts(p, scalars(p, step), p.weight_decay);
+  const Consts c = consts(p, adamw_scalars(p, step), p.weight_decay);
   const cpu::Level isa = adamw_level();
   constexpr int64_t kPiece = 4096;
   const int64_t pieces = (n + kPiece - 1) / kPiece;
@@ -161,6 +149,14 @@ int64_t block_size(int64_t n) { return std::max(kMinBlock, (n + kMaxBlocks - 1) 
 }
 
 }  // namespace
+
+AdamWScalars adamw_scalars(const AdamWParams& p, int64_t step) {
+  if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based, got " + std::to_string(step));
+  const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(step));
+  return {static_cast<float>(static_cast<double>(p.lr) / bc1), static_cast<float>(std::sqrt(bc2)), 1.0f - p.beta1,
+          1.0f - p.beta2};
+}
 
 cpu::Level adamw_level() {
 #if defined(__x86_64__)
@@ -193,7 +189,7 @@ double sum_squares(const float* x, int64_t n) {
 
 void adamw_update_clear_all(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step) {
   profile::Scope profile_scope(profile::Phase::Optimizer, "adamw_update_clear_all");
-  const Scalars k = scalars(p, step);
+  const AdamWScalars k = adamw_scalars(p, step);
   for (const AdamWTensor& t : tensors) {
     if ((t.w == nullptr) == (t.w_bf16 == nullptr))
       throw std::invalid_argument("adamw_update_clear_all: each tensor needs exactly one of w, w_bf16");

@@ -17,6 +17,13 @@ struct AdamWParams {
   float grad_scale = 1.0f;
 };
 
+// The step's scalars, as PyTorch computes them: the bias corrections and the step size in double (Python floats),
+// then used as fp32. Throws std::invalid_argument if step < 1 (steps are 1-based).
+struct AdamWScalars {
+  float step_size, bc2_sqrt, one_minus_b1, one_minus_b2;
+};
+AdamWScalars adamw_scalars(const AdamWParams& p, int64_t step);
+
 // One step (step is 1-based) in fp32, in PyTorch's operation order:
 //   w *= 1 - lr*wd;  m = lerp(m, g, 1-beta1);  v = beta2*v + (1-beta2)*g^2;
 //   w -= (lr / (1-beta1^step)) * m / (sqrt(v) / sqrt(1-beta2^step) + eps),

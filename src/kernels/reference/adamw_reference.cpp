@@ -15,20 +15,9 @@
 namespace hs::kernels::reference {
 namespace {
 
-struct Scalars {
-  float step_size, bc2_sqrt, one_minus_b1, one_minus_b2;
-};
-Scalars scalars(const AdamWParams& p, int64_t step) {
-  if (step < 1) throw std::invalid_argument("adamw_update: step is 1-based, got " + std::to_string(step));
-  const double bc1 = 1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(step));
-  return {static_cast<float>(static_cast<double>(p.lr) / bc1), static_cast<float>(std::sqrt(bc2)), 1.0f - p.beta1,
-          1.0f - p.beta2};
-}
-
 template <typename TW, typename TG, typename TM = float>
 inline void update_range(TW* w, TG* grad, TM* m, TM* v, int64_t i0, int64_t i1, const AdamWParams& p,
-                         const Scalars& k, float decay) {
+                         const AdamWScalars& k, float decay) {
 #pragma omp simd
   for (int64_t i = i0; i < i1; ++i) {
     const float g = grad[i] * p.grad_scale;
@@ -46,7 +35,7 @@ inline void update_range(TW* w, TG* grad, TM* m, TM* v, int64_t i0, int64_t i1, 
 }  // namespace
 
 void adamw_update_clear_all_loop(const std::vector<AdamWTensor>& tensors, const AdamWParams& p, int64_t step) {
-  const Scalars k = scalars(p, step);
+  const AdamWScalars k = adamw_scalars(p, step);
   for (const AdamWTensor& a : tensors) {
     const float decay = 1.0f - p.lr * a.weight_decay;
     if (a.m) {
