@@ -147,7 +147,7 @@ TEST(GenerateCli, BadInputGivesClearErrors) {
   fails_with(ck + "--prompt hi --max-new-tokens 0", "must be positive");
   fails_with(ck + "--prompt hi --max-new-tokens -3", "must be positive");
   fails_with(ck + "--prompt hi --prompt-ids 1", "exactly one");
-  fails_with(ck + "--prompt hi --chat", "--chat needs a tokenizer");
+  fails_with(ck + "--prompt hi --chat", "--chat: the chat format needs a tokenizer");
   test::TempDir dir;
   std::filesystem::copy(kCase, dir / "ck");
   // A context of 4 positions: a 5-byte prompt does not fit.

@@ -17,6 +17,7 @@
 #include "cli/threads.h"
 #include "core/memory.h"
 #include "infer/generate.h"
+#include "infer/policy.h"
 #include "infer/weights.h"
 #include "tokenizer/tokenizer.h"
 #include "train/schedule.h"
@@ -68,26 +69,6 @@ std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
   return ids;
 }
 
-// The model's context from config.json (max_position_embeddings, at the top or in text_config); 0 when absent.
-int64_t context_of(const nlohmann::json& cfg) {
-  const nlohmann::json& t = cfg.contains("text_config") ? cfg["text_config"] : cfg;
-  return t.value("max_position_embeddings", int64_t{0});
-}
-
-// The end-of-text ids config.json names (eos_token_id: one id or a list).
-std::vector<int32_t> eos_ids(const nlohmann::json& cfg) {
-  std::vector<int32_t> ids;
-  for (const nlohmann::json* j : {&cfg, cfg.contains("text_config") ? &cfg["text_config"] : &cfg}) {
-    if (!j->contains("eos_token_id")) continue;
-    const nlohmann::json& e = (*j)["eos_token_id"];
-    if (e.is_number_integer()) ids.push_back(e.get<int32_t>());
-    if (e.is_array())
-      for (const auto& x : e)
-        if (x.is_number_integer()) ids.push_back(x.get<int32_t>());
-  }
-  return ids;
-}
-
 void run_generate(const GenerateArgs& a) {
   const int given = !a.prompt.empty() + !a.prompt_ids.empty() + !a.prompts_file.empty();
   if (given != 1) throw std::invalid_argument("give exactly one of --prompt, --prompt-ids, --prompts");
@@ -114,7 +95,7 @@ void run_generate(const GenerateArgs& a) {
   };
   auto text_ids = [&](const std::string& text) {
     if (text.empty()) throw std::invalid_argument("an empty prompt");
-    const std::string wrapped = a.chat ? "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n" : text;
+    const std::string wrapped = a.chat ? infer::chat_user_turn(text, tok ? &*tok : nullptr) : text;
     if (tok) {
       const std::vector<tokenizer::TokenId> ids = tok->encode(wrapped);
       return check_ids(std::vector<int32_t>(ids.begin(), ids.end()));
@@ -125,8 +106,11 @@ void run_generate(const GenerateArgs& a) {
     return std::vector<int32_t>(reinterpret_cast<const unsigned char*>(wrapped.data()),
                                 reinterpret_cast<const unsigned char*>(wrapped.data()) + wrapped.size());
   };
-  if (a.chat && !(tok && tok->token_to_id("<|im_start|>") && tok->token_to_id("<|im_end|>")))
-    throw std::invalid_argument("--chat needs a tokenizer.json with <|im_start|> and <|im_end|>");
+  if (a.chat) try {
+      infer::chat_user_turn("", tok ? &*tok : nullptr);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(std::string("--chat: ") + e.what());
+    }
 
   std::vector<std::vector<int32_t>> prompts;
   if (!a.prompt.empty()) prompts.push_back(text_ids(a.prompt));
@@ -138,19 +122,12 @@ void run_generate(const GenerateArgs& a) {
       if (!line.empty()) prompts.push_back(text_ids(line));
     if (prompts.empty()) throw std::invalid_argument("--prompts file " + a.prompts_file + " holds no prompt");
   }
-  const int64_t context = context_of(d.config_json);
   int64_t longest = 0;
   for (const auto& p : prompts) longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  if (context > 0 && longest >= context)
-    throw std::invalid_argument("a prompt of " + std::to_string(longest) + " tokens does not fit the model's context of " +
-                                std::to_string(context) + " (max_position_embeddings)");
   infer::GenerateOptions opt;
-  opt.max_new_tokens = context > 0 ? std::min(a.max_new_tokens, context - longest) : a.max_new_tokens;
+  opt.max_new_tokens = infer::new_token_budget(a.max_new_tokens, infer::model_context(d.config_json), longest);
   opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
-  if (!a.ignore_eos) opt.stop_ids = eos_ids(d.config_json);
-  if (tok && !a.ignore_eos)
-    for (const char* end : {"<|im_end|>", "<|endoftext|>"})
-      if (auto id = tok->token_to_id(end)) opt.stop_ids.push_back(static_cast<int32_t>(*id));
+  if (!a.ignore_eos) opt.stop_ids = infer::end_ids(d.config_json, tok ? &*tok : nullptr);
 
   // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
   // place); compute in the same dtype, so no layer casts its weights per token.
