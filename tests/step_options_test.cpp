@@ -13,7 +13,8 @@
 namespace hs::cli {
 namespace {
 
-// Parses `args` into a fresh StepArgs through add_step_options.
+// Parses `args` into a fresh StepArgs through add_step_options. Its option pointers die with the App here: read only
+// its values.
 StepArgs parse(std::vector<std::string> args, StepDefaults d = {train::TrainOptions{}.batch, train::TrainOptions{}.seq}) {
   CLI::App app;
   StepArgs a;
@@ -82,7 +83,11 @@ TEST(StepOptions, PresetAndConfigAreSpellingsOfModelAndHbmOfMemoryBudget) {
   EXPECT_EQ(parse({"--hbm", "2GiB"}).memory_budget, "2GiB");
   EXPECT_EQ(parse({"--memory-budget", "3GiB"}).memory_budget, "3GiB");
   EXPECT_THROW(parse({"--compute-dtype", "fp16"}), CLI::ValidationError);
-  const StepArgs given = parse({"--compute-dtype", "bf16"});
+  // The options' own records live in the App: keep it alive while they are read.
+  CLI::App app;
+  StepArgs given;
+  add_step_options(&app, given, {train::TrainOptions{}.batch, train::TrainOptions{}.seq});
+  app.parse(std::vector<std::string>{"bf16", "--compute-dtype"});  // reversed, as CLI11 takes it
   EXPECT_EQ(given.compute_option->count(), 1u);
   EXPECT_EQ(given.remat_option->count(), 0u);
 }
