@@ -44,6 +44,21 @@ TEST(ModelConfig, HuggingFaceJsonRoundTripBothFamilies) {
   }
 }
 
+// A config.json without partial_rotary_factor rotates what transformers rotates: a quarter of the head (its default
+// for both families), not the whole head.
+TEST(ModelConfig, AbsentPartialRotaryFactorIsTransformersDefault) {
+  for (const char* n : {"qwen3-next-80b-a3b", "qwen3.5-35b-a3b"}) {
+    nlohmann::json j = config_to_hf_json(preset(n));
+    for (nlohmann::json* t : {&j, j.contains("text_config") ? &j["text_config"] : &j}) {
+      t->erase("partial_rotary_factor");
+      if (t->contains("rope_parameters")) (*t)["rope_parameters"].erase("partial_rotary_factor");
+    }
+    const ModelConfig c = config_from_hf_json(j);
+    EXPECT_DOUBLE_EQ(c.partial_rotary, 0.25) << n;
+    EXPECT_EQ(c.rotary_dim(), c.head_dim / 4) << n;
+  }
+}
+
 TEST(ModelConfig, DenseQwen35AndErrors) {
   nlohmann::json j = config_to_hf_json(preset("qwen3.5-35b-a3b"));
   auto& t = j["text_config"];

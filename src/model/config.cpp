@@ -219,7 +219,8 @@ ModelConfig config_from_hf_json(const json& root, const std::string& src) {
   const json rope = j.contains("rope_parameters") && j.at("rope_parameters").is_object() ? j.at("rope_parameters")
                                                                                         : json::object();
   c.rope_theta = get_or<double>(j, "rope_theta", get_or<double>(rope, "rope_theta", 10000.0));
-  c.partial_rotary = get_or<double>(j, "partial_rotary_factor", get_or<double>(rope, "partial_rotary_factor", 1.0));
+  // Absent, the factor is transformers' default for both families (Qwen3NextConfig and Qwen3_5TextConfig set 0.25).
+  c.partial_rotary = get_or<double>(j, "partial_rotary_factor", get_or<double>(rope, "partial_rotary_factor", 0.25));
   c.k_heads = get<int64_t>(j, "linear_num_key_heads", src);
   c.v_heads = get<int64_t>(j, "linear_num_value_heads", src);
   c.dk = get<int64_t>(j, "linear_key_head_dim", src);
