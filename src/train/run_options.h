@@ -31,6 +31,9 @@ struct TrainOptions {
   std::string tokenizer;        // tokenizer.json for `text` (default: the one beside the --init / --resume weights)
   bool synthetic = false;       // random tokens instead of text
   int64_t steps = 200, batch = 8, seq = 256;
+  // Micro-batches of `batch` sequences whose gradients are summed into each update (--grad-accum): an update sees
+  // batch * grad_accum sequences with the memory of `batch`.
+  int64_t grad_accum = 1;
   uint64_t seed = 1;
   OptimizerConfig opt;
   StepOptions step;
