@@ -178,9 +178,9 @@ void register_train(CLI::App& app) {
   add_step_options(c, a->step, {train::TrainOptions{}.batch, train::TrainOptions{}.seq});
   auto* text = c->add_option("--text", a->o.text,
                              "Training text: byte tokens, or encoded by --tokenizer (default: the tokenizer.json beside "
-                             "the --init / --resume weights); the last 2% is held out")
+                             "the --init / --resume weights); the last 2% is held out (unless --eval-data)")
                    ->check(CLI::ExistingFile);
-  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out")
+  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out (unless --eval-data)")
       ->check(CLI::ExistingFile)
       ->excludes(text);
   c->add_option("--tokenizer", a->o.tokenizer,
@@ -207,6 +207,11 @@ void register_train(CLI::App& app) {
   c->add_option("--seed", a->o.seed, "Seed for initialisation and data order")->capture_default_str();
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
+  c->add_option("--eval-data", a->o.eval_data,
+                "Held-out data evaluated every --eval-every steps instead of the last 2% of the training data: a token "
+                "file from 'hybridscan tokenize' (of the training data's tokenizer) or a text (encoded as the training "
+                "text is)")
+      ->check(CLI::ExistingFile);
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
   c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");

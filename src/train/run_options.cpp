@@ -15,7 +15,7 @@ nlohmann::json options_to_json(const TrainOptions& o) {
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
           {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
           {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
-          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
+          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}, {"eval_data", o.eval_data}};
 }
 
 void options_from_json(const nlohmann::json& j, TrainOptions& o) {
@@ -43,6 +43,7 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
   o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
+  o.eval_data = j.value("eval_data", o.eval_data);
   // The step's arithmetic: a resume without them would silently compute another curve, so they come back too, and a
   // command line that names other ones is refused.
   if (j.contains("compute_dtype")) {

@@ -47,6 +47,9 @@ struct TrainOptions {
   std::string out;              // output directory: metrics.jsonl, loss.svg, checkpoints
   int64_t eval_every = 50, eval_batches = 8;
   double heldout_fraction = 0.02;
+  // Held-out data evaluated every eval_every steps instead of the last heldout_fraction of the training data: a token
+  // file or a text in the training data's ids (train::load_eval_tokens).
+  std::string eval_data;
   bool progress = true;         // live progress line on stderr
   int64_t save_every = 0;       // write <out>/checkpoint-<step> every N steps (0: only at the end, when --out is set)
   std::string init;             // start from these weights (native or Hugging Face checkpoint directory)

@@ -143,7 +143,7 @@ class Run {
   std::optional<checkpoint::CheckpointDir> resume_;
   int64_t first_step_ = 0, last_step_ = 0, param_count_ = 0;
   model::ModelConfig cfg_;
-  Tokens tokens_;
+  Tokens tokens_, eval_tokens_;  // eval_tokens_: --eval-data's
   Corpus corpus_;
   std::string carried_tokenizer_;  // the tokenizer the ids belong to, which checkpoints carry
   MemoryAccountant mem_;
@@ -210,7 +210,15 @@ void Run::load_corpus() {
     if (o_.text.empty() && o_.data.empty())
       throw std::invalid_argument("no corpus: neither a token file nor a text was given, and no synthetic tokens asked for");
     tokens_ = load_tokens({o_.data, o_.text, o_.tokenizer}, vocab);
-    corpus_ = split_heldout(tokens_.tokens, o_.heldout_fraction, o_.seq, tokens_.description);
+    // With --eval-data every training token trains (a fraction of 0 splits nothing off).
+    corpus_ = split_heldout(tokens_.tokens, o_.eval_data.empty() ? o_.heldout_fraction : 0.0, o_.seq,
+                            tokens_.description);
+  }
+  if (!o_.eval_data.empty()) {
+    const std::string tokenizer = !o_.tokenizer.empty() ? o_.tokenizer : vocab.tokenizer;
+    const bool bytes = !o_.synthetic && o_.data.empty() && tokenizer.empty();
+    eval_tokens_ = load_eval_tokens(o_.eval_data, o_.synthetic ? "" : o_.data, tokenizer, bytes, vocab);
+    corpus_.heldout = eval_tokens_.tokens;
   }
   // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
   carried_tokenizer_ = !tokens_.tokenizer.empty() ? tokens_.tokenizer : vocab.tokenizer;
@@ -302,6 +310,7 @@ void Run::log_setup() {
   if (!o_.synthetic)
     log_ << ", corpus " << tokens_.description << ": " << corpus_.train.size() << " train / " << corpus_.heldout.size()
          << " held-out tokens";
+  if (!o_.eval_data.empty()) log_ << ", held out: " << eval_tokens_.description;
   log_ << "\n";
   if (dist_)
     log_ << world_ << " ranks: FSDP groups of " << shards_ << " (" << world_ / shards_ << " data-parallel replicas), "
@@ -371,7 +380,7 @@ bool Run::record(int64_t step, const StepRecord& s) {
                       {"peak_bytes", s.peak.total()}};
   if (dist_) m["comm_exposed_s"] = s.comm_seconds;
   if (profiling_) m["profile"] = profile_json(s.profile, s.seconds, false);
-  const bool evaluate = !o_.synthetic && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
+  const bool evaluate = (!o_.synthetic || !o_.eval_data.empty()) && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
   if (evaluate) {
     const EvalResult e = evaluate_tokens(step_->params(), corpus_.heldout, o_.seq, o_.batch, o_.step.compute, mem_,
                                          o_.eval_batches, dist_ ? dist_->fsdp : nullptr);
