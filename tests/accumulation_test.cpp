@@ -148,6 +148,33 @@ TEST(GradAccum, PlannedAndMeasuredMemoryIsOneMicroBatch) {
   EXPECT_EQ(s.temp_bytes, four.temp_bytes);
 }
 
+// A checkpoint keeps --grad-accum and a resume takes it back (like --batch: the checkpoint's options win), so the
+// rest of the run draws the same rows and gives the uninterrupted run's losses to the bit.
+TEST(GradAccum, ResumeTakesTheAccumulationBack) {
+  test::TempDir dir;
+  auto options = [&](const std::string& out) {
+    TrainOptions o = tiny_synthetic_run(5, 16);
+    o.step.compute = DType::F32;
+    o.grad_accum = 3;
+    o.out = (dir / out).string();
+    return o;
+  };
+  std::ostringstream log;
+  const TrainSummary whole = run_training(options("whole"), log);
+  TrainOptions first = options("part");
+  first.stop_after = 3;
+  run_training(first, log);
+  TrainOptions rest = options("rest");
+  rest.grad_accum = 1;
+  rest.synthetic = false;
+  rest.resume = (dir / "part/checkpoint-3").string();
+  const TrainSummary resumed = run_training(rest, log);
+  ASSERT_EQ(resumed.losses.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(resumed.losses[i], whole.losses[3 + i]) << i;
+  EXPECT_EQ(whole.tokens, 5 * 2 * 3 * 16);  // updates of 2 x 3 rows of 16 tokens
+  EXPECT_EQ(resumed.tokens, 2 * 2 * 3 * 16);
+}
+
 TEST(GradAccum, RefusesTheUpdateInTheBackward) {
   TrainOptions o = tiny_synthetic_run(1, 16);
   o.opt.clip = 0;

@@ -335,12 +335,13 @@ StepRecord Run::take_step(int64_t step) {
   // The update's batch * grad_accum rows, drawn as one batch: micro-batch k is rows [k batch, (k + 1) batch), each
   // rank its share of those, so the update is that of one batch of all the rows.
   const int64_t rows = o_.batch * o_.grad_accum;
-  const TokenBatch all = o_.synthetic ? synthetic_batch(cfg_.vocab, rows, o_.seq, o_.seed, step)
-                                      : sample_batch(corpus_.train, rows, o_.seq, o_.seed, step);
+  TokenBatch all = o_.synthetic ? synthetic_batch(cfg_.vocab, rows, o_.seq, o_.seed, step)
+                                : sample_batch(corpus_.train, rows, o_.seq, o_.seed, step);
   const int64_t mine = o_.batch / world_;
   std::vector<TokenBatch> micro;
-  for (int64_t k = 0; k < o_.grad_accum; ++k)
-    micro.push_back(dist_ || o_.grad_accum > 1 ? rows_of(all, k * o_.batch + rank_ * mine, mine) : all);
+  if (!dist_ && o_.grad_accum == 1) micro.push_back(std::move(all));
+  else
+    for (int64_t k = 0; k < o_.grad_accum; ++k) micro.push_back(rows_of(all, k * o_.batch + rank_ * mine, mine));
   std::vector<Batch> batches;
   for (const TokenBatch& tb : micro) batches.push_back(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq});
   StepRecord s;
