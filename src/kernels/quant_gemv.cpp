@@ -26,6 +26,56 @@ std::atomic<int> g_vnni{-1};  // -1: as the CPU says
 
 bool act_is_q8k(GgmlType t) { return t == GgmlType::Q4_K || t == GgmlType::Q5_K || t == GgmlType::Q6_K; }
 
+// The 8 scales and 8 mins of a Q4_K / Q5_K block (unpack_scale_min_k4 for all j at once, without branches): bytes
+// 0..7 of out the scales, 8..15 the mins.
+inline void unpack_k4_scales(const uint8_t* q, uint8_t out[16]) {
+  uint32_t u[3], v[4];
+  std::memcpy(u, q, 12);
+  v[0] = u[0] & 0x3f3f3f3f;                                          // scales 0..3
+  v[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);    // scales 4..7
+  v[2] = u[1] & 0x3f3f3f3f;                                          // mins 0..3
+  v[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);  // mins 4..7
+  std::memcpy(out, v, 16);
+}
+
+// sum_s a[s] * b[s] over 8 unsigned bytes and 8 int16 (exact).
+inline int32_t dot8_u8_i16(const uint8_t* a, const int16_t* b) {
+  const __m128i p = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))),
+                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  const __m128i q = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+// sum_s a[s] * b[s] over 16 signed bytes and 16 int16 (exact).
+inline int32_t dot16_i8_i16(const int8_t* a, const int16_t* b) {
+  const __m128i av = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i p = _mm_add_epi32(
+      _mm_madd_epi16(_mm_cvtepi8_epi16(av), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b))),
+      _mm_madd_epi16(_mm_cvtepi8_epi16(_mm_srli_si128(av, 8)), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 8))));
+  const __m128i q = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(q, _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+// Byte-shuffle controls that fill the low 16 bytes of a 32-byte register with int16 word `lo` of its 128-bit lane
+// and the high 16 with word `hi` (V::pick).
+struct PickTable {
+  alignas(32) uint8_t c[8][8][32] = {};
+  constexpr PickTable() {
+    for (int lo = 0; lo < 8; ++lo)
+      for (int hi = 0; hi < 8; ++hi)
+        for (int k = 0; k < 16; ++k) {
+          c[lo][hi][k] = static_cast<uint8_t>(2 * lo + k % 2);
+          c[lo][hi][16 + k] = static_cast<uint8_t>(2 * hi + k % 2);
+        }
+  }
+};
+constexpr PickTable kPick;
+
+// The sums of each sub-block of 32 of a Q8_K block: bsums in pairs.
+inline void q8k_pair_sums(const BlockQ8_K& a, int16_t out[8]) {
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsums));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.bsums + 8));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_hadd_epi16(lo, hi));
+}
+
 // ---- the plain path: the definition in the header, one lane at a time.
 namespace quant_scalar {
 struct V {
@@ -117,13 +167,24 @@ struct V {
     for (int j = 0; j < 32; ++j) v.b[j] = static_cast<uint8_t>(((a.b[j] >> shift) & 3) << 4);
     return v;
   }
-  // int16 scales of the 16 byte pairs: the first 8 pairs (bytes 0..15) s0[0], the next 8 s1[0].
-  static I scales16(const int16_t* s0, const int16_t* s1) {
+  // Eight int16 scales of a row; pick: the int16 scales of the 16 byte pairs, the first 8 pairs (bytes 0..15) word
+  // lo, the next 8 word hi.
+  struct S {
+    int16_t w[8];
+  };
+  static S load_scales_u8(const uint8_t* const* p) {
+    S s;
+    for (int i = 0; i < 8; ++i) s.w[i] = p[0][i];
+    return s;
+  }
+  static S load_scales_i8(const uint8_t* const* p) {
+    S s;
+    for (int i = 0; i < 8; ++i) s.w[i] = static_cast<int8_t>(p[0][i]);
+    return s;
+  }
+  static I pick(const S& s, int lo, int hi) {
     I v;
-    for (int k = 0; k < 16; ++k) {
-      const int16_t s = k < 8 ? s0[0] : s1[0];
-      std::memcpy(v.b + 2 * k, &s, 2);
-    }
+    for (int k = 0; k < 16; ++k) std::memcpy(v.b + 2 * k, &s.w[k < 8 ? lo : hi], 2);
     return v;
   }
   static int16_t scale_of_pair(const I& s, int k) {
@@ -199,8 +260,15 @@ struct V {
   HS_Q_AVX2 static I two_bits_to_16(I a, int shift) {
     return _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(a, _mm_cvtsi32_si128(shift)), _mm256_set1_epi8(3)), 4);
   }
-  HS_Q_AVX2 static I scales16(const int16_t* s0, const int16_t* s1) {
-    return _mm256_set_m128i(_mm_set1_epi16(s1[0]), _mm_set1_epi16(s0[0]));
+  using S = __m256i;  // the row's 8 int16 scales in both 128-bit lanes
+  HS_Q_AVX2 static S load_scales_u8(const uint8_t* const* p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0]))));
+  }
+  HS_Q_AVX2 static S load_scales_i8(const uint8_t* const* p) {
+    return _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0]))));
+  }
+  HS_Q_AVX2 static I pick(S s, int lo, int hi) {
+    return _mm256_shuffle_epi8(s, _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick.c[lo][hi])));
   }
   HS_Q_AVX2 static I dot_unsigned(I u, I x) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)); }
   HS_Q_AVX2 static I dot_signed(I w, I x) {
@@ -259,10 +327,20 @@ template <bool kVnni> struct V512 {
   HS_Q_AVX512 static I two_bits_to_16(I a, int shift) {
     return _mm512_slli_epi16(_mm512_and_si512(_mm512_srl_epi16(a, _mm_cvtsi32_si128(shift)), _mm512_set1_epi8(3)), 4);
   }
-  HS_Q_AVX512 static I scales16(const int16_t* s0, const int16_t* s1) {
-    const __m256i a = _mm256_set_m128i(_mm_set1_epi16(s1[0]), _mm_set1_epi16(s0[0]));
-    const __m256i b = _mm256_set_m128i(_mm_set1_epi16(s1[1]), _mm_set1_epi16(s0[1]));
-    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  using S = __m512i;  // row 0's 8 int16 scales in 128-bit lanes 0 and 1, row 1's in lanes 2 and 3
+  HS_Q_AVX512 static S two_rows(__m128i a, __m128i b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(a)), _mm256_broadcastsi128_si256(b), 1);
+  }
+  HS_Q_AVX512 static S load_scales_u8(const uint8_t* const* p) {
+    return two_rows(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0]))),
+                    _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[1]))));
+  }
+  HS_Q_AVX512 static S load_scales_i8(const uint8_t* const* p) {
+    return two_rows(_mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[0]))),
+                    _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p[1]))));
+  }
+  HS_Q_AVX512 static I pick(S s, int lo, int hi) {
+    return _mm512_shuffle_epi8(s, _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(kPick.c[lo][hi]))));
   }
   HS_Q_AVX512 static I dot_unsigned(I u, I x) {
     if constexpr (kVnni) return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
