@@ -1,4 +1,4 @@
-// The quantized decode products (kernels/quant_gemv.h): every path (Scalar, AVX2, AVX-512 with and without VNNI) gives
+// The quantized decode products (kernels/quant_gemv.h): every path (Scalar, AVX2, AVX-512; VNNI or not) gives
 // the Scalar path's bits, which are within the fp32 bound of the double reference (dequantized weights times the
 // quantized activations); the same bits at any thread count and any split of the rows; row ranges read and write
 // only their rows; the activations' quantization is ggml's (Q8_K) or within half a step (32-blocks).
@@ -24,9 +24,10 @@ struct Path {
 };
 std::vector<Path> paths() {
   std::vector<Path> v{{cpu::Level::Scalar, false}, {cpu::Level::Avx2, false}};
+  if (cpu::detected().avx_vnni) v.push_back({cpu::Level::Avx2, true});
   if (cpu::allows(cpu::Level::Avx512)) {
     v.push_back({cpu::Level::Avx512, false});
-    if (cpu::detected().avx512_vnni) v.push_back({cpu::Level::Avx512, true});
+    if (cpu::detected().avx512_vnni || cpu::detected().avx_vnni) v.push_back({cpu::Level::Avx512, true});
   }
   return v;
 }

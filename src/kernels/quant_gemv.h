@@ -7,7 +7,7 @@
 // (scale kept in fp32, where llama.cpp's Q8_0 rounds it to fp16), Q8_K super-blocks (ggml's quantize_row_q8_K_ref)
 // for the K-quants. Every weight-block x activation-block product is then an exact integer dot.
 //
-// The arithmetic, the same on every path (Scalar, AVX2, AVX-512 with or without VNNI), hence bit-identical results:
+// The arithmetic, the same on every path (Scalar, AVX2, AVX-512; VNNI or not), hence bit-identical results:
 // for each output (m, n), 8 fp32 lanes acc[i] and one fp32 `off`, all starting at 0; for each weight block b in
 // order (a 32-element block, or a 256-element super-block):
 //   f = dx * dw                                          (fp32 product: the activation's and the block's scale)
@@ -33,10 +33,12 @@ namespace hs::kernels {
 
 // The weight types the products take: Q8_0, Q4_0, Q4_K, Q5_K, Q6_K.
 bool quant_gemv_supports(GgmlType t);
-// The path quant_gemv takes by default: AVX-512 (with VNNI where the CPU has it) where allowed, else AVX2.
+// The path quant_gemv takes by default: AVX-512 where allowed, else AVX2. Both work on 256-bit registers, one weight
+// row per register; the dots are vpdpbusd where the CPU has it (AVX-512-VNNI at the AVX-512 level; AVX-VNNI, the VEX
+// form, at either level), else vpmaddubsw + vpmaddwd.
 cpu::Level quant_gemv_level();
-// For tests and benchmarks: whether the AVX-512 path may use vpdpbusd (default: when the CPU has AVX-512-VNNI).
-// Results do not depend on it.
+// For tests and benchmarks: whether the paths may use vpdpbusd (default: yes, where the CPU has it). Results do not
+// depend on it.
 void set_quant_gemv_vnni(bool allowed);
 bool quant_gemv_uses_vnni();
 
@@ -83,6 +85,17 @@ void quant_gemv_rows(const QuantizedRows& xq, const void* W, float* y, int64_t l
 // [e * F, (e + 1) * F). Ranges are split among OpenMP threads; the bits are quant_gemv's.
 void quant_gemv_ranges(const QuantizedRows& xq, const void* W, float* y, int64_t ldy,
                        const std::vector<std::pair<int64_t, int64_t>>& ranges, cpu::Level isa);
+
+// Prefill products: y[M, N] = x[M, K] W^T for any M (fp32 y, rows ldy apart). Two ways, chosen by `how`:
+//  * Int8: the decode arithmetic above for every row (x quantized per row, weight rows in tiles that stay in cache
+//    while all of x passes over them): the same bits as quant_gemv gives each row.
+//  * Dequantized: tiles of weight rows dequantized to x's dtype (fp32, or bf16: the weights rounded to bf16) and
+//    multiplied by kernels::matmul (oneDNN).
+// The default (Auto) is the one measured faster here (docs/quantization.md).
+enum class QuantMatmul { Auto, Int8, Dequantized };
+template <typename T>
+void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, int64_t N, int64_t K, int64_t ldx = 0,
+                  int64_t ldy = 0, QuantMatmul how = QuantMatmul::Auto);
 
 namespace reference {
 // The sums quant_gemv rounds, in double: y[m, n] = sum_k w_k x_k with w the dequantized weights (dequantize_row) and x
