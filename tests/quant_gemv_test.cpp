@@ -222,6 +222,44 @@ TEST(QuantGemv, CloseToTheFp32Product) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), 4 * N), 0);
 }
 
+// Prefill: the int8 way gives every row the bits quant_gemv gives it; the dequantized way (oneDNN on dequantized
+// tiles) is within fp32 summation (fp32 x) or bf16's rounding of x and the weights (bf16 x: 2 * 2^-9 per product,
+// bounded relative to sum |w x|) of the product of the dequantized weights.
+TEST(QuantGemv, PrefillProducts) {
+  const int64_t M = 40, N = 300, K = 512;
+  for (GgmlType t : kTypes) {
+    const std::vector<uint8_t> W = make_weights(t, N, K, 31);
+    const std::vector<float> x = test::randn(static_cast<size_t>(M * K), 37);
+    std::vector<float> int8(static_cast<size_t>(M * N)), rows(static_cast<size_t>(M * N));
+    quant_matmul(t, x.data(), W.data(), int8.data(), M, N, K, 0, 0, QuantMatmul::Int8);
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvMaxRows) {
+      const int64_t mr = std::min(kGemvMaxRows, M - m0);
+      quant_gemv(t, x.data() + m0 * K, W.data(), rows.data() + m0 * N, mr, N, K);
+    }
+    std::string where;
+    EXPECT_TRUE(same_bits(int8, rows, where)) << ggml_type_info(t).name << " " << where;
+    std::vector<float> w(static_cast<size_t>(N * K));
+    for (int64_t n = 0; n < N; ++n) dequantize_row(t, W.data() + n * ggml_row_bytes(t, K), w.data() + n * K, K);
+    for (bool bf : {false, true}) {
+      std::vector<float> y(static_cast<size_t>(M * N));
+      const std::vector<bf16> xb = test::cast<bf16>(x);
+      if (bf) quant_matmul(t, xb.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
+      else quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+          double s = 0, a = 0;
+          for (int64_t k = 0; k < K; ++k) {
+            const double xk = bf ? double(to_f32(xb[m * K + k])) : double(x[m * K + k]);
+            s += double(w[n * K + k]) * xk;
+            a += std::fabs(double(w[n * K + k]) * xk);
+          }
+          const double tol = bf ? std::ldexp(1.0, -8) * a : K * std::ldexp(1.0, -24) * a;
+          ASSERT_LE(std::fabs(y[m * N + n] - s), tol) << ggml_type_info(t).name << (bf ? " bf16" : " fp32") << " m " << m << " n " << n;
+        }
+    }
+  }
+}
+
 TEST(QuantGemv, RefusesWhatItCannotDo) {
   std::vector<float> x(256), y(4);
   std::vector<uint8_t> W(4 * 256);

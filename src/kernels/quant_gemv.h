@@ -91,7 +91,8 @@ void quant_gemv_ranges(const QuantizedRows& xq, const void* W, float* y, int64_t
 //    while all of x passes over them): the same bits as quant_gemv gives each row.
 //  * Dequantized: tiles of weight rows dequantized to x's dtype (fp32, or bf16: the weights rounded to bf16) and
 //    multiplied by kernels::matmul (oneDNN).
-// The default (Auto) is the one measured faster here (docs/quantization.md).
+// The default (Auto) is the one measured faster here (docs/quantization.md): dequantized for Q8_0 / Q4_0, int8 for
+// the K-quants.
 enum class QuantMatmul { Auto, Int8, Dequantized };
 template <typename T>
 void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, int64_t N, int64_t K, int64_t ldx = 0,

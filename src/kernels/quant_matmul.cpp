@@ -47,7 +47,10 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
   if (ldy == 0) ldy = N;
   const auto* w = static_cast<const uint8_t*>(W);
   const int64_t rb = ggml_row_bytes(t, K);
-  if (how == QuantMatmul::Auto) how = QuantMatmul::Int8;
+  // Measured here (M = 512, N = K = 2048, bf16 x, 2 threads, medians of 5 alternated runs): Q8_0 244 GFLOP/s
+  // dequantized against 82 int8; Q4_K 59 dequantized (its dequantization is the slower part) against 83 int8.
+  if (how == QuantMatmul::Auto)
+    how = (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
   if (how == QuantMatmul::Int8) {
     QuantizedRows xq;
     quantize_rows(t, x, M, K, ldx, xq);
