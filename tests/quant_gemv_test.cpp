@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels/quant.h"
+#include "kernels/paths.h"
 #include "kernels/quant_gemv.h"
 #include "test_util.h"
 
@@ -124,14 +125,14 @@ TEST(QuantGemv, EveryPathGivesTheScalarBitsWithinTheBound) {
 }
 
 TEST(QuantGemv, SameBitsAtAnyThreadCountAndSplit) {
-  const int64_t M = 3, N = 301, K = 512;
+  const int64_t M = 3, N = 2101, K = 512;  // >= 512 KiB of weights for every type: the threaded path
   for (GgmlType t : kTypes) {
     const std::vector<uint8_t> W = make_weights(t, N, K, 3);
     const std::vector<float> x = test::randn(static_cast<size_t>(M * K), 9);
     const Path widest = paths().back();
     const std::vector<float> one = test::with_threads(1, [&] { return run(t, x, W, M, N, K, widest); });
+    std::string where;
     for (int threads : {2, 3}) {
-      std::string where;
       const std::vector<float> many = test::with_threads(threads, [&] { return run(t, x, W, M, N, K, widest); });
       EXPECT_TRUE(same_bits(many, one, where)) << ggml_type_info(t).name << " " << threads << " threads " << where;
     }
@@ -141,7 +142,9 @@ TEST(QuantGemv, SameBitsAtAnyThreadCountAndSplit) {
     VnniScope vnni(widest.vnni);
     std::vector<float> pieces(static_cast<size_t>(M * N), -1.f);
     for (int64_t n0 = 0; n0 < N; n0 += 37) quant_gemv_rows(xq, W.data(), pieces.data(), N, n0, std::min(N, n0 + 37), widest.isa);
-    std::string where;
+    // and against the plain path on one thread (the threaded path must not only agree with itself)
+    const std::vector<float> scalar = test::with_threads(1, [&] { return run(t, x, W, M, N, K, {cpu::Level::Scalar, false}); });
+    EXPECT_TRUE(same_bits(one, scalar, where)) << ggml_type_info(t).name << " " << where;
     EXPECT_TRUE(same_bits(pieces, one, where)) << ggml_type_info(t).name << " pieces " << where;
     const std::vector<std::pair<int64_t, int64_t>> ranges = {{5, 40}, {100, 101}, {200, 290}};
     std::vector<float> ranged(static_cast<size_t>(M * N), -7.f);
@@ -258,6 +261,14 @@ TEST(QuantGemv, PrefillProducts) {
         }
     }
   }
+}
+
+TEST(QuantGemv, ChoosesWithinTheLevelAndSaysSo) {
+  EXPECT_EQ(quant_gemv_level(), cpu::allows(cpu::Level::Avx512) ? cpu::Level::Avx512 : cpu::Level::Avx2);
+  const std::string report = kernel_paths_report();
+  EXPECT_NE(report.find(std::string("quantized gemv (decode, GGUF blocks): ") + cpu::level_name(quant_gemv_level())),
+            std::string::npos)
+      << report;
 }
 
 TEST(QuantGemv, RefusesWhatItCannotDo) {

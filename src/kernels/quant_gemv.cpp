@@ -442,17 +442,18 @@ void quant_gemv(GgmlType t, const T* x, const void* W, float* y, int64_t M, int6
     throw std::invalid_argument("quant_gemv takes 0.." + std::to_string(kGemvMaxRows) + " rows, not " + std::to_string(M));
   if (M == 0 || N == 0) return;
   if (ldy == 0) ldy = N;
-  thread_local QuantizedRows xq;
+  thread_local QuantizedRows rows_of_this_thread;
+  QuantizedRows& xq = rows_of_this_thread;  // the caller's: inside the parallel region the name would be each thread's
   quantize_rows(t, x, M, K, ldx, xq);
   const int64_t wrow = ggml_row_bytes(t, K);
   const auto* w = static_cast<const uint8_t*>(W);
   const int threads = omp_get_max_threads();
   if (N * wrow < kParallelBytes || threads == 1) return rows_on(isa, xq, w, y, ldy, 0, N);
-  // Equal shares of rows, even-sized (AVX-512 takes rows two at a time).
+  // Equal shares of rows.
 #pragma omp parallel num_threads(threads)
   {
     const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-    const int64_t share = (N / 2 + nt - 1) / nt * 2;
+    const int64_t share = (N + nt - 1) / nt;
     const int64_t n0 = std::min(N, id * share), n1 = std::min(N, n0 + share);
     if (n1 > n0) rows_on(isa, xq, w, y, ldy, n0, n1);
   }
