@@ -146,7 +146,7 @@ TEST(QuantGemv, SameBitsAtAnyThreadCountAndSplit) {
     const std::vector<float> scalar = test::with_threads(1, [&] { return run(t, x, W, M, N, K, {cpu::Level::Scalar, false}); });
     EXPECT_TRUE(same_bits(one, scalar, where)) << ggml_type_info(t).name << " " << where;
     EXPECT_TRUE(same_bits(pieces, one, where)) << ggml_type_info(t).name << " pieces " << where;
-    const std::vector<std::pair<int64_t, int64_t>> ranges = {{5, 40}, {100, 101}, {200, 290}};
+    const std::vector<std::pair<int64_t, int64_t>> ranges = {{5, 40}, {100, 101}, {200, 290}, {300, 2101}};  // >= 512 KiB: threaded
     std::vector<float> ranged(static_cast<size_t>(M * N), -7.f);
     test::with_threads(2, [&] { quant_gemv_ranges(xq, W.data(), ranged.data(), N, ranges, widest.isa); return 0; });
     for (int64_t m = 0; m < M; ++m)
