@@ -5,7 +5,8 @@
 // block's fp16 scales and its integer, minus the min's product where the type has one; no fused multiply-add), and
 // the quantizers are ggml's reference ones (quantize_row_*_ref in ggml-quants.c, the ones llama-quantize runs
 // without an importance matrix), operation for operation in fp32, so a block we write is the block ggml writes.
-// tests/quant_format_test.cpp checks both against the Python package and, for the K-quants, against libggml.
+// tests/quant_format_test.cpp checks both against the Python package, tests/quant_ggml_test.cpp the K-quant
+// quantizers against libggml's.
 #pragma once
 #include <immintrin.h>
 
