@@ -8,6 +8,7 @@
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "cli/step_options.h"
+#include "gguf/import.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 
@@ -51,10 +52,11 @@ void register_inspect(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("inspect", "List a checkpoint's tensors, its layout, family and parameter count");
-  c->add_option("path", a->path, "Checkpoint directory")->required()->check(CLI::ExistingPath);
+  c->add_option("path", a->path, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   c->add_flag("--json", a->json, "Print JSON");
   c->callback([a] {
-    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->path);
+    const gguf::CheckpointPath source(a->path);  // a .gguf file is imported for the run
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     checkpoint::CheckpointReader r(d.path);
     nlohmann::json tensors = nlohmann::json::array();
     uint64_t elems = 0, bytes = 0, skipped = 0;
@@ -102,7 +104,7 @@ void register_eval(CLI::App& app) {
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("eval", "Cross-entropy and bits per byte of a checkpoint (native or Hugging Face) "
                                            "on a text or a token file");
-  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   auto* text = c->add_option("--text", a->data.text,
                              "Text file: encoded by --tokenizer, else by the checkpoint's tokenizer.json, else byte tokens")
                    ->check(CLI::ExistingFile);
@@ -117,9 +119,10 @@ void register_eval(CLI::App& app) {
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
-    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->checkpoint);
+    const gguf::CheckpointPath source(a->checkpoint);  // a .gguf file is imported for the run
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     // The data is checked against the model before any weight is read.
-    const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(a->checkpoint)});
+    const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(source.path())});
     MemoryAccountant mem;
     model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
     for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
