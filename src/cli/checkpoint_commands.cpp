@@ -1,6 +1,7 @@
 // convert, inspect and eval: the checkpoint-facing subcommands.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -8,6 +9,7 @@
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "cli/step_options.h"
+#include "gguf/export.h"
 #include "gguf/import.h"
 #include "train/data.h"
 #include "train/evaluate.h"
@@ -16,7 +18,7 @@ namespace hs::cli {
 
 void register_convert(CLI::App& app) {
   struct Args {
-    std::string from, to, format = "native", layout = "scanned", max_shard = "5GB";
+    std::string from, to, format = "native", layout = "scanned", max_shard = "5GB", quantize;
     bool overwrite = false, quiet = false;
   };
   auto a = std::make_shared<Args>();
@@ -30,7 +32,22 @@ void register_convert(CLI::App& app) {
   c->add_option("--max-shard-size", a->max_shard, "Largest shard (tensor bytes), e.g. 5GB")->capture_default_str();
   c->add_flag("--overwrite", a->overwrite, "Replace a non-empty destination");
   c->add_flag("--quiet", a->quiet, "No progress lines");
+  c->add_option("--quantize", a->quantize,
+                "Write --to as one GGUF file llama.cpp loads: f32 | f16 | bf16 | q8_0 | q4_k | q5_k | q6_k | mixed "
+                "(docs/gguf.md)");
   c->callback([a] {
+    if (!a->quantize.empty()) {
+      const gguf::QuantScheme s = gguf::parse_quant_scheme(a->quantize);
+      if (!gguf::is_gguf_path(a->to)) throw std::invalid_argument("--quantize writes a GGUF file: --to must end in .gguf");
+      if (std::filesystem::exists(a->to) && !a->overwrite)
+        throw std::invalid_argument(a->to + " exists (--overwrite replaces it)");
+      const gguf::ExportReport r = gguf::export_gguf(a->from, a->to, s);
+      for (const auto& n : r.notes) std::fprintf(stderr, "convert: note: %s\n", n.c_str());
+      std::printf("converted %s -> %s (gguf %s, %s): %zu tensors, %s\n", a->from.c_str(), a->to.c_str(),
+                  r.architecture.c_str(), gguf::quant_scheme_name(s).c_str(), r.tensors,
+                  format_bytes(double(r.bytes)).c_str());
+      return;
+    }
     checkpoint::ConvertOptions o;
     o.to = a->format == "hf" ? checkpoint::Format::HuggingFace : checkpoint::Format::Native;
     o.layout = a->layout == "scanned" ? checkpoint::Layout::Scanned : checkpoint::Layout::Unscanned;

@@ -67,20 +67,9 @@ std::vector<float> load(const GgufReader& r, const std::string& name, const Shap
   return dequantize_tensor(r, *t);
 }
 
-// Undoes Qwen3.5's V-head reorder (convert_hf_to_gguf.py's _reorder_v_heads): the converter stores value head
-// blocks in tiled order [K0 v0, K1 v0, ..., K0 v1, ...]; the engine, as transformers, groups them by key head
-// [K0 v0, K0 v1, ..., K1 v0, ...]. Block h = g r + j of the result is block j Hk + g of the input. Blocks are
-// `block` consecutive elements; `stride`/`offset` select where the head blocks sit in each of `outer` rows.
 void ungroup_v_heads(std::vector<float>& x, int64_t outer, int64_t stride, int64_t offset, int64_t hk, int64_t r,
                      int64_t block) {
-  std::vector<float> row(static_cast<size_t>(hk * r * block));
-  for (int64_t o = 0; o < outer; ++o) {
-    float* base = x.data() + o * stride + offset;
-    std::memcpy(row.data(), base, row.size() * sizeof(float));
-    for (int64_t g = 0; g < hk; ++g)
-      for (int64_t j = 0; j < r; ++j)
-        std::memcpy(base + (g * r + j) * block, row.data() + (j * hk + g) * block, block * sizeof(float));
-  }
+  reorder_v_heads(x, outer, stride, offset, hk, r, block, /*to_tiled=*/false);
 }
 
 void minus_one(std::vector<float>& x) {
