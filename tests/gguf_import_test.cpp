@@ -317,3 +317,45 @@ TEST(GgufExportQuantized, ExportImportRoundTripOfTheNativeCheckpointGenerates) {
 
 }  // namespace
 }  // namespace hs::gguf
+
+namespace hs::gguf {
+namespace {
+
+nlohmann::json last_json_line(const std::string& out) {
+  const size_t end = out.find_last_not_of('\n'), start = out.rfind('\n', end);
+  return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1, end - start));
+}
+
+// plan --generate of a .gguf equals what generate measures on it (dequantized at load: fp32 weights), to the byte,
+// and reports the file's own tensor bytes as what quantized storage will hold.
+TEST(GgufImportCli, PlanOfAGgufEqualsWhatGenerateMeasures) {
+  const std::string f = fixture("qwen3_next_L5.q8_0");
+  const auto g = test::run_command(test::binary() + " generate --checkpoint " + f + " --prompt " + std::string(1100, 'a') +
+                                    " --max-new-tokens 5 --json --weights-memory map 2>/dev/null");
+  const auto p = test::run_command(test::binary() + " plan --generate --model " + f +
+                                    " --context 1104 --batch 1 --json 2>/dev/null");
+  ASSERT_EQ(g.rc, 0) << g.out;
+  ASSERT_EQ(p.rc, 0) << p.out;
+  const auto gj = last_json_line(g.out), pj = last_json_line(p.out);
+  EXPECT_EQ(gj["accounted_peak_bytes"].get<size_t>() + gj["weights_mapped_bytes"].get<size_t>(),
+            pj["total_bytes"].get<size_t>());
+  EXPECT_EQ(gj["weights_bytes"], pj["weights_bytes"]);
+  EXPECT_EQ(pj["weights_run_as"], "f32");
+  uint64_t file_tensor_bytes = 0;
+  for (const TensorInfo& t : GgufReader(f).tensors()) file_tensor_bytes += t.nbytes;
+  EXPECT_EQ(pj["quantized_weights_bytes"].get<uint64_t>(), file_tensor_bytes);
+}
+
+// For a preset, the quantized bytes are those of the file convert --quantize writes.
+TEST(GgufImportCli, PlanQuantizedBytesAreTheExportedFilesTensorBytes) {
+  TempDir tmp("planq");
+  fs::create_directories(tmp.path);
+  export_gguf(parity("qwen3_5_L5"), tmp.path / "m.gguf", QuantScheme::Q8_0);
+  uint64_t file_tensor_bytes = 0;
+  for (const TensorInfo& t : GgufReader(tmp.path / "m.gguf").tensors()) file_tensor_bytes += t.nbytes;
+  const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(parity("qwen3_5_L5"));
+  EXPECT_EQ(quantized_weight_bytes(d.config, QuantScheme::Q8_0), file_tensor_bytes);
+}
+
+}  // namespace
+}  // namespace hs::gguf

@@ -180,87 +180,11 @@ void write_tokenizer(GgufWriter& w, const fs::path& dir, const ModelConfig& c, s
   w.set_bool("tokenizer.ggml.add_bos_token", false);
 }
 
-}  // namespace
-
-ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme scheme) {
-  const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(from);
-  const ModelConfig& c = d.config;
-  ExportReport rep;
-  rep.architecture = c.family == Family::Qwen3Next ? "qwen3next" : c.moe() ? "qwen35moe" : "qwen35";
-  auto mem = std::make_shared<MemoryAccountant>();
-  auto ps = std::make_shared<model::ParamSet>(c, DType::F32, *mem, MemCategory::Parameters, false);
-  for (const std::string& n : checkpoint::load_parameters(d, *ps)) rep.notes.push_back(n);
-  auto layout = std::make_shared<checkpoint::HfLayout>(checkpoint::unscanned_layout(c));
-  auto src = std::make_shared<Source>(Source{*ps, {}});
-  for (const auto& t : layout->hf) src->by_name[t.name] = &t;
-
-  GgufWriter w;
-  const std::string a = rep.architecture, p = a + ".";
-  w.set_string("general.architecture", a);
-  w.set_string("general.type", "model");
-  w.set_string("general.name", c.name);
-  w.set_u32(p + "block_count", static_cast<uint32_t>(c.layers));
-  int64_t ctx = 262144;
-  const json& cj = d.config_json.contains("text_config") ? d.config_json["text_config"] : d.config_json;
-  if (cj.contains("max_position_embeddings")) ctx = cj["max_position_embeddings"].get<int64_t>();
-  w.set_u32(p + "context_length", static_cast<uint32_t>(ctx));
-  w.set_u32(p + "embedding_length", static_cast<uint32_t>(c.hidden));
-  if (!c.moe()) w.set_u32(p + "feed_forward_length", static_cast<uint32_t>(c.intermediate));
-  else if (cj.contains("intermediate_size")) w.set_u32(p + "feed_forward_length", cj["intermediate_size"].get<uint32_t>());
-  w.set_u32(p + "attention.head_count", static_cast<uint32_t>(c.q_heads));
-  w.set_u32(p + "attention.head_count_kv", static_cast<uint32_t>(c.kv_heads));
-  if (c.family == Family::Qwen3_5) {
-    Value sections;
-    sections.type = ValueType::ARRAY;
-    sections.array_type = ValueType::I32;
-    const int64_t rot_pairs = c.rotary_dim() / 2;  // transformers' default mrope_section [11, 11, 10] for 32 pairs
-    sections.ints = rot_pairs == 32 ? std::vector<int64_t>{11, 11, 10, 0} : std::vector<int64_t>{rot_pairs, 0, 0, 0};
-    w.set(p + "rope.dimension_sections", sections);
-  }
-  w.set_f32(p + "rope.freq_base", static_cast<float>(c.rope_theta));
-  w.set_f32(p + "attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_eps));
-  if (c.moe()) {
-    w.set_u32(p + "expert_count", static_cast<uint32_t>(c.experts));
-    w.set_u32(p + "expert_used_count", static_cast<uint32_t>(c.top_k));
-  }
-  w.set_u32(p + "attention.key_length", static_cast<uint32_t>(c.head_dim));
-  w.set_u32(p + "attention.value_length", static_cast<uint32_t>(c.head_dim));
-  w.set_u32("general.file_type", file_type(scheme));
-  if (c.moe()) {
-    w.set_u32(p + "expert_feed_forward_length", static_cast<uint32_t>(c.expert_inter));
-    w.set_u32(p + "expert_shared_feed_forward_length", static_cast<uint32_t>(c.shared_inter));
-  }
-  w.set_u32(p + "ssm.conv_kernel", static_cast<uint32_t>(c.conv_width));
-  w.set_u32(p + "ssm.state_size", static_cast<uint32_t>(c.dk));
-  w.set_u32(p + "ssm.group_count", static_cast<uint32_t>(c.k_heads));
-  w.set_u32(p + "ssm.time_step_rank", static_cast<uint32_t>(c.v_heads));
-  w.set_u32(p + "ssm.inner_size", static_cast<uint32_t>(c.value_dim()));
-  {
-    Value rec;
-    rec.type = ValueType::ARRAY;
-    rec.array_type = ValueType::BOOL;
-    for (int64_t i = 0; i < c.layers; ++i) rec.ints.push_back(c.is_full_attention(i) ? 0 : 1);
-    w.set(p + "attention.recurrent_layers", rec);
-  }
-  w.set_u32(p + "full_attention_interval", static_cast<uint32_t>(c.cycle));
-  w.set_u32(p + "rope.dimension_count", static_cast<uint32_t>(c.rotary_dim()));
-  w.set_u32("general.quantization_version", 2);
-  write_tokenizer(w, d.path, c, rep.notes);
-
-  // Each tensor: its GGUF name, shape (row-major) and how to make its fp32 values from the engine's tensors.
-  using Make = std::function<std::vector<float>()>;
-  auto add = [&](const std::string& name, const Shape& shape, Make make) {
-    std::vector<int64_t> ne(shape.rbegin(), shape.rend());
-    const uint32_t type = tensor_type_for(scheme, name, ne[0], static_cast<int64_t>(ne.size()));
-    const int64_t n = hs::numel(shape);
-    w.add_tensor(name, ne, type, [make = std::move(make), type, n, name, keep = std::make_tuple(mem, ps, layout, src)](
-                                     std::span<std::byte> out) {
-      const std::vector<float> x = make();
-      if (static_cast<int64_t>(x.size()) != n) throw std::logic_error("export_gguf: " + name + " has the wrong size");
-      kernels::quantize_row(static_cast<kernels::GgmlType>(type), x.data(), out.data(), n);
-    });
-    ++rep.tensors;
-  };
+// Every tensor of the GGUF model in the converter's order: its name, shape (row-major) and how to make its fp32
+// values from the engine's tensors (src may be null when only names and shapes are wanted).
+using Make = std::function<std::vector<float>()>;
+void for_each_tensor(const ModelConfig& c, std::shared_ptr<Source> src,
+                     const std::function<void(const std::string&, const Shape&, Make)>& add) {
   const int64_t H = c.hidden, V = c.vocab, hk = c.k_heads, hv = c.v_heads, r = hv / hk, dv = c.dv, KD = c.key_dim(),
                 VD = c.value_dim(), K = c.conv_width;
   const bool reorder = c.family == Family::Qwen3_5 && hk != hv;
@@ -344,6 +268,96 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
       add(b + "ffn_down.weight", {H, c.intermediate}, get(l + "mlp.down_proj.weight"));
     }
   }
+}
+
+}  // namespace
+
+uint64_t quantized_weight_bytes(const ModelConfig& c, QuantScheme scheme) {
+  uint64_t total = 0;
+  for_each_tensor(c, nullptr, [&](const std::string& name, const Shape& shape, Make) {
+    std::vector<int64_t> ne(shape.rbegin(), shape.rend());
+    total += tensor_nbytes(tensor_type_for(scheme, name, ne[0], static_cast<int64_t>(ne.size())), ne, name);
+  });
+  return total;
+}
+
+ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme scheme) {
+  const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(from);
+  const ModelConfig& c = d.config;
+  ExportReport rep;
+  rep.architecture = c.family == Family::Qwen3Next ? "qwen3next" : c.moe() ? "qwen35moe" : "qwen35";
+  auto mem = std::make_shared<MemoryAccountant>();
+  auto ps = std::make_shared<model::ParamSet>(c, DType::F32, *mem, MemCategory::Parameters, false);
+  for (const std::string& n : checkpoint::load_parameters(d, *ps)) rep.notes.push_back(n);
+  auto layout = std::make_shared<checkpoint::HfLayout>(checkpoint::unscanned_layout(c));
+  auto src = std::make_shared<Source>(Source{*ps, {}});
+  for (const auto& t : layout->hf) src->by_name[t.name] = &t;
+
+  GgufWriter w;
+  const std::string a = rep.architecture, p = a + ".";
+  w.set_string("general.architecture", a);
+  w.set_string("general.type", "model");
+  w.set_string("general.name", c.name);
+  w.set_u32(p + "block_count", static_cast<uint32_t>(c.layers));
+  int64_t ctx = 262144;
+  const json& cj = d.config_json.contains("text_config") ? d.config_json["text_config"] : d.config_json;
+  if (cj.contains("max_position_embeddings")) ctx = cj["max_position_embeddings"].get<int64_t>();
+  w.set_u32(p + "context_length", static_cast<uint32_t>(ctx));
+  w.set_u32(p + "embedding_length", static_cast<uint32_t>(c.hidden));
+  if (!c.moe()) w.set_u32(p + "feed_forward_length", static_cast<uint32_t>(c.intermediate));
+  else if (cj.contains("intermediate_size")) w.set_u32(p + "feed_forward_length", cj["intermediate_size"].get<uint32_t>());
+  w.set_u32(p + "attention.head_count", static_cast<uint32_t>(c.q_heads));
+  w.set_u32(p + "attention.head_count_kv", static_cast<uint32_t>(c.kv_heads));
+  if (c.family == Family::Qwen3_5) {
+    Value sections;
+    sections.type = ValueType::ARRAY;
+    sections.array_type = ValueType::I32;
+    const int64_t rot_pairs = c.rotary_dim() / 2;  // transformers' default mrope_section [11, 11, 10] for 32 pairs
+    sections.ints = rot_pairs == 32 ? std::vector<int64_t>{11, 11, 10, 0} : std::vector<int64_t>{rot_pairs, 0, 0, 0};
+    w.set(p + "rope.dimension_sections", sections);
+  }
+  w.set_f32(p + "rope.freq_base", static_cast<float>(c.rope_theta));
+  w.set_f32(p + "attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_eps));
+  if (c.moe()) {
+    w.set_u32(p + "expert_count", static_cast<uint32_t>(c.experts));
+    w.set_u32(p + "expert_used_count", static_cast<uint32_t>(c.top_k));
+  }
+  w.set_u32(p + "attention.key_length", static_cast<uint32_t>(c.head_dim));
+  w.set_u32(p + "attention.value_length", static_cast<uint32_t>(c.head_dim));
+  w.set_u32("general.file_type", file_type(scheme));
+  if (c.moe()) {
+    w.set_u32(p + "expert_feed_forward_length", static_cast<uint32_t>(c.expert_inter));
+    w.set_u32(p + "expert_shared_feed_forward_length", static_cast<uint32_t>(c.shared_inter));
+  }
+  w.set_u32(p + "ssm.conv_kernel", static_cast<uint32_t>(c.conv_width));
+  w.set_u32(p + "ssm.state_size", static_cast<uint32_t>(c.dk));
+  w.set_u32(p + "ssm.group_count", static_cast<uint32_t>(c.k_heads));
+  w.set_u32(p + "ssm.time_step_rank", static_cast<uint32_t>(c.v_heads));
+  w.set_u32(p + "ssm.inner_size", static_cast<uint32_t>(c.value_dim()));
+  {
+    Value rec;
+    rec.type = ValueType::ARRAY;
+    rec.array_type = ValueType::BOOL;
+    for (int64_t i = 0; i < c.layers; ++i) rec.ints.push_back(c.is_full_attention(i) ? 0 : 1);
+    w.set(p + "attention.recurrent_layers", rec);
+  }
+  w.set_u32(p + "full_attention_interval", static_cast<uint32_t>(c.cycle));
+  w.set_u32(p + "rope.dimension_count", static_cast<uint32_t>(c.rotary_dim()));
+  w.set_u32("general.quantization_version", 2);
+  write_tokenizer(w, d.path, c, rep.notes);
+
+  for_each_tensor(c, src, [&](const std::string& name, const Shape& shape, Make make) {
+    std::vector<int64_t> ne(shape.rbegin(), shape.rend());
+    const uint32_t type = tensor_type_for(scheme, name, ne[0], static_cast<int64_t>(ne.size()));
+    const int64_t n = hs::numel(shape);
+    w.add_tensor(name, ne, type, [make = std::move(make), type, n, name, keep = std::make_tuple(mem, ps, layout, src)](
+                                     std::span<std::byte> out) {
+      const std::vector<float> x = make();
+      if (static_cast<int64_t>(x.size()) != n) throw std::logic_error("export_gguf: " + name + " has the wrong size");
+      kernels::quantize_row(static_cast<kernels::GgmlType>(type), x.data(), out.data(), n);
+    });
+    ++rep.tensors;
+  });
   w.write(to);
   rep.bytes = fs::file_size(to);
   return rep;

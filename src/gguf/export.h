@@ -23,6 +23,9 @@ std::string quant_scheme_name(QuantScheme s);
 // The ggml type a tensor gets (GGUF name, e.g. "blk.3.ffn_up_exps.weight", and its row length ne0).
 uint32_t tensor_type_for(QuantScheme s, const std::string& gguf_name, int64_t ne0, int64_t dims);
 
+// The bytes of the model's tensors in a GGUF file of that scheme (what quantized storage will hold).
+uint64_t quantized_weight_bytes(const model::ModelConfig& c, QuantScheme scheme);
+
 struct ExportReport {
   std::string architecture;
   size_t tensors = 0;
