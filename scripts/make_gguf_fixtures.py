@@ -5,6 +5,8 @@ what convert_hf_to_gguf.py really writes (its A_log, norm, q/k/v/z and V-head tr
 of them.
 
     scripts/make_gguf_fixtures.py --llama-dir DIR [--out tests/fixtures/gguf] [--outtype f32]
+    scripts/make_gguf_fixtures.py --llama-dir DIR --hf HF_DIR --outfile FILE.gguf [--outtype f32]
+        (any Hugging Face checkpoint of a byte-level model; bench/gguf_logits.sh)
 
 DIR is a llama.cpp source tree (convert_hf_to_gguf.py, conversion/, gguf-py/). Each fixture gets a byte-level
 tokenizer.json of 256 tokens (the parity models' vocabulary; id b = byte b) and a chat template, so the converter
@@ -84,20 +86,25 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "tests/fixtures/gguf"))
     ap.add_argument("--outtype", default="f32")
     ap.add_argument("--fixtures", nargs="*", default=FIXTURES)
+    ap.add_argument("--hf")
+    ap.add_argument("--outfile")
     a = ap.parse_args()
     conv = patch_converter(Path(a.llama_dir).resolve())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    for name in a.fixtures:
+    sources = [(Path(a.hf), Path(a.outfile))] if a.hf else \
+        [(ROOT / "tests/fixtures/parity" / n, out / f"{n}.{a.outtype}.gguf") for n in a.fixtures]
+    for src, target in sources:
         with tempfile.TemporaryDirectory() as tmp:
-            hf = Path(tmp) / name
+            hf = Path(tmp) / src.name
             hf.mkdir()
-            for f in ("config.json", "model.safetensors"):
-                shutil.copy(ROOT / "tests/fixtures/parity" / name / f, hf / f)
-            (hf / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
-            (hf / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}))
-            target = out / f"{name}.{a.outtype}.gguf"
+            for f in src.iterdir():
+                if f.name.endswith(".json") or f.name.endswith(".safetensors") and f.name != "debug.safetensors":
+                    shutil.copy(f, hf / f.name)
+            if not (hf / "tokenizer.json").exists():
+                (hf / "tokenizer.json").write_text(json.dumps(byte_tokenizer_json(), ensure_ascii=False))
+                (hf / "tokenizer_config.json").write_text(json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE}))
             sys.argv = ["convert_hf_to_gguf.py", str(hf), "--outtype", a.outtype, "--no-mtp", "--outfile", str(target)]
             conv.main()
             print(f"wrote {target}")
