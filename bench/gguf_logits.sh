@@ -28,9 +28,10 @@ for fam in small bench/gguf_qwen35_small.json; do
   name=$(basename "$fam" .json)
   ck=$OUT/$name.native
   if [[ ! -d $OUT/$name.hf ]]; then
+    rm -rf "$ck"
     build/hybridscan train --model "$fam" --text data/kjv.txt --steps 40 --warmup 5 --batch 4 --seq 128 --eval-every 0 \
       --out "$ck" >&2
-    build/hybridscan convert --from "$ck" --to "$OUT/$name.hf" --format hf --quiet >&2
+    build/hybridscan convert --from "$ck/checkpoint-40" --to "$OUT/$name.hf" --format hf --quiet >&2
   fi
   files=()
   for t in f32 bf16; do
