@@ -5,6 +5,9 @@ what convert_hf_to_gguf.py really writes (its A_log, norm, q/k/v/z and V-head tr
 of them.
 
     scripts/make_gguf_fixtures.py --llama-dir DIR [--out tests/fixtures/gguf] [--outtype f32]
+    scripts/make_gguf_fixtures.py --llama-dir DIR --dense
+        also writes tests/fixtures/gguf/qwen3_5_dense_L5 (a random dense Qwen3.5, transformers' Qwen3_5ForCausalLM,
+        with its logits on 2 x 12 random ids in debug.safetensors) and its f32 GGUF: the parity fixtures are all MoE
     scripts/make_gguf_fixtures.py --llama-dir DIR --hf HF_DIR --outfile FILE.gguf [--outtype f32]
         (any Hugging Face checkpoint of a byte-level model; bench/gguf_logits.sh)
 
@@ -43,6 +46,35 @@ def byte_tokenizer_json():
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                   "vocab": vocab, "merges": []},
     }
+
+
+def make_dense(out):
+    """A random dense Qwen3.5 (L = 5: a remainder layer; 2 key / 4 value heads: the V-head reorder) and its logits."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(5)],
+        full_attention_interval=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_interleaved": True, "mrope_section": [1, 1, 0]},
+        architectures=["Qwen3_5ForCausalLM"])
+    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():  # zero-initialised norms and gates would make their transforms untestable
+            p.add_(0.05 * torch.randn_like(p))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        logits = model(ids).logits
+    save_file({"input_ids": ids.to(torch.int32).contiguous(), "logits": logits.contiguous()},
+              str(out / "debug.safetensors"))
 
 
 def patch_converter(llama):
@@ -88,7 +120,12 @@ def main():
     ap.add_argument("--fixtures", nargs="*", default=FIXTURES)
     ap.add_argument("--hf")
     ap.add_argument("--outfile")
+    ap.add_argument("--dense", action="store_true")
     a = ap.parse_args()
+    if a.dense:
+        make_dense(Path(a.out) / "qwen3_5_dense_L5")
+        a.hf = str(Path(a.out) / "qwen3_5_dense_L5")
+        a.outfile = str(Path(a.out) / f"qwen3_5_dense_L5.{a.outtype}.gguf")
     conv = patch_converter(Path(a.llama_dir).resolve())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,12 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string fixture(const std::string& name) { return test::source_dir() + "/tests/fixtures/gguf/" + name + ".gguf"; }
-std::string parity(const std::string& name) { return test::source_dir() + "/tests/fixtures/parity/" + name; }
+// The Hugging Face checkpoint a fixture was converted from: the parity fixtures (MoE), or the dense Qwen3.5 that
+// scripts/make_gguf_fixtures.py --dense writes beside the GGUF fixtures.
+std::string parity(const std::string& name) {
+  const std::string own = test::source_dir() + "/tests/fixtures/gguf/" + name;
+  return fs::is_directory(own) ? own : test::source_dir() + "/tests/fixtures/parity/" + name;
+}
 
 struct TempDir {
   fs::path path;
@@ -103,7 +108,36 @@ TEST_P(GgufImport, LogitsEqualTransformers) {
   EXPECT_LT(std::sqrt(num / den), 5e-5);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, GgufImport, ::testing::Values("qwen3_next_L5", "qwen3_5_L5"));
+INSTANTIATE_TEST_SUITE_P(Families, GgufImport, ::testing::Values("qwen3_next_L5", "qwen3_5_L5", "qwen3_5_dense_L5"));
+
+// The converter's --outtype bf16 (matrices in BF16, rounded to nearest even by gguf-py) imports to exactly the
+// bf16 rounding of the checkpoint's matrices; the vectors stay F32 and as exact as in the f32 file.
+TEST(GgufImportQuantized, Bf16IsTheRoundingOfTheCheckpoint) {
+  TempDir tmp("bf16");
+  import_gguf(fixture("qwen3_5_L5.bf16"), tmp.path);
+  MemoryAccountant mem;
+  const auto ours = load_dir(tmp.path, mem);
+  const auto ref = load_dir(parity("qwen3_5_L5"), mem);
+  int rounded = 0;
+  for (size_t k = 0; k < ref->all().size(); ++k) {
+    const float* x = ours->all()[k].tensor.view().as<float>();
+    const float* y = ref->all()[k].tensor.view().as<float>();
+    const std::string& n = ref->all()[k].name;
+    const bool matrix = ref->all()[k].spec.shape.size() >= 2 && n.find("conv1d") == std::string::npos &&
+                        n.find("mlp.gate.weight") == std::string::npos;
+    bool differs = false;
+    for (int64_t i = 0; i < ref->all()[k].tensor.numel(); ++i) {
+      if (matrix) {
+        ASSERT_EQ(x[i], static_cast<float>(bf16(y[i]))) << n << " element " << i;
+        differs = differs || x[i] != y[i];
+      } else {
+        ASSERT_NEAR(x[i], y[i], 1e-6) << n << " element " << i;
+      }
+    }
+    rounded += differs;
+  }
+  EXPECT_GE(rounded, 10);
+}
 
 // The converter's --outtype q8_0 file against its f32 file: each value within what Q8_0 rounding allows. ggml rounds
 // x / d with d = amax / 127 of its block of 32 and stores d in fp16: |x - fp16(d) q| <= d / 2 + 127 d 2^-11 < 0.57 d.
@@ -281,7 +315,7 @@ TEST_P(GgufExport, F32EqualsLlamaCppsConverterByteForByte) {
   expect_same_tensors(tmp.path / "m.gguf", fixture(GetParam() + ".f32"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, GgufExport, ::testing::Values("qwen3_next_L5", "qwen3_5_L5"));
+INSTANTIATE_TEST_SUITE_P(Families, GgufExport, ::testing::Values("qwen3_next_L5", "qwen3_5_L5", "qwen3_5_dense_L5"));
 
 TEST(GgufExportQuantized, Q8_0EqualsLlamaCppsConverterByteForByte) {
   TempDir tmp("export_q8");
