@@ -7,8 +7,6 @@
 
 #include "kernels/quant.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -409,9 +407,6 @@ int64_t ggml_row_bytes(GgmlType t, int64_t n) {
                                 " is not a whole number of them");
   return n / info.block_elems * info.block_bytes;
 }
-
-float fp16_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
-uint16_t fp32_to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 void dequantize_row(GgmlType t, const void* blocks, float* out, int64_t n) {
   const int64_t nb = ggml_row_bytes(t, n) / ggml_type_info(t).block_bytes;

@@ -7,6 +7,8 @@
 // without an importance matrix), operation for operation in fp32, so a block we write is the block ggml writes.
 // tests/quant_format_test.cpp checks both against the Python package and, for the K-quants, against libggml.
 #pragma once
+#include <immintrin.h>
+
 #include <cstdint>
 #include <string>
 
@@ -83,9 +85,10 @@ std::string ggml_type_name(uint32_t id);
 // Bytes of a row of n elements; throws std::invalid_argument unless n is a multiple of the type's block.
 int64_t ggml_row_bytes(GgmlType t, int64_t n);
 
-// IEEE binary16 <-> fp32: exact widening; narrowing rounds to nearest even (as numpy and F16C do), overflow to inf.
-float fp16_to_fp32(uint16_t h);
-uint16_t fp32_to_fp16(float f);
+// IEEE binary16 <-> fp32 (F16C, part of the build's baseline): exact widening; narrowing rounds to nearest even (as
+// numpy does), overflow to inf. Inline: the products widen block scales in their inner loops.
+inline float fp16_to_fp32(uint16_t h) { return _cvtsh_ss(h); }
+inline uint16_t fp32_to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT); }
 
 // out[0, n) = the n elements stored in `blocks` (a row, or consecutive rows, of type t). n must be a multiple of the
 // block (std::invalid_argument otherwise). Bit-identical to gguf.quants.dequantize (F32/F16/BF16 included).
