@@ -393,3 +393,42 @@ TEST(GgufImportCli, PlanQuantizedBytesAreTheExportedFilesTensorBytes) {
 
 }  // namespace
 }  // namespace hs::gguf
+
+namespace hs::gguf {
+namespace {
+
+// The real Qwen vocabularies (data/tokenizers, built by scripts/setup.sh) through tokenizer.ggml.* and back: the
+// rebuilt tokenizer.json gives the original's ids on text with special tokens, newlines, digits and non-Latin
+// scripts.
+TEST(GgufImportTokenizer, RealQwenVocabulariesSurviveTheMetadata) {
+  for (const std::string name : {"qwen2", "qwen3_5"}) {
+    const fs::path dir = test::source_dir() + "/data/tokenizers/" + name;
+    if (!fs::is_regular_file(dir / "tokenizer.json")) GTEST_SKIP() << dir << " is missing (run scripts/setup.sh)";
+    const tokenizer::Tokenizer orig = tokenizer::Tokenizer::load((dir / "tokenizer.json").string());
+    TempDir tmp("realtok_" + name);
+    fs::create_directories(tmp.path);
+    GgufWriter w;
+    w.set_string("general.architecture", "qwen35");
+    std::vector<std::string> notes;
+    write_tokenizer(w, dir, orig.vocab_size(), notes);
+    w.write(tmp.path / "t.gguf");
+    const GgufReader r(tmp.path / "t.gguf");
+    EXPECT_EQ(r.get_string("tokenizer.ggml.pre"), name == "qwen2" ? "qwen2" : "qwen35");
+    const auto j = tokenizer_json_from_gguf(r);
+    ASSERT_TRUE(j);
+    {
+      std::ofstream out(tmp.path / "tokenizer.json");
+      out << j->dump();
+    }
+    const tokenizer::Tokenizer back = tokenizer::Tokenizer::load((tmp.path / "tokenizer.json").string());
+    const std::string text =
+        "<|im_start|>user\nIn the beginning God created the heaven and the earth. 1234567 don't\n\n  "
+        "Ünïcödé テスト 中文 ١٢٣ 🙂<|im_end|>\n<|endoftext|>";
+    EXPECT_EQ(back.encode(text), orig.encode(text)) << name;
+    EXPECT_EQ(back.fingerprint(), orig.fingerprint()) << name;  // vocabulary, merges, added tokens, normaliser, regex
+    EXPECT_EQ(back.vocab_size(), orig.vocab_size()) << name;
+  }
+}
+
+}  // namespace
+}  // namespace hs::gguf

@@ -107,8 +107,12 @@ void plus(std::vector<float>& x, float v) {
   for (float& e : x) e += v;
 }
 
-// tokenizer.json -> tokenizer.ggml.* (byte-level BPE); the byte vocabulary of the byte-level presets otherwise.
-void write_tokenizer(GgufWriter& w, const fs::path& dir, const ModelConfig& c, std::vector<std::string>& notes) {
+}  // namespace
+
+void write_tokenizer(GgufWriter& w, const fs::path& dir, int64_t vocab, std::vector<std::string>& notes) {
+  struct {
+    int64_t vocab;
+  } c{vocab};
   std::vector<std::string> tokens(static_cast<size_t>(c.vocab));
   std::vector<int64_t> types(static_cast<size_t>(c.vocab), 5);  // unused until named
   std::vector<std::string> merges;
@@ -179,6 +183,8 @@ void write_tokenizer(GgufWriter& w, const fs::path& dir, const ModelConfig& c, s
     }
   w.set_bool("tokenizer.ggml.add_bos_token", false);
 }
+
+namespace {
 
 // Every tensor of the GGUF model in the converter's order: its name, shape (row-major) and how to make its fp32
 // values from the engine's tensors (src may be null when only names and shapes are wanted).
@@ -344,7 +350,7 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
   w.set_u32(p + "full_attention_interval", static_cast<uint32_t>(c.cycle));
   w.set_u32(p + "rope.dimension_count", static_cast<uint32_t>(c.rotary_dim()));
   w.set_u32("general.quantization_version", 2);
-  write_tokenizer(w, d.path, c, rep.notes);
+  write_tokenizer(w, d.path, c.vocab, rep.notes);
 
   for_each_tensor(c, src, [&](const std::string& name, const Shape& shape, Make make) {
     std::vector<int64_t> ne(shape.rbegin(), shape.rend());

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "gguf/gguf_file.h"
 #include "model/config.h"
 
 namespace hs::gguf {
@@ -25,6 +26,10 @@ uint32_t tensor_type_for(QuantScheme s, const std::string& gguf_name, int64_t ne
 
 // The bytes of the model's tensors in a GGUF file of that scheme (what quantized storage will hold).
 uint64_t quantized_weight_bytes(const model::ModelConfig& c, QuantScheme scheme);
+
+// tokenizer.ggml.* and tokenizer.chat_template from dir's tokenizer.json and tokenizer_config.json (byte-level BPE),
+// ids padded to `vocab` with "[PADn]" (unused); the 256-byte vocabulary when dir has no tokenizer.json.
+void write_tokenizer(GgufWriter& w, const std::filesystem::path& dir, int64_t vocab, std::vector<std::string>& notes);
 
 struct ExportReport {
   std::string architecture;
