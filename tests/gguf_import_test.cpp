@@ -304,6 +304,17 @@ void expect_same_tensors(const fs::path& ours, const std::string& theirs) {
   }
   for (const char* key : {"general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre"})
     EXPECT_EQ(a.get_string(key), b.get_string(key)) << key;
+  // Every numeric hyperparameter the converter wrote, with its value (llama.cpp reads them; a wrong rope section
+  // changes its logits).
+  const std::string arch = b.get_string("general.architecture");
+  for (const auto& [key, v] : b.metadata()) {
+    if (key.rfind(arch + ".", 0) != 0) continue;
+    const Value* u = a.find(key);
+    ASSERT_TRUE(u) << key;
+    EXPECT_EQ(u->i, v.i) << key;
+    EXPECT_EQ(u->f, v.f) << key;
+    EXPECT_EQ(u->ints, v.ints) << key;
+  }
 }
 
 class GgufExport : public ::testing::TestWithParam<std::string> {};

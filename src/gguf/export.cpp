@@ -315,11 +315,18 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
   w.set_u32(p + "attention.head_count", static_cast<uint32_t>(c.q_heads));
   w.set_u32(p + "attention.head_count_kv", static_cast<uint32_t>(c.kv_heads));
   if (c.family == Family::Qwen3_5) {
+    // llama.cpp's qwen35 rope is interleaved M-RoPE: pair i rotates by the text position only while it lies inside
+    // the t/h/w sections (i mod 3 picks one); pairs past them take the fourth, zero for text. The converter writes
+    // config.json's mrope_section, or transformers' default [11, 11, 10], with a 0 appended; so does this.
     Value sections;
     sections.type = ValueType::ARRAY;
     sections.array_type = ValueType::I32;
-    const int64_t rot_pairs = c.rotary_dim() / 2;  // transformers' default mrope_section [11, 11, 10] for 32 pairs
-    sections.ints = rot_pairs == 32 ? std::vector<int64_t>{11, 11, 10, 0} : std::vector<int64_t>{rot_pairs, 0, 0, 0};
+    sections.ints = {11, 11, 10, 0};
+    if (cj.contains("rope_parameters") && cj["rope_parameters"].contains("mrope_section")) {
+      sections.ints.clear();
+      for (const json& v : cj["rope_parameters"]["mrope_section"]) sections.ints.push_back(v.get<int64_t>());
+      sections.ints.resize(4, 0);
+    }
     w.set(p + "rope.dimension_sections", sections);
   }
   w.set_f32(p + "rope.freq_base", static_cast<float>(c.rope_theta));
