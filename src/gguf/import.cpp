@@ -355,7 +355,9 @@ ImportReport import_gguf(const fs::path& path, const fs::path& dir) {
     decls.push_back({t.name, dt, t.shape});
   }
   for (const TensorInfo& t : r.tensors())
-    if (t.name.rfind("blk.", 0) == 0 && std::stoll(t.name.substr(4, t.name.find('.', 4) - 4)) >= c.layers)
+    if (int64_t i = -1; t.name.rfind("blk.", 0) == 0 &&
+                        std::from_chars(t.name.data() + 4, t.name.data() + t.name.size(), i).ec == std::errc() &&
+                        i >= c.layers)
       rep.notes.push_back("skipped " + t.name + " (a multi-token-prediction layer)");
   checkpoint::ShardedWriter w(dir, decls, 5'000'000'000ull, {{"format", "hybridscan"}});
   for (const checkpoint::TensorDecl& d : decls) {
