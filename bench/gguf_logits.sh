@@ -6,7 +6,9 @@
 #
 # LLAMA_DIR is a llama.cpp source tree with a build (build/bin/libllama.so, llama-quantize): llama-cpp-python
 # 0.3.36's vendored tree. Files, per family (Qwen3-Next: the `small` preset; Qwen3.5 MoE: the same widths as
-# bench/gguf_qwen35_small.json), both trained 40 steps on data/kjv.txt so that the logits are not flat:
+# bench/gguf_qwen35_small.json), both trained 40 steps on data/kjv.txt so that the logits are not flat, and with
+# GGUF_REAL=1 also a Qwen3.5 MoE of qwen3.5-35b-a3b's widths (bench/gguf_qwen35_real.json: 4 layers, 16 experts,
+# a byte vocabulary; random weights: too slow to train here):
 #   llama.cpp's converter f32 and bf16, llama-quantize's Q8_0, Q4_K_M and Q6_K of its f32 file, and our
 #   convert --quantize q8_0, q4_k, q5_k, q6_k and mixed of the same checkpoint.
 # hybridscan dequantizes at load and computes in fp32; llama.cpp computes on the quantized blocks (its activations
@@ -23,11 +25,17 @@ g++ -O2 -std=c++17 bench/gguf_llama_logits.cpp -I"$LLAMA/include" -I"$LLAMA/ggml
   -lllama -lggml -lggml-base -o "$OUT/gguf_llama_logits"
 ninja -C build gguf_logits hybridscan >&2
 PROMPT=$($PY -c "import random; r=random.Random(1); print(','.join(str(r.randrange(256)) for _ in range(64)))")
-: > "$OUT/results.jsonl"
-for fam in small bench/gguf_qwen35_small.json; do
+: > "$OUT/results.jsonl"  # this run's rows
+# GGUF_FAMILIES="..." (space-separated) runs only those.
+families=(small bench/gguf_qwen35_small.json)
+[[ ${GGUF_REAL:-0} == 1 ]] && families+=(bench/gguf_qwen35_real.json)
+[[ -n ${GGUF_FAMILIES:-} ]] && read -ra families <<< "$GGUF_FAMILIES"
+for fam in "${families[@]}"; do
   name=$(basename "$fam" .json)
   ck=$OUT/$name.native
-  if [[ ! -d $OUT/$name.hf ]]; then
+  if [[ $name == gguf_qwen35_real && ! -d $OUT/$name.hf ]]; then
+    $PY bench/gguf_logits.py random --config "$fam" --out "$OUT/$name.hf" >&2
+  elif [[ ! -d $OUT/$name.hf ]]; then
     rm -rf "$ck"
     build/hybridscan train --model "$fam" --text data/kjv.txt --steps 40 --warmup 5 --batch 4 --seq 128 --eval-every 0 \
       --out "$ck" >&2
