@@ -16,6 +16,7 @@
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "core/memory.h"
+#include "gguf/import.h"
 #include "infer/generate.h"
 #include "infer/policy.h"
 #include "infer/weights.h"
@@ -79,7 +80,8 @@ void run_generate(const GenerateArgs& a) {
   if (a.top_p <= 0 || a.top_p > 1) throw std::invalid_argument("--top-p must be in (0, 1]");
   if (a.top_k < 0) throw std::invalid_argument("--top-k must be >= 0");
 
-  checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a.checkpoint);
+  const gguf::CheckpointPath source(a.checkpoint);  // a .gguf file is imported for the run
+  checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
   const model::ModelConfig& cfg = d.config;
   // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
   // vocabulary 256).
@@ -214,7 +216,7 @@ void run_generate(const GenerateArgs& a) {
 void register_generate(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* c = app.add_subcommand("generate", "Generate text from a checkpoint (native or Hugging Face)");
-  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   c->add_option("--prompt", a->prompt, "Prompt text (bytes for the byte-level presets)");
   c->add_option("--prompt-ids", a->prompt_ids, "Prompt as token ids, e.g. 1,2,3 (repeat for several prompts)");
   c->add_option("--prompts", a->prompts_file, "File of prompts, one a line, generated together");
