@@ -197,10 +197,11 @@ void delta_case(bool keep_states) {
     EXPECT_LT(rel_rms(got(dv, wv), dvd), 1e-4) << what << " dv";
     EXPECT_LT(rel_rms(got(dbeta, wg), dbd), 1e-4) << what << " dbeta";
     // A one-token document reads a zero state: its dg is exactly 0 alone and packed.
-    if (d.len == 1)
+    if (d.len == 1) {
       for (double e : got(dg, wg)) EXPECT_EQ(e, 0.0) << what << " dg";
-    else
+    } else {
       EXPECT_LT(rel_rms(got(dg, wg), dgd), 1e-4) << what << " dg";
+    }
   }
 }
 

@@ -34,6 +34,11 @@ TokenSource TokenSource::slice(int64_t begin, int64_t end) const {
   return s;
 }
 
+std::optional<int32_t> TokenSource::document_separator() const {
+  if (!file_ || file_->header().documents < 2 || !file_->header().end_of_text) return std::nullopt;
+  return static_cast<int32_t>(*file_->header().end_of_text);
+}
+
 void TokenSource::read(int64_t begin, int64_t n, int32_t* out) const {
   if (begin < 0 || n < 0 || begin + n > size())
     throw std::out_of_range("tokens [" + std::to_string(begin) + ", " + std::to_string(begin + n) + ") of " +

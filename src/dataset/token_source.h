@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -28,6 +29,10 @@ class TokenSource {
     return token_bytes_.empty() ? 1 : token_bytes_[static_cast<size_t>(id)];
   }
   bool memory_mapped() const { return file_ != nullptr; }
+  // The separator written between documents (a token file's end-of-text id) when the tokens hold more than one
+  // document; none for a single document, byte tokens or a text encoded at startup. Packed training restarts the
+  // model's context after each (train::sample_batch).
+  std::optional<int32_t> document_separator() const;
 
  private:
   std::shared_ptr<const std::vector<int32_t>> ids_;

@@ -46,7 +46,9 @@ PlanResult plan(const PlanRequest& r) {
   // The training step itself, over shapes: this device's shards of the parameters and of both AdamW moments, its
   // batch, then forward, backward, the replicas' sum and the update (train::Step).
   train::Step step(r.model, r.weight_dtype, oc, schedule, r.update_in_backward, &replicas, mem);
-  step.run(train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
+  train::Batch shapes{nullptr, nullptr, r.batch_per_device, r.seq};
+  shapes.documents = r.step.packing == train::Packing::Documents;
+  step.run(shapes);
 
   PlanResult out;
   out.remat = r.step.remat;

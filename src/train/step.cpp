@@ -17,7 +17,9 @@ Step::Step(const model::ModelConfig& cfg, DType weight_dtype, const OptimizerCon
 }
 
 StepOutcome Step::run(const Batch& b) {
-  Buffer batch = mem_.allocate(2 * static_cast<size_t>(b.batch * b.seq) * sizeof(int32_t), MemCategory::Batch, "batch");
+  // inputs, targets and, with packed documents, positions: [batch, seq] int32 each.
+  const size_t arrays = b.has_documents() ? 3 : 2;
+  Buffer batch = mem_.allocate(arrays * static_cast<size_t>(b.batch * b.seq) * sizeof(int32_t), MemCategory::Batch, "batch");
   mem_.reset_peak();
   StepOutcome out;
   out.lr = lr_at(adamw_.config(), adamw_.steps_taken());

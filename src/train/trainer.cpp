@@ -42,6 +42,7 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
   const auto from = static_cast<ptrdiff_t>(first * tb.seq), to = static_cast<ptrdiff_t>((first + count) * tb.seq);
   r.inputs.assign(tb.inputs.begin() + from, tb.inputs.begin() + to);
   r.targets.assign(tb.targets.begin() + from, tb.targets.begin() + to);
+  if (!tb.positions.empty()) r.positions.assign(tb.positions.begin() + from, tb.positions.begin() + to);
   return r;
 }
 
@@ -315,14 +316,14 @@ double Run::comm_seconds() const {
 
 StepRecord Run::take_step(int64_t step) {
   TokenBatch tb = o_.synthetic ? synthetic_batch(cfg_.vocab, o_.batch, o_.seq, o_.seed, step)
-                               : sample_batch(corpus_.train, o_.batch, o_.seq, o_.seed, step);
+                               : sample_batch(corpus_.train, o_.batch, o_.seq, o_.seed, step, o_.step.packing);
   if (dist_) tb = rows_of(tb, rank_ * (o_.batch / world_), o_.batch / world_);
   StepRecord s;
   std::optional<profile::Session> prof;
   if (profiling_) prof.emplace();
   const auto t0 = Clock::now();
   const double c0 = comm_seconds();
-  s.outcome = step_->run(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq});
+  s.outcome = step_->run(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq, tb.positions_or_null()});
   s.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (prof) {
     s.profile = prof->totals();
