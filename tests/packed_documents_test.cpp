@@ -15,6 +15,8 @@
 
 #include "model/config.h"
 #include "model/params.h"
+#include "planner/plan.h"
+#include "train/step.h"
 #include "train/schedule.h"
 
 namespace hs::train {
@@ -211,6 +213,36 @@ std::vector<Case> cases() {
 
 INSTANTIATE_TEST_SUITE_P(Policies, PackedDocuments, ::testing::ValuesIn(cases()),
                          [](const auto& param_info) { return case_name(param_info.param); });
+
+// The planner over a packed run (StepOptions::packing Documents: the batch buffer holds the positions too) equals a
+// real step on a packed batch to the byte, per category, for every policy and compute dtype; the kernels' workspaces
+// do not depend on the boundaries. A plan of the stream counts 4 bytes per token less.
+TEST(PackedPlan, PlanOfDocumentsEqualsMeasuredToTheByte) {
+  const ModelConfig cfg = config(model::Family::Qwen3Next);
+  const Packed p = packed_batch(cfg.vocab, 5);
+  const int64_t B = static_cast<int64_t>(kDocs.size());
+  for (DType dt : {DType::F32, DType::BF16})
+    for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer}) {
+      StepOptions o;
+      o.remat = pol;
+      o.compute = dt;
+      o.packing = Packing::Documents;
+      MemoryAccountant mem;
+      Step step(cfg, DType::F32, OptimizerConfig{}, o, false, nullptr, mem);
+      model::init_params(step.params(), 1);
+      step.run(Batch{p.inputs.data(), p.targets.data(), B, kSeq, p.positions.data()});
+      planner::PlanRequest r;
+      r.model = cfg;
+      r.batch_per_device = B;
+      r.seq = kSeq;
+      r.step = o;
+      const planner::PlanResult plan = planner::plan(r);
+      const std::string what = std::string(dtype_name(dt)) + " " + remat_name(pol);
+      EXPECT_EQ(plan.peak.bytes, mem.at_peak().bytes) << what;
+      r.step.packing = Packing::Stream;
+      EXPECT_EQ(plan.total_bytes - planner::plan(r).total_bytes, static_cast<size_t>(4 * B * kSeq)) << what;
+    }
+}
 
 }  // namespace
 }  // namespace hs::train
