@@ -102,6 +102,87 @@ TEST(PackedBatches, AutoIsStreamForASingleDocumentOrMemoryTokens) {
     for (int64_t j = 0; j < 8; ++j) EXPECT_EQ(b.positions[static_cast<size_t>(r * 8 + j)], j);
 }
 
+// Version 2: a pre-tokenized document with its loss mask among text documents. The file reads back the ids and the
+// mask (1 for the text documents' tokens and the separators), its header says version 2; the sampled and evaluated
+// targets are -1 exactly where the predicted token's mask is 0, in both packings. A file without masks stays
+// version 1 and reads as before.
+TEST(PackedBatches, LossMaskSectionRoundTripsAndMasksTargets) {
+  test::TempDir t;
+  dataset::Vocabulary v;
+  v.fingerprint = 1;
+  v.size = 300;
+  v.end_of_text = kSep;
+  v.token_bytes.assign(300, 1);
+  v.token_bytes.back() = 0;
+  auto bytes = [](std::string_view s, int) {
+    std::vector<uint32_t> ids;
+    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
+    return ids;
+  };
+  std::vector<int32_t> chat(200), want_ids, want_mask;
+  std::vector<uint8_t> chat_mask(200);
+  for (size_t i = 0; i < chat.size(); ++i) {
+    chat[i] = static_cast<int32_t>(100 + i % 50);
+    chat_mask[i] = (i / 20) % 2;  // alternating turns of 20 tokens
+  }
+  TokenFileWriter w(t / "mask.tok", v, bytes);
+  w.add_document(std::string(150, 'a'));
+  w.add_tokens(chat, chat_mask);
+  w.add_document(std::string(120, 'b'));
+  const dataset::TokenFileHeader h = w.commit();
+  EXPECT_EQ(h.version, 2u);
+  for (int i = 0; i < 150; ++i) want_ids.push_back('a'), want_mask.push_back(1);
+  want_ids.push_back(kSep), want_mask.push_back(1);
+  for (size_t i = 0; i < chat.size(); ++i) want_ids.push_back(chat[i]), want_mask.push_back(chat_mask[i]);
+  want_ids.push_back(kSep), want_mask.push_back(1);
+  for (int i = 0; i < 120; ++i) want_ids.push_back('b'), want_mask.push_back(1);
+  const auto f = TokenFile::open(t / "mask.tok");
+  ASSERT_TRUE(f->has_mask());
+  EXPECT_EQ(f->header().version, 2u);
+  EXPECT_EQ(f->header().documents, 3);
+  const TokenSource src = TokenSource::mapped(f);
+  ASSERT_EQ(src.size(), static_cast<int64_t>(want_ids.size()));
+  std::vector<int32_t> ids(want_ids.size());
+  std::vector<uint8_t> mask(want_ids.size());
+  src.read(0, src.size(), ids.data());
+  src.read_mask(0, src.size(), mask.data());
+  EXPECT_EQ(ids, want_ids);
+  EXPECT_EQ(std::vector<int32_t>(mask.begin(), mask.end()), want_mask);
+  for (Packing p : {Packing::Stream, Packing::Documents}) {
+    int64_t masked = 0;
+    for (int64_t step = 0; step < 20; ++step) {
+      const TokenBatch b = sample_batch(src, 2, 64, 7, step, p);
+      const TokenBatch plain = sample_batch(src, 2, 64, 7, step, Packing::Stream);
+      for (size_t i = 0; i < b.targets.size(); ++i) {
+        // The window's token after i: its mask decides (the separators' own rule aside).
+        const bool sep = p == Packing::Documents && b.inputs[i] == kSep;
+        if (b.targets[i] == -1 && !sep) ++masked;
+        if (!sep && plain.targets[i] >= 0) {
+          // Find the token's place: windows are contiguous, so compare through the ids.
+          ASSERT_TRUE(b.targets[i] == -1 || b.targets[i] == plain.targets[i]);
+        }
+      }
+    }
+    EXPECT_GT(masked, 0) << packing_name(p);
+  }
+  // Evaluation: every token after the first is predicted once, except the masked ones.
+  int64_t predicted = 0;
+  for (int64_t i = 0; i < eval_batch_count(src.size(), 50, 2); ++i)
+    for (int32_t x : eval_batch(src, 50, 2, i).targets) predicted += x >= 0;
+  int64_t unmasked = 0;
+  for (size_t i = 1; i < want_mask.size(); ++i) unmasked += want_mask[i];
+  EXPECT_EQ(predicted, unmasked);
+  // A file without masks is version 1, as before.
+  TokenFileWriter w1(t / "plain.tok", v, bytes);
+  w1.add_document("abc");
+  EXPECT_EQ(w1.commit().version, 1u);
+  EXPECT_FALSE(TokenFile::open(t / "plain.tok")->has_mask());
+  // A mask of another length is refused, naming both lengths.
+  TokenFileWriter w2(t / "bad.tok", v, bytes);
+  const std::string e = test::error_of([&] { w2.add_tokens(chat, std::span<const uint8_t>(chat_mask).first(10)); });
+  EXPECT_NE(e.find("200 ids came with a loss mask of 10 entries"), std::string::npos) << e;
+}
+
 TEST(PackedBatches, PackingFlagValues) {
   EXPECT_EQ(parse_packing("documents"), Packing::Documents);
   EXPECT_EQ(parse_packing("stream"), Packing::Stream);

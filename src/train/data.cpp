@@ -112,14 +112,16 @@ namespace {
 
 // Row r of a batch from its window of seq+1 tokens (`have` of them real: the rest are ignored targets). With a
 // separator: positions restart after each one, whose target (another document's first token) is ignored.
+// mask (empty: none): the window's loss mask; a target whose mask byte is 0 is ignored.
 void fill_row(TokenBatch& b, int64_t r, const std::vector<int32_t>& window, int64_t have,
-              std::optional<int32_t> separator) {
+              std::optional<int32_t> separator, const std::vector<uint8_t>& mask) {
   const int64_t seq = b.seq;
   int32_t* in = b.inputs.data() + r * seq;
   int32_t* tg = b.targets.data() + r * seq;
   for (int64_t j = 0; j < seq; ++j) {
     in[j] = j < have ? window[static_cast<size_t>(j)] : 0;
-    tg[j] = j + 1 < have ? window[static_cast<size_t>(j + 1)] : -1;
+    tg[j] = j + 1 < have && (mask.empty() || mask[static_cast<size_t>(j + 1)] != 0) ? window[static_cast<size_t>(j + 1)]
+                                                                                    : -1;
   }
   if (b.positions.empty()) return;
   int32_t* pos = b.positions.data() + r * seq;
@@ -143,10 +145,12 @@ TokenBatch sample_batch(const TokenSource& tokens, int64_t batch, int64_t seq, u
   if (documents) b.positions.resize(static_cast<size_t>(batch * seq));
   const uint64_t span = static_cast<uint64_t>(tokens.size() - seq);  // valid window starts
   std::vector<int32_t> window(static_cast<size_t>(seq + 1));
+  std::vector<uint8_t> mask(tokens.has_mask() ? static_cast<size_t>(seq + 1) : 0);
   for (int64_t r = 0; r < batch; ++r) {
     uint64_t start = mix(mix(seed) ^ mix(static_cast<uint64_t>(step) * 0x100000001b3ull + static_cast<uint64_t>(r))) % span;
     tokens.read(static_cast<int64_t>(start), seq + 1, window.data());
-    fill_row(b, r, window, seq + 1, documents ? tokens.document_separator() : std::nullopt);
+    if (!mask.empty()) tokens.read_mask(static_cast<int64_t>(start), seq + 1, mask.data());
+    fill_row(b, r, window, seq + 1, documents ? tokens.document_separator() : std::nullopt, mask);
   }
   return b;
 }
@@ -182,11 +186,13 @@ TokenBatch eval_batch(const TokenSource& tokens, int64_t seq, int64_t batch, int
   b.targets.resize(static_cast<size_t>(b.batch * seq));
   if (documents) b.positions.resize(static_cast<size_t>(b.batch * seq));
   std::vector<int32_t> window(static_cast<size_t>(seq + 1));
+  std::vector<uint8_t> mask(tokens.has_mask() ? static_cast<size_t>(seq + 1) : 0);
   // Window w covers tokens [w*seq, w*seq + seq] (seq+1 tokens): inputs are the first seq, targets the last seq.
   for (int64_t r = 0; r < b.batch; ++r) {
     const int64_t start = (index * batch + r) * seq, have = std::min(seq + 1, n - start);
     tokens.read(start, have, window.data());
-    fill_row(b, r, window, have, documents ? tokens.document_separator() : std::nullopt);
+    if (!mask.empty()) tokens.read_mask(start, have, mask.data());
+    fill_row(b, r, window, have, documents ? tokens.document_separator() : std::nullopt, mask);
   }
   return b;
 }
