@@ -47,8 +47,9 @@ PlanResult plan(const PlanRequest& r) {
   // The training step itself, over shapes: this device's shards of the parameters and of both AdamW moments, its
   // micro-batches, each forward and backward, then the replicas' sum and the update (train::Step).
   train::Step step(r.model, r.weight_dtype, oc, schedule, r.update_in_backward, &replicas, mem);
-  const std::vector<train::Batch> micro(static_cast<size_t>(r.grad_accum),
-                                        train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
+  train::Batch shapes{nullptr, nullptr, r.batch_per_device, r.seq};
+  shapes.documents = r.step.packing == train::Packing::Documents;
+  const std::vector<train::Batch> micro(static_cast<size_t>(r.grad_accum), shapes);
   step.run(micro);
 
   PlanResult out;
