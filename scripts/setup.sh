@@ -86,6 +86,21 @@ if [ "$(cat data/tokenizers/.hs-made 2>/dev/null)" != "$tok_hash" ] || [ ! -s da
   echo "$tok_hash" > data/tokenizers/.hs-made
 fi
 
+# The real Qwen chat templates the chat renderer's tests meet (tests/chat_template_test.cpp), from the llama.cpp tree
+# inside the llama-cpp-python 0.3.36 source distribution on PyPI (vendor/llama.cpp/models/templates/Qwen*.jinja).
+# Fetched, not committed: they are the Qwen models' own files under their own licences, and pinning the sdist's
+# version pins their bytes.
+if ! ls data/templates/Qwen*.jinja >/dev/null 2>&1; then
+  echo "setup: fetching the Qwen chat templates into data/templates"
+  sdist_dir=$(mktemp -d)
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    llama-cpp-python==0.3.36 -d "$sdist_dir"
+  mkdir -p data/templates.tmp
+  tar -xzf "$sdist_dir"/llama_cpp_python-0.3.36.tar.gz -C data/templates.tmp --strip-components=5 --wildcards \
+    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen*'
+  rm -rf "$sdist_dir" data/templates && mv data/templates.tmp data/templates
+fi
+
 [ "$build_it" = 1 ] || exit 0
 build=${1:-build}
 shift || true
