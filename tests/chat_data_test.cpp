@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 
@@ -80,6 +81,36 @@ TEST(ChatTemplateRefusal, SyntaxAndRuntimeErrorsNameTheLine) {
   EXPECT_THROW(ChatTemplate::parse("{{ 'unclosed }}", "t"), TemplateError);
   EXPECT_THROW(ChatTemplate::parse("{{ x", "t"), TemplateError);
   EXPECT_THROW(ChatTemplate::parse("{% for %}", "t"), TemplateError);
+  // Bounded depth: no input exhausts the stack.
+  EXPECT_NE(refusal("{{ " + std::string(100000, '(') + "1" + std::string(100000, ')') + " }}").find("nested deeper"),
+            std::string::npos);
+  std::string ifs;
+  for (int k = 0; k < 5000; ++k) ifs += "{% if true %}";
+  EXPECT_NE(refusal(ifs).find("nested deeper"), std::string::npos);
+  EXPECT_NE(refusal("{{ " + std::string(100000, '-') + "1 }}").find("nested deeper"), std::string::npos);
+  EXPECT_NE(refusal("{{ " + std::string(100000, '[') + " }}").find("nested deeper"), std::string::npos);
+  const std::string recursion = refusal("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}\n{{ m(0) }}");
+  EXPECT_NE(recursion.find("maximum recursion depth exceeded in macro 'm'"), std::string::npos) << recursion;
+  // Past what 64-bit ints and memory hold: refused, where Python would go on (big ints) or run out of memory.
+  EXPECT_NE(refusal("{{ 9223372036854775807 + 1 }}").find("beyond 64 bits"), std::string::npos);
+  EXPECT_NE(refusal("{{ 2 ** 64 }}").find("beyond 64 bits"), std::string::npos);
+  EXPECT_NE(refusal("{{ 99999999999999999999 }}").find("beyond 64 bits"), std::string::npos);
+  EXPECT_NE(refusal("{{ 'ab' * 1000000000000 }}").find("repetition"), std::string::npos);
+  EXPECT_EQ(ChatTemplate::parse("{{ 3 ** 39 }} {{ (-2) ** 63 }} {{ 1 ** 1000000000000 }}", "t")
+                .render(nlohmann::json::array({{{"role", "user"}}})),
+            "4052555153018976267 -9223372036854775808 1");
+  // Nothing in random bytes crashes the parser: each either parses or is refused with a TemplateError.
+  std::mt19937 rng(7);
+  const std::string alphabet = "{}%#-+()[]'\".,:|~ abcifnotdefsendforinmacro=<>!*/0123456789\n\t\\";
+  for (int k = 0; k < 3000; ++k) {
+    std::string src;
+    for (int n = static_cast<int>(rng() % 40); n > 0; --n) src += alphabet[rng() % alphabet.size()];
+    try {
+      ChatTemplate::parse(src, "fuzz").render(nlohmann::json::array({{{"role", "user"}, {"content", "hi"}}}));
+    } catch (const TemplateError&) {
+    } catch (const std::invalid_argument&) {
+    }
+  }
 }
 
 TEST(ChatTemplateLoad, FindsTheTemplateOfACheckpointDirectory) {

@@ -193,6 +193,19 @@ SNIPPETS = [
     "{{ 'a\\nb' }}\r\nwindows\rmac\u2028ls\n",
     "trailing newline dropped\n",
     "{% if x %}yes{% elif f %}no{% else %}never{% endif %}{% if not x %}a{% elif x == 3 %}b{% endif %}",
+    "{% macro inner(v) %}<{{ v }}>{% endmacro %}{% macro outer(v) %}{{ inner(v ~ late) }}{% endmacro %}"
+    "{% set late = '!' %}{{ outer(1) }}",
+    "{% for a in [1, 2] %}{% set outer = loop %}{% for b in 'xy' %}{{ outer.index }}{{ loop.index }}{{ b }}{% endfor %}{% endfor %}",
+    "{{ -0.0 }} {{ 1e300 * 1e10 }} {{ -1e300 * 1e10 }} {{ 0.1 + 0.2 }} {{ 2 ** -1 }} {{ 10 / 4 }} {{ 1e22 }} {{ 123456789.0 * 1000 }}",
+    "{{ d[0] is defined }} {{ l['x'] is defined }} {{ none.x is defined }} {{ 's'.nothing is defined }} {{ d.items is defined }}",
+    "{{ [[], {}, [{}]] | tojson(indent=2) }} {{ '\u007f\u2028\u00e9\U0001F600' | tojson }} {{ [1, 'a'] | tojson(indent=0) }}",
+    "{% if zz is defined and zz.y %}no{% else %}ok{% endif %} {{ not 'a' in l }} {{ -x | abs }} {{ not x is none }}",
+    "\u3000 {%- if true %}x{% endif %}|a {% if true %}b{% endif %}|\n\t {% if true %}c{% endif %}|{{- ' d' }}",
+    "{{\n  'multi'\n  ~ 'line'\n}}{%\n  if true\n%}\nyes{% endif %}",
+    "{{ 'a' == ('a' | safe) }} {{ ('<' | safe) ~ '<' }} {{ ('x' | safe) | trim }} {{ 'abc' | replace('b', '') | upper }}",
+    "{% set ns = namespace(items=[]) %}{% for m in l %}{% set ns.items = ns.items + [m] %}{% endfor %}{{ ns.items }}",
+    "{{ x > 2 and x < 4 }} {{ 3 in [3.0] }} {{ [1, 2] == [1, 2.0] }} {{ {'a': 1} == {'a': 1} }} {{ 'b' > 'a' }}",
+    "{{ ('a', 'b') | join(', ') }} {{ l | list | length }} {{ (l | first) + (l | last) }} {{ 'x' | list }}",
     "{{ 'ß' | length }}{{ '🎉'[0] }}{{ '  x\u3000' | trim }}|{{ '\u00a0y\u00a0'.strip() }}|{{ 'a\u2028b'.split() }}",
 ]
 

@@ -226,8 +226,12 @@ std::vector<Token> lex(const std::string& src, const std::string& origin) {
         std::string num = src.substr(q, e - q);
         num.erase(std::remove(num.begin(), num.end(), '_'), num.end());
         Token t{is_float ? Tok::Float : Tok::Int, num, line};
-        if (is_float) t.f = std::stod(num);
-        else t.i = std::stoll(num);
+        try {
+          if (is_float) t.f = std::stod(num);
+          else t.i = std::stoll(num);
+        } catch (const std::out_of_range&) {
+          not_implemented(origin, line, "the number " + num + " (beyond 64 bits)");
+        }
         toks.push_back(t);
         q = e;
       } else if (c == '\'' || c == '"') {
@@ -326,6 +330,17 @@ class Parser {
   std::vector<Token> t_;
   size_t p_ = 0;
   std::string origin_;
+  int depth_ = 0;  // nesting of blocks and expressions: bounded, so that no input can exhaust the stack
+  struct Nest {
+    explicit Nest(Parser& p) : parser(p) {
+      if (++parser.depth_ > kMaxDepth) parser.syntax("nested deeper than " + std::to_string(kMaxDepth) + " levels");
+    }
+    ~Nest() { --parser.depth_; }
+    Nest(const Nest&) = delete;
+    Nest& operator=(const Nest&) = delete;
+    Parser& parser;
+  };
+  static constexpr int kMaxDepth = 200;
 
   const Token& peek(size_t k = 0) const { return t_[std::min(p_ + k, t_.size() - 1)]; }
   const Token& next() { return t_[p_ < t_.size() - 1 ? p_++ : p_]; }
@@ -350,6 +365,7 @@ class Parser {
   // Statements up to one of `ends` (a block tag whose first word is in it; that word is returned in `end`, the tag
   // is consumed up to its name).
   std::vector<Stmt> parse_body(const std::set<std::string>& ends, std::string& end) {
+    Nest nest(*this);
     std::vector<Stmt> out;
     while (true) {
       const Token& tk = peek();
@@ -559,6 +575,7 @@ class Parser {
     return e;
   }
   ExprPtr parse_not() {
+    Nest nest(*this);
     if (is_name("not")) {
       auto o = make(Expr::Not, next().line);
       o->kids.push_back(parse_not());
@@ -634,6 +651,7 @@ class Parser {
     return e;
   }
   ExprPtr parse_unary(bool with_filter = true) {
+    Nest nest(*this);
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
       const Token& op = next();
@@ -1196,6 +1214,8 @@ bool compare(const Value& a, const std::string& op, const Value& b) {
   return !less(a, b, op);  // >=
 }
 
+[[noreturn]] Value overflow() { not_implemented("", 0, "integer arithmetic beyond 64 bits"); }
+
 Value arithmetic(const Value& a, const std::string& op, const Value& b) {
   if (a.is_undefined()) undefined_error(a);
   if (b.is_undefined()) undefined_error(b);
@@ -1209,17 +1229,22 @@ Value arithmetic(const Value& a, const std::string& op, const Value& b) {
     if (op == "**") {
       if (!floats && to_int(b, "") >= 0) {
         int64_t r = 1, base = to_int(a, "");
-        for (int64_t k = 0; k < to_int(b, ""); ++k) r *= base;
+        for (int64_t e = to_int(b, ""); e > 0; e >>= 1) {  // by squaring
+          if ((e & 1) && __builtin_mul_overflow(r, base, &r)) overflow();
+          if (e > 1 && __builtin_mul_overflow(base, base, &base)) overflow();
+        }
         return Value::integer(r);
       }
       return Value::number(std::pow(d(a), d(b)));
     }
     if (!floats) {
       const int64_t x = to_int(a, ""), y = to_int(b, "");
-      if (op == "+") return Value::integer(x + y);
-      if (op == "-") return Value::integer(x - y);
-      if (op == "*") return Value::integer(x * y);
+      int64_t r = 0;
+      if (op == "+") return __builtin_add_overflow(x, y, &r) ? overflow() : Value::integer(r);
+      if (op == "-") return __builtin_sub_overflow(x, y, &r) ? overflow() : Value::integer(r);
+      if (op == "*") return __builtin_mul_overflow(x, y, &r) ? overflow() : Value::integer(r);
       if (y == 0) fail("integer division or modulo by zero");
+      if (x == INT64_MIN && y == -1) overflow();
       const int64_t q = x / y - ((x % y != 0) && ((x < 0) != (y < 0)) ? 1 : 0);  // floor, as Python
       return Value::integer(op == "//" ? q : x - q * y);
     }
@@ -1242,6 +1267,9 @@ Value arithmetic(const Value& a, const std::string& op, const Value& b) {
   }
   if (op == "*" && (a.is_string() || a.is_list()) && (b.kind == Value::Kind::Int || b.kind == Value::Kind::Bool)) {
     const int64_t n = to_int(b, "");
+    const size_t unit = a.is_string() ? a.s.size() : a.list->size();
+    if (n > 0 && unit > 0 && static_cast<uint64_t>(n) > (uint64_t{1} << 26) / unit)
+      not_implemented("", 0, "a repetition longer than 2^26 items");
     if (a.is_string()) {
       std::string s;
       for (int64_t k = 0; k < n; ++k) s += a.s;
@@ -1273,6 +1301,7 @@ class Renderer {
  private:
   const Program& prog_;
   int line_ = 0;  // the line of the statement running, for errors raised below it
+  int calls_ = 0;  // macros running: bounded, as Python's recursion limit bounds jinja2's
 
   [[noreturn]] void raise(const std::string& msg) const {
     throw TemplateError(where(prog_.origin, line_) + msg);
@@ -1451,7 +1480,15 @@ class Renderer {
           fail("macro '" + def->text + "' takes no keyword argument '" + k + "'");
       std::string out;
       const int saved = line_;
-      exec_body(def->bodies[0], sc, out);
+      if (calls_ >= 200) fail("maximum recursion depth exceeded in macro '" + def->text + "'");
+      ++calls_;
+      try {
+        exec_body(def->bodies[0], sc, out);
+      } catch (...) {
+        --calls_;
+        throw;
+      }
+      --calls_;
       line_ = saved;
       return Value::string(out);
     });
@@ -1519,8 +1556,10 @@ class Renderer {
       case Expr::Pos: {
         const Value v = eval(*e.kids[0], scope);
         if (v.kind == Value::Kind::Float) return Value::number(e.kind == Expr::Neg ? -v.f : v.f);
-        if (v.kind == Value::Kind::Int || v.kind == Value::Kind::Bool)
+        if (v.kind == Value::Kind::Int || v.kind == Value::Kind::Bool) {
+          if (e.kind == Expr::Neg && to_int(v, "") == INT64_MIN) overflow();
           return Value::integer(e.kind == Expr::Neg ? -to_int(v, "") : to_int(v, ""));
+        }
         if (v.is_undefined()) undefined_error(v);
         fail("bad operand type for unary " + std::string(e.kind == Expr::Neg ? "-" : "+") + ": '" + v.type_name() + "'");
       }
@@ -1709,7 +1748,9 @@ class Renderer {
     }
     if (f == "abs") {
       if (v.kind == Value::Kind::Float) return Value::number(std::fabs(v.f));
-      return Value::integer(std::llabs(to_int(v, "abs()'s argument")));
+      const int64_t x = to_int(v, "abs()'s argument");
+      if (x == INT64_MIN) overflow();
+      return Value::integer(x < 0 ? -x : x);
     }
     not_implemented("", 0, "the filter '" + f + "'");
   }
