@@ -60,6 +60,10 @@ TEST(ChatTemplateRefusal, EveryUnimplementedConstructIsNamedWithItsLine) {
       {"{{ 'É'.lower() }}", "str.lower() of non-ASCII text"},
       {"{{ messages | tojson(ensure_ascii=true) }}", "tojson(ensure_ascii=true)"},
       {"{{ f(*messages) }}", "'*args' / '**kwargs' in a call"},
+      {"{% for m in messages %}{{ loop.cycle('a', 'b') }}{% endfor %}", "loop.cycle()"},
+      {"{% for m in messages %}{{ loop.changed(m) }}{% endfor %}", "loop.changed()"},
+      {"{% macro m() %}{{ varargs }}{% endmacro %}", "the special variable 'varargs'"},
+      {"{% macro m() %}{{ caller() }}{% endmacro %}", "the special variable 'caller'"},
   };
   for (const auto& [src, name] : cases) {
     // The construct sits on the template's third line, behind two lines of text.

@@ -674,6 +674,9 @@ class Parser {
         c->constant = it->second < 0 ? Value::none() : Value::boolean(it->second == 1);
         return c;
       }
+      // Names jinja2 gives a meaning this interpreter does not: refused rather than read as undefined.
+      if (tk.text == "varargs" || tk.text == "kwargs" || tk.text == "caller" || tk.text == "self")
+        not_implemented(origin_, tk.line, "the special variable '" + tk.text + "'");
       auto n = make(Expr::Name, tk.line);
       n->name = tk.text;
       return n;
@@ -754,6 +757,9 @@ class Parser {
           g->kids.push_back(std::move(key));
         } else {
           g->name = expect_name();
+          if (g->name == "cycle" || g->name == "changed") {
+            if (e->kind == Expr::Name && e->name == "loop") not_implemented(origin_, line, "loop." + g->name + "()");
+          }
           g->kids.push_back(std::move(e));
         }
         e = std::move(g);
