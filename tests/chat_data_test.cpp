@@ -137,6 +137,7 @@ TEST(ChatTemplateLoad, FindsTheTemplateOfACheckpointDirectory) {
   write(d / "tokenizer_config.json",
         R"({"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ 1 }}"}]})");
   EXPECT_EQ(ChatTemplate::load(d).render(msgs), "D1");
+  EXPECT_EQ(ChatTemplate::load(d / "tokenizer_config.json").render(msgs), "D1");
   write(d / "tokenizer_config.json", R"({"chat_template": [{"name": "tool_use", "template": "T"}]})");
   EXPECT_THROW(ChatTemplate::load(d), std::runtime_error);
   // chat_template.jinja wins over tokenizer_config.json.

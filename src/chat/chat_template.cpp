@@ -74,9 +74,10 @@ void ChatTemplate::set_special_tokens(std::optional<std::string> bos, std::optio
 ChatTemplate ChatTemplate::load(const fs::path& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) throw std::runtime_error(path.string() + " does not exist");
-  if (!fs::is_directory(path, ec)) return parse(read_file(path), path.string());
+  const bool config_file = !fs::is_directory(path, ec) && path.extension() == ".json";
+  if (!fs::is_directory(path, ec) && !config_file) return parse(read_file(path), path.string());
   nlohmann::json cfg;
-  const fs::path cfg_path = path / "tokenizer_config.json";
+  const fs::path cfg_path = config_file ? path : path / "tokenizer_config.json";
   if (fs::exists(cfg_path, ec)) {
     try {
       cfg = nlohmann::json::parse(read_file(cfg_path));
@@ -86,7 +87,7 @@ ChatTemplate ChatTemplate::load(const fs::path& path) {
   }
   ChatTemplate t;
   const fs::path jinja = path / "chat_template.jinja";
-  if (fs::exists(jinja, ec)) {
+  if (!config_file && fs::exists(jinja, ec)) {
     t = parse(read_file(jinja), jinja.string());
   } else if (cfg.is_object() && cfg.contains("chat_template")) {
     const auto& ct = cfg["chat_template"];
