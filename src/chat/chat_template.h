@@ -21,8 +21,9 @@ struct RenderOptions {
 class ChatTemplate {
  public:
   // A checkpoint directory (chat_template.jinja, else tokenizer_config.json's "chat_template": a string, or a list of
-  // {name, template} where "default" is taken), a tokenizer_config.json (any .json file) or a .jinja file. Throws std::runtime_error saying what is missing,
-  // TemplateError when the template uses what this renderer does not implement.
+  // {name, template} where "default" is taken), a tokenizer_config.json (any .json file) or a .jinja file. Throws
+  // std::runtime_error saying what is missing, TemplateError when the template uses what this renderer does not
+  // implement.
   static ChatTemplate load(const std::filesystem::path& path);
   static ChatTemplate parse(std::string source, std::string origin);  // throws TemplateError
 
