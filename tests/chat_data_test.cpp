@@ -160,7 +160,7 @@ TEST(ChatJsonl, ReadsConversationsAndNumbersBadLines) {
   const std::string good2 = R"([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])";
   const std::string tools = R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "z": 1, "a": 2}}]})";
   {
-    std::istringstream in(good1 + "\n\n" + good2 + "\r\n" + tools + "\n");
+    std::istringstream in("\xEF\xBB\xBF" + good1 + "\n\n" + good2 + "\r\n" + tools + "\n");
     const auto r = read_conversations(in, "chat.jsonl");
     ASSERT_EQ(r.conversations.size(), 3u);
     EXPECT_EQ(r.conversations[1].line, 3u);

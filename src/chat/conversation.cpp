@@ -44,6 +44,7 @@ JsonlResult read_conversations(std::istream& in, const std::string& name, const 
   std::string text;
   for (size_t line = 1; std::getline(in, text); ++line) {
     if (!text.empty() && text.back() == '\r') text.pop_back();
+    if (line == 1 && text.rfind("\xEF\xBB\xBF", 0) == 0) text.erase(0, 3);  // a UTF-8 byte-order mark
     if (text.find_first_not_of(" \t") == std::string::npos) continue;
     Conversation c;
     c.line = line;
