@@ -22,7 +22,8 @@ int main(int argc, char** argv) {
   std::map<std::string, std::vector<nlohmann::ordered_json>> cases;
   for (std::string line; std::getline(in, line);) {
     auto j = nlohmann::ordered_json::parse(line);
-    if (!j.contains("source") && j.contains("rendered")) cases[j["template"].get<std::string>()].push_back(std::move(j));
+    if (!j.contains("source") && j.contains("rendered"))
+      cases[j["template"].get<std::string>()].push_back(std::move(j));
   }
   const int reps = std::max(1, std::atoi(argv[3]));
   for (const auto& [name, list] : cases) {

@@ -28,9 +28,7 @@ std::string refusal(const std::string& source) {
   return "(no TemplateError)";
 }
 
-void write(const fs::path& p, const std::string& text) {
-  std::ofstream(p, std::ios::binary) << text;
-}
+void write(const fs::path& p, const std::string& text) { std::ofstream(p, std::ios::binary) << text; }
 
 }  // namespace
 
@@ -156,9 +154,11 @@ TEST(ChatTemplateLoad, FindsTheTemplateOfACheckpointDirectory) {
 }
 
 TEST(ChatJsonl, ReadsConversationsAndNumbersBadLines) {
-  const std::string good1 = R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})";
+  const std::string good1 =
+      R"({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})";
   const std::string good2 = R"([{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])";
-  const std::string tools = R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "z": 1, "a": 2}}]})";
+  const std::string tools = R"({"messages": [{"role": "user", "content": "x"}], )"
+                            R"("tools": [{"type": "function", "function": {"name": "f", "z": 1, "a": 2}}]})";
   {
     std::istringstream in("\xEF\xBB\xBF" + good1 + "\n\n" + good2 + "\r\n" + tools + "\n");
     const auto r = read_conversations(in, "chat.jsonl");

@@ -2,17 +2,17 @@
 // cases in .venv): every real Qwen template in data/templates (scripts/setup.sh fetches them) on >= 200 generated
 // conversations each, byte for byte, and small templates for the semantics the real ones touch only in part; the
 // loss masks against an independent computation (HF tokenizers' offsets and a regular expression).
+#include "chat/chat_template.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 
-#include <nlohmann/json.hpp>
-
-#include "chat/chat_template.h"
 #include "chat/conversation.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -37,8 +37,8 @@ const std::vector<ordered_json>& reference_cases() {
     const fs::path dir = fs::temp_directory_path() / ("hs_chat_reference_" + std::to_string(::getpid()));
     fs::create_directories(dir);
     const fs::path file = dir / "cases.jsonl";
-    const std::string cmd = "'" + python.string() + "' '" + (source() / "tests" / "chat_reference.py").string() + "' '" +
-                            (source() / "data" / "templates").string() + "' '" +
+    const std::string cmd = "'" + python.string() + "' '" + (source() / "tests" / "chat_reference.py").string() +
+                            "' '" + (source() / "data" / "templates").string() + "' '" +
                             (source() / "data" / "tokenizers").string() + "' '" + file.string() + "'";
     const auto run = hs::test::run_command(cmd);
     if (run.rc != 0) {
@@ -109,7 +109,8 @@ TEST(ChatTemplate, RendersEveryQwenTemplateAsTransformersByteForByte) {
       if (++failures <= 5)
         ADD_FAILURE() << name << ": " << (error.empty() ? "differs" : "threw " + error) << "\nmessages "
                       << c["messages"].dump() << "\ntools " << c["tools"].dump() << "\nhybridscan:\n"
-                      << shown(got) << "\ntransformers:\n" << shown(want);
+                      << shown(got) << "\ntransformers:\n"
+                      << shown(want);
       continue;
     }
     ++rendered[name];
@@ -118,7 +119,8 @@ TEST(ChatTemplate, RendersEveryQwenTemplateAsTransformersByteForByte) {
   // Every Qwen*.jinja the sdist has (Qwen2.5, Qwen3-0.6B, QwQ, Qwen3-Coder, Qwen3.5-4B in llama-cpp-python 0.3.36).
   EXPECT_GE(total.size(), 5u);
   for (const auto& [name, n] : total) {
-    std::cout << name << ": " << rendered[name] << " rendered equal, " << raised[name] << " raised as transformers does\n";
+    std::cout << name << ": " << rendered[name] << " rendered equal, " << raised[name]
+              << " raised as transformers does\n";
     EXPECT_GE(rendered[name], 200) << name;
   }
 }
@@ -137,11 +139,14 @@ TEST(ChatTemplate, SmallTemplatesRenderAsJinja) {
       error = e.what();  // a parse error
     }
     if (c.contains("error")) {
-      if (error.empty()) ++failures, ADD_FAILURE() << name << " " << c["source"] << ": jinja2 raised " << c["error"] << ", we rendered " << got;
+      if (error.empty())
+        ++failures,
+            ADD_FAILURE() << name << " " << c["source"] << ": jinja2 raised " << c["error"] << ", we rendered " << got;
       continue;
     }
     if (!error.empty() || got != c["rendered"].get<std::string>())
-      ++failures, ADD_FAILURE() << name << " " << c["source"] << "\nhybridscan:  " << (error.empty() ? got : "threw " + error)
+      ++failures, ADD_FAILURE() << name << " " << c["source"]
+                                << "\nhybridscan:  " << (error.empty() ? got : "threw " + error)
                                 << "\ntransformers: " << c["rendered"].get<std::string>();
   }
   EXPECT_GE(n, 40);
@@ -169,11 +174,13 @@ TEST(ChatMask, CountsExactlyTheAssistantTokensAnIndependentComputationCounts) {
         std::string diff;
         for (size_t k = 0; k < std::min(got.ids.size(), want_ids.size()); ++k)
           if (got.ids[k] != want_ids[k] || got.loss_mask[k] != want_mask[k]) {
-            diff = "first difference at token " + std::to_string(k) + " (" + tok->token_bytes(static_cast<uint32_t>(want_ids[k])) +
-                   "): mask " + std::to_string(got.loss_mask[k]) + " vs " + std::to_string(want_mask[k]);
+            diff = "first difference at token " + std::to_string(k) + " (" +
+                   tok->token_bytes(static_cast<uint32_t>(want_ids[k])) + "): mask " +
+                   std::to_string(got.loss_mask[k]) + " vs " + std::to_string(want_mask[k]);
             break;
           }
-        ADD_FAILURE() << name << ": " << (got.ids != want_ids ? "ids differ; " : "") << diff << "\n" << shown(c["rendered"].get<std::string>());
+        ADD_FAILURE() << name << ": " << (got.ids != want_ids ? "ids differ; " : "") << diff << "\n"
+                      << shown(c["rendered"].get<std::string>());
       }
     }
     for (auto m : got.loss_mask) masked += m;

@@ -201,7 +201,8 @@ TEST(GenerateCli, TextGoesThroughTheCheckpointsTokenizer) {
   const std::string text = tok.decode(out, true);  // streamed as it is (the JSON replaces invalid UTF-8)
   EXPECT_EQ(r.out.substr(0, text.size() + 1), text + "\n");
   // The chat format's special tokens are beyond this model's vocabulary: a clear error, not a crash.
-  std::filesystem::copy(hs::test::source_dir() + "/data/templates/Qwen-Qwen3-0.6B.jinja", dir / "ck" / "chat_template.jinja");
+  std::filesystem::copy(hs::test::source_dir() + "/data/templates/Qwen-Qwen3-0.6B.jinja",
+                        dir / "ck" / "chat_template.jinja");
   const Outcome chat = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat");
   EXPECT_NE(chat.status, 0);
   EXPECT_NE(chat.err.find("outside the model's vocabulary"), std::string::npos) << chat.err;
@@ -211,7 +212,8 @@ TEST(GenerateCli, TextGoesThroughTheCheckpointsTokenizer) {
 // prompt is the rendered text's bytes), and --chat-template names another one.
 TEST(GenerateCli, ChatRendersThePromptWithTheCheckpointsTemplate) {
   const std::string templates = hs::test::source_dir() + "/data/templates/";
-  ASSERT_TRUE(std::filesystem::exists(templates + "Qwen-Qwen3-0.6B.jinja")) << "run scripts/setup.sh: it fetches data/templates";
+  ASSERT_TRUE(std::filesystem::exists(templates + "Qwen-Qwen3-0.6B.jinja"))
+      << "run scripts/setup.sh: it fetches data/templates";
   test::TempDir dir;
   std::filesystem::copy(kCase, dir / "ck");
   std::filesystem::copy(templates + "Qwen-Qwen3-0.6B.jinja", dir / "ck" / "chat_template.jinja");
@@ -230,11 +232,12 @@ TEST(GenerateCli, ChatRendersThePromptWithTheCheckpointsTemplate) {
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_EQ(last_line(r.out)["tokens"][0].get<std::vector<int32_t>>(),
             greedy_of("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
-  const Outcome sys = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat --system 'Be brief.' "
+  const Outcome sys = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat --system 'Be brief.' " +
                           "--chat-template " + templates + "Qwen-Qwen2.5-7B-Instruct.jinja --max-new-tokens 8 --json");
   ASSERT_EQ(sys.status, 0) << sys.err;
   EXPECT_EQ(last_line(sys.out)["tokens"][0].get<std::vector<int32_t>>(),
-            greedy_of("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
+            greedy_of("<|im_start|>system\nBe brief.<|im_end|>\n"
+                      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
   // A template that raises (Qwen3.5's needs a user turn that is not a tool response): its message, not a crash.
   std::filesystem::copy(templates + "Qwen3.5-4B.jinja", dir / "ck" / "chat_template.jinja",
                         std::filesystem::copy_options::overwrite_existing);

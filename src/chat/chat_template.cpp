@@ -100,11 +100,13 @@ ChatTemplate ChatTemplate::load(const fs::path& path) {
         if (e.is_object() && e.value("name", "") == "default" && e.contains("template") && e["template"].is_string())
           found = &e["template"];
       if (!found)
-        throw std::runtime_error(cfg_path.string() + ": chat_template is a list of named templates without one named "
+        throw std::runtime_error(cfg_path.string() +
+                                 ": chat_template is a list of named templates without one named "
                                  "\"default\"");
       t = parse(found->get<std::string>(), origin);
     } else {
-      throw std::runtime_error(cfg_path.string() + ": chat_template is neither a string nor a list of {name, template}");
+      throw std::runtime_error(cfg_path.string() +
+                               ": chat_template is neither a string nor a list of {name, template}");
     }
   } else {
     throw std::runtime_error("no chat template in " + path.string() +

@@ -3,10 +3,9 @@
 #pragma once
 #include <filesystem>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
-
-#include <nlohmann/json.hpp>
 
 #include "chat/jinja.h"
 
@@ -34,7 +33,8 @@ class ChatTemplate {
   // The same with JSON whose key order is kept (tojson prints keys in the order the request or file gave them, as
   // Python does; nlohmann::json sorts them). `tools` and `extra`, when not null, stand for opt.tools and opt.extra.
   std::string render(const nlohmann::ordered_json& messages, const RenderOptions& opt = {},
-                     const nlohmann::ordered_json& tools = nullptr, const nlohmann::ordered_json& extra = nullptr) const;
+                     const nlohmann::ordered_json& tools = nullptr,
+                     const nlohmann::ordered_json& extra = nullptr) const;
 
   const std::string& source() const { return source_; }
   const std::string& origin() const { return origin_; }
@@ -43,7 +43,8 @@ class ChatTemplate {
   void set_special_tokens(std::optional<std::string> bos, std::optional<std::string> eos);
 
  private:
-  std::string render_values(const Value& messages, const Value& tools, const Value& extra, bool add_generation_prompt) const;
+  std::string render_values(const Value& messages, const Value& tools, const Value& extra,
+                            bool add_generation_prompt) const;
   std::string source_, origin_;
   std::shared_ptr<const Program> program_;
   std::optional<std::string> bos_, eos_;

@@ -4,10 +4,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <iosfwd>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "chat/chat_template.h"
 #include "tokenizer/tokenizer.h"

@@ -88,28 +88,58 @@ std::string unescape_string(const std::string& body, const std::string& origin, 
       uint32_t v = 0;
       for (int d = 1; d <= n; ++d) {
         const char h = k + d < body.size() ? body[k + d] : 'x';
-        if (!std::isxdigit(static_cast<unsigned char>(h))) throw TemplateError(where(origin, line) + "bad escape in a string");
-        v = v * 16 + static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
+        if (!std::isxdigit(static_cast<unsigned char>(h)))
+          throw TemplateError(where(origin, line) + "bad escape in a string");
+        v = v * 16 +
+            static_cast<uint32_t>(std::isdigit(static_cast<unsigned char>(h)) ? h - '0' : (std::tolower(h) - 'a' + 10));
       }
       k += n;
       out += utf8_encode({v});
     };
     switch (e) {
-      case '\n': break;
-      case '\\': out += '\\'; break;
-      case '\'': out += '\''; break;
-      case '"': out += '"'; break;
-      case 'a': out += '\a'; break;
-      case 'b': out += '\b'; break;
-      case 'f': out += '\f'; break;
-      case 'n': out += '\n'; break;
-      case 'r': out += '\r'; break;
-      case 't': out += '\t'; break;
-      case 'v': out += '\v'; break;
-      case 'x': hex(2); break;
-      case 'u': hex(4); break;
-      case 'U': hex(8); break;
-      case 'N': not_implemented(origin, line, "the \\N{...} escape");
+      case '\n':
+        break;
+      case '\\':
+        out += '\\';
+        break;
+      case '\'':
+        out += '\'';
+        break;
+      case '"':
+        out += '"';
+        break;
+      case 'a':
+        out += '\a';
+        break;
+      case 'b':
+        out += '\b';
+        break;
+      case 'f':
+        out += '\f';
+        break;
+      case 'n':
+        out += '\n';
+        break;
+      case 'r':
+        out += '\r';
+        break;
+      case 't':
+        out += '\t';
+        break;
+      case 'v':
+        out += '\v';
+        break;
+      case 'x':
+        hex(2);
+        break;
+      case 'u':
+        hex(4);
+        break;
+      case 'U':
+        hex(8);
+        break;
+      case 'N':
+        not_implemented(origin, line, "the \\N{...} escape");
       default:
         if (e >= '0' && e <= '7') {
           uint32_t v = static_cast<uint32_t>(e - '0');
@@ -185,14 +215,17 @@ std::vector<Token> lex(const std::string& src, const std::string& origin) {
         ++q;
       }
       if (q >= src.size())
-        throw TemplateError(where(origin, line) + (block ? "a block tag is not closed (no %})" : "an expression is not closed (no }})"));
+        throw TemplateError(where(origin, line) +
+                            (block ? "a block tag is not closed (no %})" : "an expression is not closed (no }})"));
       auto at = [&](const char* s) { return src.compare(q, std::strlen(s), s) == 0; };
       const char* end = block ? "%}" : "}}";
       const bool strip = at(block ? "-%}" : "-}}"), keep = block && at("+%}");
       if (strip || keep || at(end)) {
         size_t after = q + (strip || keep ? 3 : 2);
-        if (strip) after = skip_space(src, after);
-        else if (block && !keep && after < src.size() && src[after] == '\n') ++after;  // trim_blocks
+        if (strip)
+          after = skip_space(src, after);
+        else if (block && !keep && after < src.size() && src[after] == '\n')
+          ++after;  // trim_blocks
         line += count_lines(src, q, after);
         toks.push_back({block ? Tok::BlockEnd : Tok::VarEnd, "", line});
         line_starting = src[after - 1] == '\n';
@@ -227,8 +260,10 @@ std::vector<Token> lex(const std::string& src, const std::string& origin) {
         num.erase(std::remove(num.begin(), num.end(), '_'), num.end());
         Token t{is_float ? Tok::Float : Tok::Int, num, line};
         try {
-          if (is_float) t.f = std::stod(num);
-          else t.i = std::stoll(num);
+          if (is_float)
+            t.f = std::stod(num);
+          else
+            t.i = std::stoll(num);
         } catch (const std::out_of_range&) {
           not_implemented(origin, line, "the number " + num + " (beyond 64 bits)");
         }
@@ -243,8 +278,8 @@ std::vector<Token> lex(const std::string& src, const std::string& origin) {
         line += count_lines(src, q, e);
         q = e + 1;
       } else {
-        static const char* ops[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<", ">",
-                                    "=", "(", ")", "[", "]", "{", "}", ",", ".", ":", "|"};
+        static const char* ops[] = {"//", "**", "==", "!=", "<=", ">=", "+", "-", "*", "/", "%", "~", "<",
+                                    ">",  "=",  "(",  ")",  "[",  "]",  "{", "}", ",", ".", ":", "|"};
         const char* found = nullptr;
         for (const char* o : ops)
           if (at(o)) {
@@ -267,8 +302,26 @@ std::vector<Token> lex(const std::string& src, const std::string& origin) {
 // The syntax tree.
 struct Expr {
   enum Kind {
-    Const, Name, GetAttr, GetItem, Slice, Call, Filter, Test, Neg, Pos, Not, And, Or, Binary, Concat, Compare,
-    Cond, ListLit, TupleLit, DictLit
+    Const,
+    Name,
+    GetAttr,
+    GetItem,
+    Slice,
+    Call,
+    Filter,
+    Test,
+    Neg,
+    Pos,
+    Not,
+    And,
+    Or,
+    Binary,
+    Concat,
+    Compare,
+    Cond,
+    ListLit,
+    TupleLit,
+    DictLit
   } kind;
   int line = 0;
   Value constant;                           // Const
@@ -284,13 +337,13 @@ using ExprPtr = std::unique_ptr<Expr>;
 struct Stmt {
   enum Kind { Text, Print, If, For, Set, SetAttr, Macro, Break, Continue, Generation } kind = Text;
   int line = 0;
-  std::string text;                        // Text; Set/Macro: the name; SetAttr: the namespace's name
-  std::string attr;                        // SetAttr
-  std::vector<std::string> targets;        // For
-  std::vector<ExprPtr> exprs;              // Print/Set: [value]; If: conditions; For: [iterable, filter?]
-  std::vector<std::vector<Stmt>> bodies;   // If: one per condition, then else; For: [body, else]; Macro: [body]
-  std::vector<std::string> params;         // Macro
-  std::vector<ExprPtr> defaults;           // Macro: one per parameter (null: none)
+  std::string text;                       // Text; Set/Macro: the name; SetAttr: the namespace's name
+  std::string attr;                       // SetAttr
+  std::vector<std::string> targets;       // For
+  std::vector<ExprPtr> exprs;             // Print/Set: [value]; If: conditions; For: [iterable, filter?]
+  std::vector<std::vector<Stmt>> bodies;  // If: one per condition, then else; For: [body, else]; Macro: [body]
+  std::vector<std::string> params;        // Macro
+  std::vector<ExprPtr> defaults;          // Macro: one per parameter (null: none)
 };
 
 Stmt make_stmt(Stmt::Kind k, int line) {
@@ -307,14 +360,14 @@ struct Program {
 
 namespace {
 
-const std::set<std::string> kFilters = {"tojson", "safe", "string", "trim", "length", "count", "items", "default",
-                                        "d", "join", "first", "last", "list", "lower", "upper", "replace", "int",
-                                        "float", "abs", "capitalize", "e", "escape"};
-const std::set<std::string> kTests = {"defined", "undefined", "none", "string", "mapping", "iterable", "sequence",
-                                      "number", "integer", "float", "boolean", "true", "false", "callable", "odd",
-                                      "even", "divisibleby", "eq", "equalto", "==", "ne", "!=", "lt", "<", "lessthan",
-                                      "gt", ">", "greaterthan", "le", "<=", "ge", ">=", "in", "sameas", "lower",
-                                      "upper"};
+const std::set<std::string> kFilters = {
+    "tojson", "safe", "string", "trim",  "length",  "count", "items", "default", "d",          "join", "first",
+    "last",   "list", "lower",  "upper", "replace", "int",   "float", "abs",     "capitalize", "e",    "escape"};
+const std::set<std::string> kTests = {
+    "defined",     "undefined", "none", "string", "mapping",  "iterable", "sequence", "number",      "integer",
+    "float",       "boolean",   "true", "false",  "callable", "odd",      "even",     "divisibleby", "eq",
+    "equalto",     "==",        "ne",   "!=",     "lt",       "<",        "lessthan", "gt",          ">",
+    "greaterthan", "le",        "<=",   "ge",     ">=",       "in",       "sameas",   "lower",       "upper"};
 
 class Parser {
  public:
@@ -463,7 +516,8 @@ class Parser {
         return s;
       }
       if (is_op(",")) not_implemented(origin_, line, "'set' with several targets");
-      if (peek().type == Tok::BlockEnd) not_implemented(origin_, line, "the block form of 'set' ({% set x %}...{% endset %})");
+      if (peek().type == Tok::BlockEnd)
+        not_implemented(origin_, line, "the block form of 'set' ({% set x %}...{% endset %})");
       expect_op("=");
       Stmt s = make_stmt(Stmt::Set, line);
       s.text = name;
@@ -505,8 +559,8 @@ class Parser {
       expect_block_end();
       return s;
     }
-    static const std::set<std::string> known = {"raw", "call", "filter", "include", "import", "from", "extends",
-                                                "block", "with", "autoescape", "do", "trans", "print"};
+    static const std::set<std::string> known = {"raw",   "call", "filter",     "include", "import", "from", "extends",
+                                                "block", "with", "autoescape", "do",      "trans",  "print"};
     if (known.count(word)) not_implemented(origin_, line, "the '" + word + "' tag");
     not_implemented(origin_, line, "the block tag '" + word + "'");
   }
@@ -877,12 +931,23 @@ std::string html_escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -948,12 +1013,14 @@ Value py_split(const std::string& s, const Value& sep, int64_t maxsplit) {
       if (maxsplit >= 0 && static_cast<int64_t>(out.size()) == maxsplit) {
         size_t e = cps.size();
         while (e > k && python_isspace(cps[e - 1])) --e;
-        out.push_back(Value::string(utf8_encode({cps.begin() + static_cast<long>(k), cps.begin() + static_cast<long>(e)})));
+        out.push_back(
+            Value::string(utf8_encode({cps.begin() + static_cast<long>(k), cps.begin() + static_cast<long>(e)})));
         break;
       }
       size_t e = k;
       while (e < cps.size() && !python_isspace(cps[e])) ++e;
-      out.push_back(Value::string(utf8_encode({cps.begin() + static_cast<long>(k), cps.begin() + static_cast<long>(e)})));
+      out.push_back(
+          Value::string(utf8_encode({cps.begin() + static_cast<long>(k), cps.begin() + static_cast<long>(e)})));
       k = e;
     }
     return Value::make_list(std::move(out));
@@ -999,8 +1066,10 @@ std::string py_replace(const std::string& s, const std::string& old, const std::
 std::string ascii_case(const std::string& s, bool upper, const char* method) {
   std::string out = s;
   for (char& c : out) {
-    if (static_cast<unsigned char>(c) >= 0x80) not_implemented("", 0, std::string("str.") + method + "() of non-ASCII text");
-    c = static_cast<char>(upper ? std::toupper(static_cast<unsigned char>(c)) : std::tolower(static_cast<unsigned char>(c)));
+    if (static_cast<unsigned char>(c) >= 0x80)
+      not_implemented("", 0, std::string("str.") + method + "() of non-ASCII text");
+    c = static_cast<char>(upper ? std::toupper(static_cast<unsigned char>(c))
+                                : std::tolower(static_cast<unsigned char>(c)));
   }
   return out;
 }
@@ -1020,15 +1089,16 @@ void check_arity(const char* fn, Args& a, Kwargs& kw, size_t max_pos, std::initi
 }
 
 const std::set<std::string> kStrMethods = {
-    "capitalize", "casefold", "center", "count", "encode", "endswith", "expandtabs", "find", "format", "format_map",
-    "index", "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower", "isnumeric",
-    "isprintable", "isspace", "istitle", "isupper", "join", "ljust", "lower", "lstrip", "maketrans", "partition",
-    "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rjust", "rpartition", "rsplit", "rstrip", "split",
-    "splitlines", "startswith", "strip", "swapcase", "title", "translate", "upper", "zfill"};
-const std::set<std::string> kDictMethods = {"clear", "copy", "fromkeys", "get", "items", "keys", "pop", "popitem",
-                                            "setdefault", "update", "values"};
-const std::set<std::string> kListMethods = {"append", "clear", "copy", "count", "extend", "index", "insert", "pop",
-                                            "remove", "reverse", "sort"};
+    "capitalize",   "casefold",   "center",    "count",       "encode",    "endswith",     "expandtabs",   "find",
+    "format",       "format_map", "index",     "isalnum",     "isalpha",   "isascii",      "isdecimal",    "isdigit",
+    "isidentifier", "islower",    "isnumeric", "isprintable", "isspace",   "istitle",      "isupper",      "join",
+    "ljust",        "lower",      "lstrip",    "maketrans",   "partition", "removeprefix", "removesuffix", "replace",
+    "rfind",        "rindex",     "rjust",     "rpartition",  "rsplit",    "rstrip",       "split",        "splitlines",
+    "startswith",   "strip",      "swapcase",  "title",       "translate", "upper",        "zfill"};
+const std::set<std::string> kDictMethods = {"clear", "copy",    "fromkeys",   "get",    "items", "keys",
+                                            "pop",   "popitem", "setdefault", "update", "values"};
+const std::set<std::string> kListMethods = {"append", "clear", "copy",   "count",   "extend", "index",
+                                            "insert", "pop",   "remove", "reverse", "sort"};
 
 Value str_method(const Value& self, const std::string& m) {
   const std::string s = self.s;
@@ -1039,7 +1109,8 @@ Value str_method(const Value& self, const std::string& m) {
       check_arity(start ? "startswith" : "endswith", a, kw, 1, {});
       if (a.empty()) fail("startswith/endswith needs an argument");
       auto test = [&](const std::string& x) {
-        return x.size() <= s.size() && (start ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0);
+        return x.size() <= s.size() &&
+               (start ? s.compare(0, x.size(), x) == 0 : s.compare(s.size() - x.size(), x.size(), x) == 0);
       };
       if (a[0].is_list()) {
         for (const Value& x : *a[0].list)
@@ -1112,7 +1183,8 @@ Value dict_method(const Value& self, const std::string& m) {
 // jinja2's environment.getattr(obj, name): a Python attribute first (methods), then the item.
 Value get_attr(const Value& obj, const std::string& name) {
   switch (obj.kind) {
-    case Value::Kind::Undefined: undefined_error(obj);
+    case Value::Kind::Undefined:
+      undefined_error(obj);
     case Value::Kind::String:
       if (kStrMethods.count(name)) return str_method(obj, name);
       break;
@@ -1127,7 +1199,8 @@ Value get_attr(const Value& obj, const std::string& name) {
     case Value::Kind::Array:
       if (kListMethods.count(name)) not_implemented("", 0, "the list method '" + name + "'");
       break;
-    default: break;
+    default:
+      break;
   }
   return Value::undefined("'" + obj.type_name() + " object' has no attribute '" + name + "'; it");
 }
@@ -1160,8 +1233,10 @@ Value get_item(const Value& obj, const Value& key) {
 
 List iterate(const Value& v) {
   switch (v.kind) {
-    case Value::Kind::Undefined: return {};
-    case Value::Kind::Array: return *v.list;
+    case Value::Kind::Undefined:
+      return {};
+    case Value::Kind::Array:
+      return *v.list;
     case Value::Kind::Map: {
       List out;
       for (const auto& [k, x] : v.dict->items) out.push_back(Value::string(k));
@@ -1172,30 +1247,40 @@ List iterate(const Value& v) {
       for (uint32_t cp : utf8_decode(v.s)) out.push_back(Value::string(utf8_encode({cp})));
       return out;
     }
-    default: fail("'" + v.type_name() + "' object is not iterable");
+    default:
+      fail("'" + v.type_name() + "' object is not iterable");
   }
 }
 
 int64_t py_length(const Value& v) {
   switch (v.kind) {
-    case Value::Kind::Undefined: return 0;
-    case Value::Kind::String: return static_cast<int64_t>(utf8_decode(v.s).size());
-    case Value::Kind::Array: return static_cast<int64_t>(v.list->size());
-    case Value::Kind::Map: return static_cast<int64_t>(v.dict->items.size());
-    default: fail("object of type '" + v.type_name() + "' has no len()");
+    case Value::Kind::Undefined:
+      return 0;
+    case Value::Kind::String:
+      return static_cast<int64_t>(utf8_decode(v.s).size());
+    case Value::Kind::Array:
+      return static_cast<int64_t>(v.list->size());
+    case Value::Kind::Map:
+      return static_cast<int64_t>(v.dict->items.size());
+    default:
+      fail("object of type '" + v.type_name() + "' has no len()");
   }
 }
 
 bool contains(const Value& container, const Value& item) {
   switch (container.kind) {
-    case Value::Kind::Undefined: return false;
+    case Value::Kind::Undefined:
+      return false;
     case Value::Kind::String:
       if (!item.is_string()) fail("'in <string>' requires string as left operand, not " + item.type_name());
       return container.s.find(item.s) != std::string::npos;
     case Value::Kind::Array:
-      return std::any_of(container.list->begin(), container.list->end(), [&](const Value& x) { return equal(x, item); });
-    case Value::Kind::Map: return item.is_string() && container.dict->find(item.s) != nullptr;
-    default: fail("argument of type '" + container.type_name() + "' is not iterable");
+      return std::any_of(container.list->begin(), container.list->end(),
+                         [&](const Value& x) { return equal(x, item); });
+    case Value::Kind::Map:
+      return item.is_string() && container.dict->find(item.s) != nullptr;
+    default:
+      fail("argument of type '" + container.type_name() + "' is not iterable");
   }
 }
 
@@ -1306,12 +1391,10 @@ class Renderer {
 
  private:
   const Program& prog_;
-  int line_ = 0;  // the line of the statement running, for errors raised below it
+  int line_ = 0;   // the line of the statement running, for errors raised below it
   int calls_ = 0;  // macros running: bounded, as Python's recursion limit bounds jinja2's
 
-  [[noreturn]] void raise(const std::string& msg) const {
-    throw TemplateError(where(prog_.origin, line_) + msg);
-  }
+  [[noreturn]] void raise(const std::string& msg) const { throw TemplateError(where(prog_.origin, line_) + msg); }
 
   static void add_globals(Scope& g) {
     g.vars["raise_exception"] = Value::callable([](Args& a, Kwargs&) -> Value {
@@ -1336,11 +1419,14 @@ class Renderer {
       for (auto& [k, v] : kw) d.set(k, v);
       if (check)
         for (auto& [k, v] : d.items)
-          if (!k.empty() && k[0] == '_') fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + k + "'");
+          if (!k.empty() && k[0] == '_')
+            fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + k + "'");
       return d;
     };
-    g.vars["namespace"] = Value::callable([make_ns](Args& a, Kwargs& kw) { return Value::make_namespace(make_ns(a, kw, true)); });
-    g.vars["dict"] = Value::callable([make_ns](Args& a, Kwargs& kw) { return Value::make_dict(make_ns(a, kw, false)); });
+    g.vars["namespace"] =
+        Value::callable([make_ns](Args& a, Kwargs& kw) { return Value::make_namespace(make_ns(a, kw, true)); });
+    g.vars["dict"] =
+        Value::callable([make_ns](Args& a, Kwargs& kw) { return Value::make_dict(make_ns(a, kw, false)); });
     g.vars["range"] = Value::callable([](Args& a, Kwargs& kw) {
       check_arity("range", a, kw, 3, {});
       if (a.empty()) fail("range expected at least 1 argument");
@@ -1393,26 +1479,39 @@ class Renderer {
 
   Flow exec_inner(const Stmt& s, const ScopePtr& scope, std::string& out) {
     switch (s.kind) {
-      case Stmt::Text: out += s.text; return Flow::Normal;
-      case Stmt::Print: out += eval(*s.exprs[0], scope).str(); return Flow::Normal;
+      case Stmt::Text:
+        out += s.text;
+        return Flow::Normal;
+      case Stmt::Print:
+        out += eval(*s.exprs[0], scope).str();
+        return Flow::Normal;
       case Stmt::If:
         for (size_t k = 0; k < s.exprs.size(); ++k)
           if (eval(*s.exprs[k], scope).truthy()) return exec_body(s.bodies[k], scope, out);
         if (s.bodies.size() > s.exprs.size()) return exec_body(s.bodies.back(), scope, out);
         return Flow::Normal;
-      case Stmt::For: return exec_for(s, scope, out);
-      case Stmt::Set: scope->vars[s.text] = eval(*s.exprs[0], scope); return Flow::Normal;
+      case Stmt::For:
+        return exec_for(s, scope, out);
+      case Stmt::Set:
+        scope->vars[s.text] = eval(*s.exprs[0], scope);
+        return Flow::Normal;
       case Stmt::SetAttr: {
         const Value* ns = scope->find(s.text);
         if (!ns || ns->kind != Value::Kind::Namespace) fail("cannot assign attribute on non-namespace object");
-        if (!s.attr.empty() && s.attr[0] == '_') fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + s.attr + "'");
+        if (!s.attr.empty() && s.attr[0] == '_')
+          fail("Chat templates cannot store underscore-prefixed attributes on a namespace, but got '" + s.attr + "'");
         ns->dict->set(s.attr, eval(*s.exprs[0], scope));
         return Flow::Normal;
       }
-      case Stmt::Macro: scope->vars[s.text] = make_macro(s, scope); return Flow::Normal;
-      case Stmt::Break: return Flow::Break;
-      case Stmt::Continue: return Flow::Continue;
-      case Stmt::Generation: return exec_body(s.bodies[0], scope, out);
+      case Stmt::Macro:
+        scope->vars[s.text] = make_macro(s, scope);
+        return Flow::Normal;
+      case Stmt::Break:
+        return Flow::Break;
+      case Stmt::Continue:
+        return Flow::Continue;
+      case Stmt::Generation:
+        return exec_body(s.bodies[0], scope, out);
     }
     return Flow::Normal;
   }
@@ -1444,8 +1543,10 @@ class Renderer {
                     {"length", Value::integer(n)},
                     {"depth", Value::integer(1)},
                     {"depth0", Value::integer(0)},
-                    {"previtem", k > 0 ? items[static_cast<size_t>(k - 1)] : Value::undefined("there is no previous item: loop.previtem")},
-                    {"nextitem", k + 1 < n ? items[static_cast<size_t>(k + 1)] : Value::undefined("there is no next item: loop.nextitem")}};
+                    {"previtem", k > 0 ? items[static_cast<size_t>(k - 1)]
+                                       : Value::undefined("there is no previous item: loop.previtem")},
+                    {"nextitem", k + 1 < n ? items[static_cast<size_t>(k + 1)]
+                                           : Value::undefined("there is no next item: loop.nextitem")}};
       body_scope->vars["loop"] = Value::make_dict(std::move(loop));
       if (exec_body(s.bodies[0], body_scope, out) == Flow::Break) break;
     }
@@ -1460,7 +1561,8 @@ class Renderer {
     }
     const List parts = iterate(item);
     if (parts.size() != s.targets.size())
-      fail("cannot unpack " + std::to_string(parts.size()) + " values into " + std::to_string(s.targets.size()) + " loop variables");
+      fail("cannot unpack " + std::to_string(parts.size()) + " values into " + std::to_string(s.targets.size()) +
+           " loop variables");
     for (size_t k = 0; k < parts.size(); ++k) sc.vars[s.targets[k]] = parts[k];
   }
 
@@ -1477,9 +1579,13 @@ class Renderer {
           continue;
         }
         auto it = std::find_if(kw.begin(), kw.end(), [&](auto& p) { return p.first == def->params[k]; });
-        if (it != kw.end()) sc->vars[def->params[k]] = it->second;
-        else if (def->defaults[k]) sc->vars[def->params[k]] = eval(*def->defaults[k], sc);
-        else sc->vars[def->params[k]] = Value::undefined("parameter '" + def->params[k] + "' of macro '" + def->text + "'");
+        if (it != kw.end())
+          sc->vars[def->params[k]] = it->second;
+        else if (def->defaults[k])
+          sc->vars[def->params[k]] = eval(*def->defaults[k], sc);
+        else
+          sc->vars[def->params[k]] =
+              Value::undefined("parameter '" + def->params[k] + "' of macro '" + def->text + "'");
       }
       for (auto& [k, v] : kw)
         if (std::find(def->params.begin(), def->params.end(), k) == def->params.end())
@@ -1508,13 +1614,16 @@ class Renderer {
 
   Value eval(const Expr& e, const ScopePtr& scope) {
     switch (e.kind) {
-      case Expr::Const: return e.constant;
+      case Expr::Const:
+        return e.constant;
       case Expr::Name: {
         if (const Value* v = scope->find(e.name)) return *v;
         return Value::undefined("'" + e.name + "'");
       }
-      case Expr::GetAttr: return get_attr(eval(*e.kids[0], scope), e.name);
-      case Expr::GetItem: return get_item(eval(*e.kids[0], scope), eval(*e.kids[1], scope));
+      case Expr::GetAttr:
+        return get_attr(eval(*e.kids[0], scope), e.name);
+      case Expr::GetItem:
+        return get_item(eval(*e.kids[0], scope), eval(*e.kids[1], scope));
       case Expr::Slice: {
         const Value obj = eval(*e.kids[0], scope);
         Value parts[3];
@@ -1543,14 +1652,17 @@ class Renderer {
         if (callee.kind != Value::Kind::Callable) {
           if (callee.is_undefined()) {
             if (e.kids[0]->kind == Expr::Name)
-              not_implemented("", 0, "the function '" + e.kids[0]->name + "' (not a global of transformers' environment, nor defined here)");
+              not_implemented("", 0,
+                              "the function '" + e.kids[0]->name +
+                                  "' (not a global of transformers' environment, nor defined here)");
             undefined_error(callee);
           }
           fail("'" + callee.type_name() + "' object is not callable");
         }
         return (*callee.fn)(a, kw);
       }
-      case Expr::Filter: return filter(e, scope);
+      case Expr::Filter:
+        return filter(e, scope);
       case Expr::Test: {
         const Value v = eval(*e.kids[0], scope);
         Args a;
@@ -1567,9 +1679,11 @@ class Renderer {
           return Value::integer(e.kind == Expr::Neg ? -to_int(v, "") : to_int(v, ""));
         }
         if (v.is_undefined()) undefined_error(v);
-        fail("bad operand type for unary " + std::string(e.kind == Expr::Neg ? "-" : "+") + ": '" + v.type_name() + "'");
+        fail("bad operand type for unary " + std::string(e.kind == Expr::Neg ? "-" : "+") + ": '" + v.type_name() +
+             "'");
       }
-      case Expr::Not: return Value::boolean(!eval(*e.kids[0], scope).truthy());
+      case Expr::Not:
+        return Value::boolean(!eval(*e.kids[0], scope).truthy());
       case Expr::And: {
         Value l = eval(*e.kids[0], scope);
         return l.truthy() ? eval(*e.kids[1], scope) : l;
@@ -1578,8 +1692,10 @@ class Renderer {
         Value l = eval(*e.kids[0], scope);
         return l.truthy() ? l : eval(*e.kids[1], scope);
       }
-      case Expr::Binary: return arithmetic(eval(*e.kids[0], scope), e.name, eval(*e.kids[1], scope));
-      case Expr::Concat: return Value::string(eval(*e.kids[0], scope).str() + eval(*e.kids[1], scope).str());
+      case Expr::Binary:
+        return arithmetic(eval(*e.kids[0], scope), e.name, eval(*e.kids[1], scope));
+      case Expr::Concat:
+        return Value::string(eval(*e.kids[0], scope).str() + eval(*e.kids[1], scope).str());
       case Expr::Compare: {
         Value left = eval(*e.kids[0], scope);
         for (size_t k = 0; k < e.ops.size(); ++k) {
@@ -1646,7 +1762,8 @@ class Renderer {
         if (static_cast<unsigned char>(c) >= 0x80) not_implemented("", 0, "the test '" + name + "' on non-ASCII text");
       }
       const std::string conv = ascii_case(v.s, name == "upper", name.c_str());
-      return conv == v.s && std::any_of(v.s.begin(), v.s.end(), [](char c) { return std::isalpha(static_cast<unsigned char>(c)); });
+      return conv == v.s &&
+             std::any_of(v.s.begin(), v.s.end(), [](char c) { return std::isalpha(static_cast<unsigned char>(c)); });
     }
     need(1);
     if (name == "sameas") {
@@ -1659,9 +1776,9 @@ class Renderer {
     }
     if (name == "in") return contains(a[0], v);
     static const std::map<std::string, std::string> ops = {
-        {"eq", "=="}, {"equalto", "=="}, {"==", "=="}, {"ne", "!="}, {"!=", "!="}, {"lt", "<"},
-        {"lessthan", "<"}, {"<", "<"}, {"gt", ">"}, {"greaterthan", ">"}, {">", ">"}, {"le", "<="},
-        {"<=", "<="}, {"ge", ">="}, {">=", ">="}};
+        {"eq", "=="}, {"equalto", "=="}, {"==", "=="}, {"ne", "!="}, {"!=", "!="},
+        {"lt", "<"},  {"lessthan", "<"}, {"<", "<"},   {"gt", ">"},  {"greaterthan", ">"},
+        {">", ">"},   {"le", "<="},      {"<=", "<="}, {"ge", ">="}, {">=", ">="}};
     return compare(v, ops.at(name), a[0]);
   }
 

@@ -87,31 +87,49 @@ Value Value::callable(Function f) {
 bool Value::truthy() const {
   switch (kind) {
     case Kind::Undefined:
-    case Kind::None: return false;
-    case Kind::Bool: return b;
-    case Kind::Int: return i != 0;
-    case Kind::Float: return f != 0;
-    case Kind::String: return !s.empty();
-    case Kind::Array: return !list->empty();
-    case Kind::Map: return !dict->items.empty();
+    case Kind::None:
+      return false;
+    case Kind::Bool:
+      return b;
+    case Kind::Int:
+      return i != 0;
+    case Kind::Float:
+      return f != 0;
+    case Kind::String:
+      return !s.empty();
+    case Kind::Array:
+      return !list->empty();
+    case Kind::Map:
+      return !dict->items.empty();
     case Kind::Namespace:
-    case Kind::Callable: return true;
+    case Kind::Callable:
+      return true;
   }
   return false;
 }
 
 std::string Value::type_name() const {
   switch (kind) {
-    case Kind::Undefined: return "Undefined";
-    case Kind::None: return "NoneType";
-    case Kind::Bool: return "bool";
-    case Kind::Int: return "int";
-    case Kind::Float: return "float";
-    case Kind::String: return markup ? "Markup" : "str";
-    case Kind::Array: return tuple ? "tuple" : "list";
-    case Kind::Map: return "dict";
-    case Kind::Namespace: return "Namespace";
-    case Kind::Callable: return "function";
+    case Kind::Undefined:
+      return "Undefined";
+    case Kind::None:
+      return "NoneType";
+    case Kind::Bool:
+      return "bool";
+    case Kind::Int:
+      return "int";
+    case Kind::Float:
+      return "float";
+    case Kind::String:
+      return markup ? "Markup" : "str";
+    case Kind::Array:
+      return tuple ? "tuple" : "list";
+    case Kind::Map:
+      return "dict";
+    case Kind::Namespace:
+      return "Namespace";
+    case Kind::Callable:
+      return "function";
   }
   return "?";
 }
@@ -209,8 +227,7 @@ std::string utf8_encode(const std::vector<uint32_t>& cps) {
 bool python_isspace(uint32_t cp) {
   // Python's str.isspace(): bidirectional class WS, B or S, or category Zs.
   return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
-         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
-         cp == 0x3000;
+         (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
 
 // What repr() escapes: Python's str.isprintable() is false for categories Cc, Cf, Cs, Co, Cn, Zl, Zp and Zs but
@@ -250,7 +267,8 @@ static std::string repr_string(const std::string& s) {
 
 std::string Value::repr() const {
   switch (kind) {
-    case Kind::String: return repr_string(s);
+    case Kind::String:
+      return repr_string(s);
     case Kind::Array: {
       std::string out = tuple ? "(" : "[";
       for (size_t k = 0; k < list->size(); ++k) out += (k ? ", " : "") + (*list)[k].repr();
@@ -263,27 +281,36 @@ std::string Value::repr() const {
         out += (k ? ", " : "") + repr_string(dict->items[k].first) + ": " + dict->items[k].second.repr();
       return out + "}";
     }
-    default: return str();
+    default:
+      return str();
   }
 }
 
 std::string Value::str() const {
   switch (kind) {
-    case Kind::Undefined: return "";
-    case Kind::None: return "None";
-    case Kind::Bool: return b ? "True" : "False";
-    case Kind::Int: return std::to_string(i);
-    case Kind::Float: return python_float_repr(f);
-    case Kind::String: return s;
+    case Kind::Undefined:
+      return "";
+    case Kind::None:
+      return "None";
+    case Kind::Bool:
+      return b ? "True" : "False";
+    case Kind::Int:
+      return std::to_string(i);
+    case Kind::Float:
+      return python_float_repr(f);
+    case Kind::String:
+      return s;
     case Kind::Array:
-    case Kind::Map: return repr();
+    case Kind::Map:
+      return repr();
     case Kind::Namespace: {
       std::string out = "<Namespace {";
       for (size_t k = 0; k < dict->items.size(); ++k)
         out += (k ? ", " : "") + repr_string(dict->items[k].first) + ": " + dict->items[k].second.repr();
       return out + "}>";
     }
-    case Kind::Callable: return "<function>";
+    case Kind::Callable:
+      return "<function>";
   }
   return "";
 }
@@ -303,8 +330,10 @@ bool equal(const Value& a, const Value& b) {
   if (a.kind != b.kind) return false;
   switch (a.kind) {
     case Value::Kind::Undefined:
-    case Value::Kind::None: return true;
-    case Value::Kind::String: return a.s == b.s;
+    case Value::Kind::None:
+      return true;
+    case Value::Kind::String:
+      return a.s == b.s;
     case Value::Kind::Array:
       if (a.list->size() != b.list->size()) return false;
       for (size_t k = 0; k < a.list->size(); ++k)
@@ -317,23 +346,29 @@ bool equal(const Value& a, const Value& b) {
         if (!o || !equal(v, *o)) return false;
       }
       return true;
-    default: return a.dict == b.dict && a.fn == b.fn;  // namespaces and callables: identity
+    default:
+      return a.dict == b.dict && a.fn == b.fn;  // namespaces and callables: identity
   }
 }
 
 template <class Json>
 static Value convert(const Json& j) {
   switch (j.type()) {
-    case nlohmann::json::value_t::null: return Value::none();
-    case nlohmann::json::value_t::boolean: return Value::boolean(j.template get<bool>());
-    case nlohmann::json::value_t::number_integer: return Value::integer(j.template get<int64_t>());
+    case nlohmann::json::value_t::null:
+      return Value::none();
+    case nlohmann::json::value_t::boolean:
+      return Value::boolean(j.template get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return Value::integer(j.template get<int64_t>());
     case nlohmann::json::value_t::number_unsigned: {
       const auto u = j.template get<uint64_t>();
       if (u > static_cast<uint64_t>(INT64_MAX)) throw std::invalid_argument("an integer above 2^63-1 in the chat data");
       return Value::integer(static_cast<int64_t>(u));
     }
-    case nlohmann::json::value_t::number_float: return Value::number(j.template get<double>());
-    case nlohmann::json::value_t::string: return Value::string(j.template get<std::string>());
+    case nlohmann::json::value_t::number_float:
+      return Value::number(j.template get<double>());
+    case nlohmann::json::value_t::string:
+      return Value::string(j.template get<std::string>());
     case nlohmann::json::value_t::array: {
       List l;
       l.reserve(j.size());
@@ -346,7 +381,8 @@ static Value convert(const Json& j) {
       for (auto it = j.begin(); it != j.end(); ++it) d.items.emplace_back(it.key(), convert(it.value()));
       return Value::make_dict(std::move(d));
     }
-    default: throw std::invalid_argument("binary data in the chat data");
+    default:
+      throw std::invalid_argument("binary data in the chat data");
   }
 }
 
@@ -357,13 +393,27 @@ static void json_string(std::string& out, const std::string& s) {
   out += '"';
   for (unsigned char c : s) {
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
       default:
         if (c < 0x20) {
           char buf[8];
@@ -383,15 +433,26 @@ static void dump(std::string& out, const Value& v, int indent, int level, const 
     if (indent >= 0) out += "\n" + std::string(static_cast<size_t>(indent) * lv, ' ');
   };
   switch (v.kind) {
-    case Value::Kind::None: out += "null"; return;
-    case Value::Kind::Bool: out += v.b ? "true" : "false"; return;
-    case Value::Kind::Int: out += std::to_string(v.i); return;
-    case Value::Kind::Float:
-      if (std::isnan(v.f)) out += "NaN";
-      else if (std::isinf(v.f)) out += v.f < 0 ? "-Infinity" : "Infinity";
-      else out += python_float_repr(v.f);
+    case Value::Kind::None:
+      out += "null";
       return;
-    case Value::Kind::String: json_string(out, v.s); return;
+    case Value::Kind::Bool:
+      out += v.b ? "true" : "false";
+      return;
+    case Value::Kind::Int:
+      out += std::to_string(v.i);
+      return;
+    case Value::Kind::Float:
+      if (std::isnan(v.f))
+        out += "NaN";
+      else if (std::isinf(v.f))
+        out += v.f < 0 ? "-Infinity" : "Infinity";
+      else
+        out += python_float_repr(v.f);
+      return;
+    case Value::Kind::String:
+      json_string(out, v.s);
+      return;
     case Value::Kind::Array: {
       if (v.list->empty()) {
         out += "[]";
@@ -414,8 +475,7 @@ static void dump(std::string& out, const Value& v, int indent, int level, const 
       }
       std::vector<const std::pair<std::string, Value>*> items;
       for (const auto& it : v.dict->items) items.push_back(&it);
-      if (sort_keys)
-        std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
+      if (sort_keys) std::stable_sort(items.begin(), items.end(), [](auto* a, auto* b) { return a->first < b->first; });
       out += '{';
       for (size_t k = 0; k < items.size(); ++k) {
         if (k) out += item_sep;
@@ -428,7 +488,8 @@ static void dump(std::string& out, const Value& v, int indent, int level, const 
       out += '}';
       return;
     }
-    default: throw std::invalid_argument("Object of type " + v.type_name() + " is not JSON serializable");
+    default:
+      throw std::invalid_argument("Object of type " + v.type_name() + " is not JSON serializable");
   }
 }
 

@@ -6,12 +6,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace hs::chat {
 
@@ -33,7 +32,7 @@ struct Value {
   bool b = false;
   int64_t i = 0;
   double f = 0;
-  std::string s;       // String; for Undefined, what was looked up (for its error)
+  std::string s;        // String; for Undefined, what was looked up (for its error)
   bool markup = false;  // String: a Markup (from |safe), which escapes a plain str it is added to
   bool tuple = false;   // List: a tuple (from |items, unpacking), printed with parentheses
   std::shared_ptr<const List> list;
@@ -57,10 +56,10 @@ struct Value {
   bool is_list() const { return kind == Kind::Array; }
   bool is_dict() const { return kind == Kind::Map; }
   bool is_number() const { return kind == Kind::Bool || kind == Kind::Int || kind == Kind::Float; }
-  bool truthy() const;                 // Python's bool()
-  std::string type_name() const;       // Python's type name, for errors
-  std::string str() const;             // Python's str() (Jinja prints this; undefined prints nothing)
-  std::string repr() const;            // Python's repr()
+  bool truthy() const;            // Python's bool()
+  std::string type_name() const;  // Python's type name, for errors
+  std::string str() const;        // Python's str() (Jinja prints this; undefined prints nothing)
+  std::string repr() const;       // Python's repr()
 };
 
 bool equal(const Value& a, const Value& b);  // Python's ==

@@ -100,7 +100,8 @@ void run_generate(const GenerateArgs& a) {
   const bool chat = a.chat || !a.chat_template.empty();
   std::optional<chat::ChatTemplate> chat_template;
   if (chat) try {
-      chat_template = chat::ChatTemplate::load(a.chat_template.empty() ? d.path : std::filesystem::path(a.chat_template));
+      const std::filesystem::path from = a.chat_template.empty() ? d.path : std::filesystem::path(a.chat_template);
+      chat_template = chat::ChatTemplate::load(from);
     } catch (const std::exception& e) {
       throw std::invalid_argument(std::string("--chat: ") + e.what() +
                                   (a.chat_template.empty() ? " (or name one with --chat-template FILE)" : ""));
