@@ -117,9 +117,10 @@ ServePlan plan_serve(const ServePlanRequest& r) {
                                         "serve.logits");
   Buffer cache;
   if (r.cache_bytes > 0) cache = mem.allocate(r.cache_bytes, MemCategory::Activations, "prefix_cache");
-  const std::vector<int32_t> piece(static_cast<size_t>(std::min(chunk, r.context)), 0);
-  dec.prefill(0, piece, nullptr);
-  if (r.context >= 2 * chunk) dec.prefill(0, piece, nullptr);
+  // (Room left for the step's position: a context of at most two pieces plans shorter ones.)
+  const std::vector<int32_t> piece(static_cast<size_t>(std::min(chunk, r.context - 1)), 0);
+  if (!piece.empty()) dec.prefill(0, piece, nullptr);
+  if (r.context > 2 * chunk) dec.prefill(0, piece, nullptr);
   std::vector<int32_t> slots(static_cast<size_t>(r.parallel)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);
   dec.step(slots, ids, nullptr);
