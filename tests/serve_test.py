@@ -19,6 +19,9 @@ Cases:
            client that disconnects frees its slot; a client that stalls is dropped; the server keeps serving
   drain    SIGTERM: the running stream finishes (all its tokens, then [DONE]), new requests are refused, exit 0
   plan     plan --serve gives the peak /metrics reports as planned, and the accountant's peak stays within it
+  page     the chat page at / in headless Chromium (Debian's chromium + chromium-driver, driven over WebDriver's HTTP
+           protocol): a typed message streams an answer equal to the API's, with its tokens/s and cached tokens shown;
+           SERVE_PAGE_SCREENSHOT=FILE saves a screenshot (skipped, exit 77, without chromedriver)
   load     SERVE_LOAD_CLIENTS (16) streaming clients for SERVE_LOAD_SECONDS (8): no failed request, every answer the
            expected tokens (none lost or repeated), resident memory flat (the issue's 64 x 60 s: set them)
 """
@@ -435,6 +438,75 @@ def case_load():
     m = s.metrics()
     print(f"load: {clients} streaming clients x {seconds:.0f} s: {done[0]} requests, none failed, every answer exact; "
           f"resident {int(mid)} -> {int(end)} bytes; decode {m['hybridscan_decode_tokens_per_second']:.0f} tokens/s")
+
+
+def case_page():
+    import base64
+    import shutil
+    driver = shutil.which("chromedriver")
+    if not driver or not shutil.which("chromium"):
+        print("SKIPPED: chromium and chromium-driver are not installed (scripts/setup.sh installs them)")
+        sys.exit(77)
+    s = Server("--parallel", 2, "--ctx", 1024, "--cache-bytes", "4MiB")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dport = probe.getsockname()[1]
+    drv = subprocess.Popen([driver, f"--port={dport}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{dport}"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(base + "/status", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+        def wd(method, path, body=None):
+            req = urllib.request.Request(base + path, method=method, data=None if body is None else json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())["value"]
+
+        caps = {"capabilities": {"alwaysMatch": {"goog:chromeOptions": {
+            "binary": shutil.which("chromium"),
+            "args": ["--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1000,700"]}}}}
+        sid = wd("POST", "/session", caps)["sessionId"]
+        try:
+            wd("POST", f"/session/{sid}/url", {"url": s.url + "/"})
+
+            def js(script):
+                return wd("POST", f"/session/{sid}/execute/sync", {"script": script, "args": []})
+
+            def element(css):
+                return next(iter(wd("POST", f"/session/{sid}/element", {"using": "css selector", "value": css}).values()))
+
+            wd("POST", f"/session/{sid}/element/{element('#max')}/clear", {})
+            wd("POST", f"/session/{sid}/element/{element('#max')}/value", {"text": "24"})
+            answers = []
+            for turn, text in enumerate(["In the beginning God created", "And the earth was without form"]):
+                wd("POST", f"/session/{sid}/element/{element('#input')}/value", {"text": text})
+                wd("POST", f"/session/{sid}/element/{element('#send')}/click", {})
+                deadline = time.time() + 60
+                while time.time() < deadline and not js(f"return !!document.getElementById('stats-{2 * turn + 2}')"):
+                    time.sleep(0.2)
+                stats = js(f"const e = document.getElementById('stats-{2 * turn + 2}'); return e ? e.textContent : ''")
+                check("tokens/s" in stats and "24 tokens" in stats, f"turn {turn}: the page shows '{stats}'")
+                answers.append(js(f"return document.querySelectorAll('.assistant')[{turn}].textContent"))
+                if turn == 1:
+                    check(" 0 from the cache" not in stats, f"the second turn restored nothing from the cache: {stats}")
+            # The same conversation through the API gives the page's text.
+            msgs = [{"role": "user", "content": "In the beginning God created"}]
+            r = s.client().chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+            check(r.choices[0].message.content == answers[0], f"page {answers[0]!r} != API {r.choices[0].message.content!r}")
+            shot = os.environ.get("SERVE_PAGE_SCREENSHOT")
+            if shot:
+                pathlib.Path(shot).write_bytes(base64.b64decode(wd("GET", f"/session/{sid}/screenshot")))
+        finally:
+            wd("DELETE", f"/session/{sid}")
+    finally:
+        drv.kill()
+        drv.wait()
+    print(f"page: two turns typed in headless Chromium streamed answers equal to the API's; stats: {stats}")
 
 
 CASES = {n[5:]: f for n, f in globals().items() if n.startswith("case_")}

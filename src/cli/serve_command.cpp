@@ -79,6 +79,10 @@ void register_serve(CLI::App& app) {
   c->add_option("--timeout", a->opt.read_timeout_s, "Seconds a client may stall sending or reading (then dropped)")
       ->capture_default_str();
   add_dtype_option(c, "--weight-dtype", a->opt.weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
+  c->add_option("--weights-memory", a->opt.weights_memory,
+                "Where the weights live: map (in place from the files' mapping), copy (into memory), auto (as generate)")
+      ->check(CLI::IsMember({"map", "copy", "auto"}))
+      ->capture_default_str();
   add_threads_option(c, a->threads);
   c->callback([a] {
     a->opt.write_timeout_s = a->opt.read_timeout_s;

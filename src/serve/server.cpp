@@ -62,7 +62,10 @@ struct Model {
   std::string token_bytes(int32_t id) const {
     if (tok) return tok->token_bytes(static_cast<tokenizer::TokenId>(id));
     if (bytes_vocab) return std::string(1, static_cast<char>(id));
-    return "<" + std::to_string(id) + ">";
+    std::string s = "<";  // (one append at a time: GCC 12 warns, wrongly, of an overlapping copy in "<" + ... + ">")
+    s += std::to_string(id);
+    s += '>';
+    return s;
   }
   std::string decode(const std::vector<int32_t>& ids) const {
     if (tok) return tok->decode(std::vector<tokenizer::TokenId>(ids.begin(), ids.end()), true);
@@ -290,7 +293,7 @@ Server::Server(const ServeOptions& opt) : opt_(opt), dir_(checkpoint::open_check
   model_.context = eo.context;
   weights_ = infer::load_weights(dir_, opt.weight_dtype.empty() ? std::nullopt
                                                                 : std::optional<DType>(parse_dtype(opt.weight_dtype)),
-                                 mem_, infer::WeightsMemory::Auto);
+                                 mem_, infer::parse_weights_memory(opt.weights_memory));
   const model::ParamSet& params = *weights_->params;
   const DType compute = params.global(model::g::kLmHead).dtype;
   planner::ServePlanRequest pr;

@@ -19,6 +19,7 @@ struct ServeOptions {
   size_t max_body = 1 << 20;      // request bodies above this: 413
   int read_timeout_s = 10, write_timeout_s = 10;  // a client that stalls longer is dropped
   std::string weight_dtype;       // empty: as stored
+  std::string weights_memory = "auto";  // map | copy | auto (infer::parse_weights_memory)
   // Called once the port is bound (the port is known then: `port` 0 asks for a free one).
   std::function<void(int port)> on_listening;
 };
