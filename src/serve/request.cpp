@@ -196,6 +196,7 @@ CompletionRequest parse_completion(std::string_view body, Endpoint endpoint) {
     }
   }
   r.return_tokens = boolean(j, "return_tokens", false);
+  r.ignore_eos = boolean(j, "ignore_eos", false);
   return r;
 }
 

@@ -42,6 +42,7 @@ struct CompletionRequest {
   bool logprobs = false;
   int64_t top_logprobs = 0;
   bool return_tokens = false;           // extension: the token ids of the answer ("token_ids")
+  bool ignore_eos = false;              // extension (llama-server's): the end ids do not end the answer
 };
 
 // Throws ApiError (400) for malformed JSON, a field of the wrong type or out of range, a missing prompt/messages.

@@ -171,7 +171,7 @@ struct Session {
       ++consumed;
       offsets.push_back(text.size());
       all.push_back(t);
-      const bool ends = std::find(model.end_ids.begin(), model.end_ids.end(), t.id) != model.end_ids.end();
+      const bool ends = !req.ignore_eos && std::find(model.end_ids.begin(), model.end_ids.end(), t.id) != model.end_ids.end();
       const size_t old = text.size();
       if (!ends) text += stream.push(t.id);
       // A stop string ends the answer before it.
@@ -338,7 +338,7 @@ void Server::completion(const httplib::Request& hreq, httplib::Response& res, En
   job->max_tokens = r.max_tokens ? *r.max_tokens : ctx - n;
   job->sampling = {r.temperature, r.top_k, r.top_p, r.seed ? *r.seed : std::random_device{}()};
   job->top_logprobs = r.logprobs ? r.top_logprobs : -1;
-  job->stop_ids = model_.end_ids;
+  if (!r.ignore_eos) job->stop_ids = model_.end_ids;
   switch (engine_->submit(job)) {
     case Engine::Admit::Full:
       res.set_header("Retry-After", "1");
