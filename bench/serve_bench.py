@@ -45,12 +45,12 @@ def stream(url, prompt, new):
 def cmd_throughput(a):
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(a.vocab) for _ in range(a.prompt_len)] for _ in range(a.concurrency * a.requests)]
-    total, errors = [0], []
+    counts, errors = [], []
 
     def client(k):
         for i in range(a.requests):
             try:
-                total[0] += stream(a.url, prompts[k * a.requests + i], a.new)[0]
+                counts.append(stream(a.url, prompts[k * a.requests + i], a.new)[0])  # (list.append is atomic)
             except Exception as e:  # noqa: BLE001 - reported
                 errors.append(repr(e))
 
@@ -62,8 +62,8 @@ def cmd_throughput(a):
     for t in threads:
         t.join()
     s = time.perf_counter() - t0
-    print(json.dumps({"concurrency": a.concurrency, "requests": a.concurrency * a.requests, "generated_tokens": total[0],
-                      "seconds": s, "tokens_per_s": total[0] / s, "errors": errors[:3]}))
+    print(json.dumps({"concurrency": a.concurrency, "requests": len(counts), "generated_tokens": sum(counts),
+                      "seconds": s, "tokens_per_s": sum(counts) / s, "errors": errors[:3]}))
 
 
 def cmd_ttft(a):

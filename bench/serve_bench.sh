@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-THREADS=2 CONC="1 4 16" REQ=2 PLEN=128 NEW=64 SYSLEN=2000 OUT=runs/serve_bench
+THREADS=2 CONC="1 4 16" REQ=4 PLEN=128 NEW=128 SYSLEN=2000 OUT=runs/serve_bench
 while [[ $# -gt 0 ]]; do
   case $1 in
     --threads) THREADS=$2; shift 2 ;;
