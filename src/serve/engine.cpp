@@ -221,8 +221,16 @@ void Engine::pass(std::vector<Active>& active) {
     slots.push_back(a.slot);
     ids.push_back(a.last);
   }
-  if (rows.empty()) return;
+  if (rows.empty()) {
+    last_step_.reset();
+    return;
+  }
   const auto t0 = std::chrono::steady_clock::now();
+  if (last_step_) {
+    const int64_t gap = std::chrono::duration_cast<std::chrono::nanoseconds>(t0 - *last_step_).count();
+    if (gap > metrics_.decode_gap_max_ns.load()) metrics_.decode_gap_max_ns = gap;
+  }
+  last_step_ = t0;
   try {
     dec_.step(slots, ids, ptr<float>(logits_));
   } catch (const std::exception& e) {

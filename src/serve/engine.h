@@ -8,6 +8,7 @@
 // Request threads (the HTTP handlers) submit Jobs and read their tokens as they come.
 #pragma once
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -66,6 +67,9 @@ struct EngineMetrics {
   std::atomic<int64_t> prefill_tokens{0}, decode_tokens{0}, prefill_ns{0}, decode_ns{0}, steps{0};
   std::atomic<int64_t> cache_hits{0}, cache_misses{0}, cached_tokens{0};
   std::atomic<int64_t> busy_slots{0}, queued{0};
+  // The longest time between the starts of two consecutive decode steps while requests were decoding: what a prefill
+  // between them made the running streams wait (a prompt prefilled whole would show its whole prefill here).
+  std::atomic<int64_t> decode_gap_max_ns{0};
 };
 
 class Engine {
@@ -110,6 +114,7 @@ class Engine {
   Buffer logits_;
   std::vector<std::pair<float, int32_t>> scratch_;
   EngineMetrics metrics_;
+  std::optional<std::chrono::steady_clock::time_point> last_step_;  // the previous pass's decode step, if it had one
 
   std::mutex mu_;
   std::condition_variable cv_, idle_cv_;

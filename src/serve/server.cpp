@@ -501,6 +501,10 @@ std::string Server::metrics_text() {
          pre_s > 0 ? double(m.prefill_tokens.load()) / pre_s : 0.0);
   metric("hybridscan_decode_tokens_per_second", "gauge", "Decode throughput while decoding (all slots)",
          dec_s > 0 ? double(m.decode_tokens.load()) / dec_s : 0.0);
+  metric("hybridscan_decode_gap_max_seconds", "gauge",
+         "The longest wait between two decode steps while requests were decoding (prefill chunks run between them)",
+         double(m.decode_gap_max_ns.load()) * 1e-9);
+  metric("hybridscan_prefill_seconds_total", "counter", "Time spent prefilling", pre_s);
   metric("hybridscan_queue_length", "gauge", "Requests waiting for a slot", m.queued.load());
   metric("hybridscan_busy_slots", "gauge", "Slots holding a request", m.busy_slots.load());
   metric("hybridscan_slots", "gauge", "Slots (--parallel)", engine_->options().parallel);
