@@ -229,7 +229,8 @@ def case_batching():
     a.close()
     # The scheduler's own figures (what the client has read may lag): the long prompt's prefill time, and the longest
     # wait between two decode steps of the running stream. In pieces of 64 the wait is about one piece's prefill, a
-    # 188th of the whole; prefilled in one pass (or a stalled stream) it would be all of it (a quarter leaves room for a loaded machine's pauses).
+    # 188th of the whole; prefilled in one pass (or a stalled stream) it would be all of it. A quarter leaves room for
+    # a loaded machine's pauses.
     prefill = m1["hybridscan_prefill_seconds_total"] - m0["hybridscan_prefill_seconds_total"]
     gap = m1["hybridscan_decode_gap_max_seconds"]
     check(gap < 0.25 * prefill, f"the running stream waited {gap:.3f} s between two tokens during a {prefill:.2f} s "
