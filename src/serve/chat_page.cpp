@@ -94,7 +94,8 @@ document.getElementById("form").onsubmit = async e => {
     }
     messages.push({role: "assistant", content: answer});
     const n = usage ? usage.completion_tokens : tokens, s = (performance.now() - (first || t0)) / 1000;
-    stats.textContent = n + " tokens, " + (n > 1 && s > 0 ? ((n - 1) / s).toFixed(1) : "-") + " tokens/s, first token " +
+    stats.textContent = n + " tokens, " + (n > 1 && s > 0 ? ((n - 1) / s).toFixed(1) : "-") +
+      " tokens/s, first token " +
       ((first - t0) / 1000).toFixed(2) + " s, prompt " + (usage ? usage.prompt_tokens : "?") + " tokens of which " +
       (usage ? usage.prompt_tokens_details.cached_tokens : "?") + " from the cache";
     stats.id = "stats-" + messages.length;

@@ -136,8 +136,10 @@ bool Engine::emit(Active& a, const float* logits) {
       std::partial_sort(all.begin(), all.begin() + k, all.end(), [](const auto& x, const auto& y) {
         return x.first > y.first || (x.first == y.first && x.second < y.second);
       });
-      for (int64_t i = 0; i < k; ++i)
-        t.top.emplace_back(all[static_cast<size_t>(i)].second, static_cast<float>(all[static_cast<size_t>(i)].first - lse));
+      for (int64_t i = 0; i < k; ++i) {
+        const auto& [logit, id] = all[static_cast<size_t>(i)];
+        t.top.emplace_back(id, static_cast<float>(logit - lse));
+      }
     }
   }
   a.last = t.id;

@@ -171,7 +171,8 @@ struct Session {
       ++consumed;
       offsets.push_back(text.size());
       all.push_back(t);
-      const bool ends = !req.ignore_eos && std::find(model.end_ids.begin(), model.end_ids.end(), t.id) != model.end_ids.end();
+      const bool ends =
+          !req.ignore_eos && std::find(model.end_ids.begin(), model.end_ids.end(), t.id) != model.end_ids.end();
       const size_t old = text.size();
       if (!ends) text += stream.push(t.id);
       // A stop string ends the answer before it.
@@ -484,13 +485,15 @@ std::string Server::metrics_text() {
   };
   {
     std::lock_guard<std::mutex> lk(counters_.mu);
-    o << "# HELP hybridscan_requests_total HTTP requests answered, by status\n# TYPE hybridscan_requests_total counter\n";
+    o << "# HELP hybridscan_requests_total HTTP requests answered, by status\n"
+         "# TYPE hybridscan_requests_total counter\n";
     for (const auto& [status, n] : counters_.by_status)
       o << "hybridscan_requests_total{status=\"" << status << "\"} " << n << '\n';
   }
   const EngineMetrics& m = engine_->metrics();
   const double pre_s = double(m.prefill_ns.load()) * 1e-9, dec_s = double(m.decode_ns.load()) * 1e-9;
-  metric("hybridscan_prompt_tokens_total", "counter", "Prompt tokens of accepted requests", counters_.prompt_tokens.load());
+  metric("hybridscan_prompt_tokens_total", "counter", "Prompt tokens of accepted requests",
+         counters_.prompt_tokens.load());
   metric("hybridscan_generated_tokens_total", "counter", "Tokens generated and delivered",
          counters_.completion_tokens.load());
   metric("hybridscan_prefill_tokens_total", "counter", "Prompt tokens prefilled (not served from the prefix cache)",
