@@ -538,7 +538,11 @@ int Server::run() {
   http_.set_payload_max_length(opt_.max_body);
   http_.set_read_timeout(opt_.read_timeout_s, 0);
   http_.set_write_timeout(opt_.write_timeout_s, 0);
-  http_.set_keep_alive_timeout(5);
+  // Keep-alive: longer than clients keep idle connections (httpx, under the openai client: 5 s), so a client never
+  // reuses a connection the server is closing at that moment (a connection error to it); many requests a connection,
+  // so bursts of clients do not reconnect every few requests (cpp-httplib's listen backlog is 5).
+  http_.set_keep_alive_timeout(15);
+  http_.set_keep_alive_max_count(10000);
   // Errors httplib answers itself (413, 404, 400 for a broken request line) get an OpenAI-style body too.
   http_.set_error_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (!res.body.empty()) return;
