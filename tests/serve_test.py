@@ -358,6 +358,18 @@ def case_errors():
         time.sleep(0.1)
     check(s.metrics()["hybridscan_busy_slots"] == 0, "a disconnected client kept its slot")
     check(s.metrics()["hybridscan_decode_tokens_total"] < 7999, "the disconnected request ran to its end")
+    # A request that is not streamed, from a client that leaves: the answer's leading spaces find it gone.
+    d0 = s.metrics()["hybridscan_decode_tokens_total"]
+    with socket.create_connection(("127.0.0.1", s.port)) as sock:
+        body = json.dumps({"prompt": "a", "max_tokens": 8000, "temperature": 0}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(1.2)
+    deadline = time.time() + 10
+    while time.time() < deadline and s.metrics()["hybridscan_busy_slots"] > 0:
+        time.sleep(0.1)
+    check(s.metrics()["hybridscan_busy_slots"] == 0, "a disconnected client (not streamed) kept its slot")
+    check(s.metrics()["hybridscan_decode_tokens_total"] - d0 < 7999, "the disconnected request (not streamed) ran on")
     # A client that sends half a request and stalls is dropped after --timeout.
     t0 = time.time()
     with socket.create_connection(("127.0.0.1", s.port)) as sock:

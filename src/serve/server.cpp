@@ -257,7 +257,8 @@ class Server {
     res.set_content(dump(e.body()), "application/json");
   }
   void completion(const httplib::Request& req, httplib::Response& res, Endpoint ep);
-  void answer(Session& s, httplib::Response& res);
+  void answer(std::shared_ptr<Session> s, httplib::Response& res);
+  std::string answer_body(Session& s);
   void stream(std::shared_ptr<Session> s, httplib::Response& res);
   std::string metrics_text();
   std::vector<int32_t> prompt_ids(const CompletionRequest& r) const;
@@ -355,16 +356,11 @@ void Server::completion(const httplib::Request& hreq, httplib::Response& res, En
   s->prompt_tokens = n;
   counters_.prompt_tokens += n;
   if (s->req.stream) stream(s, res);
-  else answer(*s, res);
+  else answer(s, res);
 }
 
-void Server::answer(Session& s, httplib::Response& res) {
-  struct Cancel {  // a failure on the way out still frees the slot
-    Job& j;
-    ~Cancel() { j.cancel = true; }
-  } cancel{*s.job};
-  while (s.finish_reason.empty()) s.take(std::chrono::milliseconds(500));
-  counters_.completion_tokens += s.consumed;
+// The JSON answer of a request that is not streamed.
+std::string Server::answer_body(Session& s) {
   json choice = {{"index", 0}, {"finish_reason", s.finish_reason}, {"logprobs", nullptr}};
   if (s.req.endpoint == Endpoint::Chat) {
     choice["message"] = {{"role", "assistant"}, {"content", s.text}};
@@ -388,7 +384,53 @@ void Server::answer(Session& s, httplib::Response& res) {
               {"model", model_.name},
               {"choices", json::array({choice})},
               {"usage", s.usage()}};
-  res.set_content(dump(out), "application/json");
+  return dump(out);
+}
+
+// An answer ready within a second goes out as a plain response. A longer one is sent chunked, led by a space each
+// second while it is being generated (JSON allows whitespace before the value): a client that has gone makes such a
+// write fail, which cancels the request, so its slot is freed as a streaming client's is. (The status is 200 by then:
+// a generation that fails later sends the error body with it.)
+void Server::answer(std::shared_ptr<Session> s, httplib::Response& res) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  try {
+    while (s->finish_reason.empty() && std::chrono::steady_clock::now() < until) s->take(std::chrono::milliseconds(100));
+  } catch (...) {
+    s->job->cancel = true;
+    throw;
+  }
+  if (!s->finish_reason.empty()) {
+    s->job->cancel = true;
+    counters_.completion_tokens += s->consumed;
+    res.set_content(answer_body(*s), "application/json");
+    return;
+  }
+  ++counters_.in_flight;
+  res.set_chunked_content_provider(
+      "application/json",
+      [s, this](size_t, httplib::DataSink& sink) {
+        std::string out;
+        try {
+          const auto beat = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+          while (s->finish_reason.empty() && std::chrono::steady_clock::now() < beat)
+            s->take(std::chrono::milliseconds(100));
+          out = s->finish_reason.empty() ? " " : answer_body(*s);
+        } catch (const ApiError& e) {
+          out = dump(e.body());
+          s->finish_reason = "error";
+        }
+        if (!sink.write(out.data(), out.size())) {
+          s->job->cancel = true;
+          return false;
+        }
+        if (!s->finish_reason.empty()) sink.done();
+        return true;
+      },
+      [s, this](bool) {
+        s->job->cancel = true;
+        counters_.completion_tokens += s->consumed;
+        --counters_.in_flight;
+      });
 }
 
 // Server-sent events: a chunk per token (its text, and its logprobs / id when asked), a last chunk with the finish
