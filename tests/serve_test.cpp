@@ -7,6 +7,8 @@
 #include <cstring>
 #include <random>
 
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/hf_io.h"
 #include "infer/decoder.h"
 #include "serve/prefix_cache.h"
@@ -211,6 +213,46 @@ TEST(ServeRequest, RandomMutationsThrowOnlyApiErrors) {
     }
   }
   EXPECT_GT(accepted, 100);
+}
+
+// Structured mutations: a field of a valid body (at the top or inside messages / stream_options) replaced by a value
+// of every JSON type, big numbers and negative ones included. Each parses or is a 400 ApiError naming a parameter.
+TEST(ServeRequest, EveryFieldOfEveryTypeIsAcceptedOrA400) {
+  const nlohmann::json values = nlohmann::json::parse(
+      R"([null, true, false, 0, -1, 1, 2.5, -3.5, 1e300, 18446744073709551615, -9223372036854775808, "", "x",
+          [], [1], ["a"], [[1]], {}, {"a": 1}, [{"role": "user", "content": "c"}], {"type": "text", "text": "t"}])");
+  const nlohmann::json base = nlohmann::json::parse(
+      R"({"model":"m","messages":[{"role":"user","content":"hello"}],"prompt":"p","max_tokens":5,"temperature":0.5,
+          "top_p":0.9,"top_k":3,"seed":1,"stop":["a"],"stream":true,"stream_options":{"include_usage":true},
+          "logprobs":true,"top_logprobs":2,"n":1,"max_completion_tokens":4,"return_tokens":true,"ignore_eos":false,
+          "tokens":[1,2],"content":"c","add_generation_prompt":true})");
+  int checked = 0;
+  for (const auto& [key, unused] : base.items()) {
+    for (const auto& v : values) {
+      for (int where = 0; where < 3; ++where) {
+        nlohmann::json b = base;
+        if (where == 0) b[key] = v;
+        else if (where == 1) b["messages"][0][key == "model" ? "role" : "content"] = v;
+        else b["stream_options"]["include_usage"] = v;
+        const std::string body = b.dump();
+        auto ok = [&](auto&& parse) {
+          try {
+            parse();
+          } catch (const ApiError& e) {
+            EXPECT_EQ(e.status, 400) << body;
+          } catch (const std::exception& e) {
+            ADD_FAILURE() << body << ": " << e.what();
+          }
+          ++checked;
+        };
+        ok([&] { parse_completion(body, Endpoint::Chat); });
+        ok([&] { parse_completion(body, Endpoint::Completion); });
+        ok([&] { parse_tokenize(body); });
+        ok([&] { parse_detokenize(body); });
+      }
+    }
+  }
+  EXPECT_GT(checked, 1000);
 }
 
 }  // namespace
