@@ -3,7 +3,7 @@
 
   mpi_test.py BINARY MPIRUN CASE
 
-Cases: agree (N = 2 and 4 ranks train the same losses as one process with the same global batch, both families,
+Cases: accum (--grad-accum on 2 ranks: one process's losses, the plan's peak), agree (N = 2 and 4 ranks train the same losses as one process with the same global batch, both families,
 models with a remainder layer count, fp32 and bf16 compute, with and without --prefetch), fsdp (FSDP groups of 2
 inside 4 ranks), memory (each rank's measured step peak equals `plan --devices N [--fsdp G]`), checkpoint (saved by 2 ranks,
 resumed on 1, 2 and 4; same-count resume bit-exact; eval reads it), pieces (routed experts one expert a piece: the
@@ -142,6 +142,28 @@ def l7_sensitivity(binary):
           f"steps 2-20 {w:.2e} (the model's own rounding sensitivity)")
     # The claim of TOL_L7: the model itself moves more than the issue's 1e-6 under a rounding-level perturbation.
     return [] if w > 1e-6 else [f"qwen3-next-L7 moved only {w:.2e} under a one-ulp perturbation: revisit TOL_L7"]
+
+
+def case_accum(binary):
+    """--grad-accum: 2 ranks (one FSDP group of 2, and 2 data-parallel replicas of 1: the replicas' sum runs once an
+    update, after the last micro-batch) train the losses of one process with the same micro-batches, and each rank's
+    peak is the plan's, which is that of one micro-batch."""
+    failures = []
+    common = ["--steps", "5", "--batch", "4", "--grad-accum", "3", "--compute-dtype", "fp32"]
+    one = train(binary, 1, "tiny", common)["losses"]
+    for extra in ([], ["--fsdp", "1"]):
+        w = worst_rel(train(binary, 2, "tiny", [*common, *extra])["losses"], one)
+        print(f"--grad-accum 3, 2 ranks {' '.join(extra) or '(one FSDP group)'}: worst relative loss difference {w:.2e}")
+        if w > TOL["fp32"]:
+            failures.append(f"--grad-accum 2 ranks {extra}: {w:.2e}")
+    r = train(binary, 2, "tiny", ["--steps", "2", "--batch", "4", "--grad-accum", "3", "--fsdp", "1"])
+    plan = [json.loads(run([binary, "plan", "--model", "tiny", "--devices", "2", "--fsdp", "1", "--batch-per-device", "2",
+                            "--seq", "16", "--json", *accum]).stdout)["total_bytes"]
+            for accum in (["--grad-accum", "3"], [])]
+    print(f"--grad-accum 3 on 2 ranks: measured {r['rank_peak_bytes']} B, planned {plan[0]} B (one micro-batch: {plan[1]} B)")
+    if any(peak != plan[0] for peak in r["rank_peak_bytes"]) or plan[0] != plan[1]:
+        failures.append(f"--grad-accum peaks {r['rank_peak_bytes']} vs plan {plan}")
+    return failures
 
 
 def case_fsdp(binary):

@@ -41,6 +41,7 @@ TEST(StepOptions, DefaultsAreTheLibrariesOwn) {
   EXPECT_EQ(o.model, train::TrainOptions{}.model);
   EXPECT_EQ(o.batch, train::TrainOptions{}.batch);
   EXPECT_EQ(o.seq, train::TrainOptions{}.seq);
+  EXPECT_EQ(o.grad_accum, train::TrainOptions{}.grad_accum);
   EXPECT_EQ(o.step.delta_rule_bf16_products, lib.delta_rule_bf16_products);
   EXPECT_EQ(parse({}, {1, 1024}).seq, 1024);
 }
@@ -49,7 +50,8 @@ TEST(StepOptions, OneCommandLineGivesTheRunAndThePlanTheSameStep) {
   const StepArgs a = parse({"--model", "tiny", "--batch", "4", "--seq", "32", "--remat", "block", "--compute-dtype",
                             "fp32", "--weight-dtype", "bf16", "--moment-dtype", "bf16", "--expert-parallel", "2",
                             "--prefetch", "--gather-piece-bytes", "1MiB", "--vocab-piece-bytes", "0",
-                            "--packed-weights", "on", "--delta-rule-products", "bf16", "--update-in-backward"});
+                            "--packed-weights", "on", "--delta-rule-products", "bf16", "--update-in-backward",
+                            "--grad-accum", "3"});
   train::TrainOptions o;
   fill_train_options(a, o);
   const planner::PlanRequest r = step_plan_request(a, model::preset("tiny"), 2, o.batch / 2, true);
@@ -58,6 +60,8 @@ TEST(StepOptions, OneCommandLineGivesTheRunAndThePlanTheSameStep) {
   EXPECT_EQ(r.batch_per_device, 2);
   EXPECT_EQ(o.seq, 32);
   EXPECT_EQ(r.seq, 32);
+  EXPECT_EQ(o.grad_accum, 3);
+  EXPECT_EQ(r.grad_accum, 3);
   EXPECT_EQ(o.weight_dtype, DType::BF16);
   EXPECT_EQ(r.weight_dtype, DType::BF16);
   EXPECT_EQ(o.opt.moment_dtype, DType::BF16);

@@ -141,9 +141,11 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device, weights %s, compute %s\n",
+  std::printf("%s\n%lld devices, FSDP %lld, batch %lld x seq %lld per device%s, weights %s, compute %s\n",
               model::describe(r.model).c_str(), (long long)r.devices, (long long)plans[0].fsdp, (long long)r.batch_per_device,
-              (long long)r.seq, a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str());
+              (long long)r.seq,
+              r.grad_accum > 1 ? (" (" + std::to_string(r.grad_accum) + " micro-batches an update)").c_str() : "",
+              a.step.weight_dtype.c_str(), a.step.compute_dtype.c_str());
   std::printf("%-10s %12s %12s %12s %12s  %s\n", "remat", "argument", "temp", "total", "hbm", "fits");
   for (const auto& p : plans)
     std::printf("%-10s %12s %12s %12s %12s  %s\n", train::remat_name(p.remat).c_str(), gb(p.argument_bytes).c_str(),

@@ -21,6 +21,11 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
   a.batch_option = c->add_option("--batch", a.batch, "Sequences per step, over all devices (ranks) together")
                        ->capture_default_str();
   c->add_option("--seq", a.seq, "Tokens per sequence")->capture_default_str();
+  c->add_option("--grad-accum", a.grad_accum,
+                "Micro-batches of --batch sequences whose gradients are summed into one update (the loss is the "
+                "mean over all their targets; the memory is one micro-batch's). Not with --update-in-backward")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   a.remat_option =
       c->add_option("--remat", a.remat,
                     "Rematerialisation: none | block | sublayer | auto (least recomputation within --memory-budget)")
@@ -83,6 +88,7 @@ void fill_train_options(const StepArgs& a, train::TrainOptions& o) {
   o.model = a.model;
   o.batch = a.batch;
   o.seq = a.seq;
+  o.grad_accum = a.grad_accum;
   o.weight_dtype = parse_dtype(a.weight_dtype);
   o.opt.moment_dtype = parse_dtype(a.moment_dtype);
   o.update_in_backward = a.update_in_backward;
@@ -97,6 +103,7 @@ planner::PlanRequest step_plan_request(const StepArgs& a, const model::ModelConf
   r.fsdp = a.fsdp;
   r.batch_per_device = batch_per_device;
   r.seq = a.seq;
+  r.grad_accum = a.grad_accum;
   r.weight_dtype = parse_dtype(a.weight_dtype);
   r.moment_dtype = parse_dtype(a.moment_dtype);
   r.update_in_backward = a.update_in_backward;

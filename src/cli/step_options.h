@@ -23,6 +23,7 @@ struct StepArgs {
   std::string model = train::TrainOptions{}.model;  // --model (also --preset, --config): a preset name, or a config.json or its directory
   int64_t batch = 0;            // --batch: sequences per step over all devices (ranks)
   int64_t seq = 0;              // --seq: tokens per sequence
+  int64_t grad_accum = 1;       // --grad-accum: micro-batches of --batch summed into one update
   std::string remat = train::remat_name(train::StepOptions{}.remat);
   std::string memory_budget;    // --memory-budget (also --hbm): memory per device, for --remat auto and plan's fit
   std::string weight_dtype = dtype_flag(train::TrainOptions{}.weight_dtype);

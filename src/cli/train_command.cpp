@@ -178,9 +178,9 @@ void register_train(CLI::App& app) {
   add_step_options(c, a->step, {train::TrainOptions{}.batch, train::TrainOptions{}.seq});
   auto* text = c->add_option("--text", a->o.text,
                              "Training text: byte tokens, or encoded by --tokenizer (default: the tokenizer.json beside "
-                             "the --init / --resume weights); the last 2% is held out")
+                             "the --init / --resume weights); the last 2% is held out (unless --eval-data)")
                    ->check(CLI::ExistingFile);
-  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out")
+  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out (unless --eval-data)")
       ->check(CLI::ExistingFile)
       ->excludes(text);
   c->add_option("--tokenizer", a->o.tokenizer,
@@ -188,13 +188,30 @@ void register_train(CLI::App& app) {
       ->check(CLI::ExistingPath);
   c->add_flag("--synthetic", a->o.synthetic, "Train on random tokens (for benchmarking)");
   c->add_option("--steps", a->o.steps, "Optimizer steps")->capture_default_str();
-  c->add_option("--lr", a->o.opt.lr, "Peak learning rate (warmup then cosine decay)")->capture_default_str();
-  c->add_option("--warmup", a->o.opt.warmup, "Warmup steps")->capture_default_str();
+  c->add_option("--lr", a->o.opt.lr, "Peak learning rate (after the warmup)")->capture_default_str();
+  c->add_option("--warmup", a->o.opt.warmup, "Warmup steps (the learning rate rises linearly to --lr)")->capture_default_str();
+  c->add_option_function<std::string>(
+       "--lr-schedule", [a](const std::string& v) { a->o.opt.schedule = train::parse_lr_schedule(v); },
+       "After the warmup: constant (--lr) | cosine or linear (from --lr down to --min-lr over --decay-steps, default "
+       "all the steps after the warmup) | wsd (warmup-stable-decay: --lr, then linearly down to --min-lr over the "
+       "last --decay-steps, default --wsd-decay-fraction of the steps). Default: cosine")
+      ->check(CLI::IsMember({"constant", "cosine", "linear", "wsd"}));
+  c->add_option("--min-lr", a->o.opt.min_lr, "Where the decay ends (default: --lr / 10)");
+  c->add_option("--decay-steps", a->o.opt.decay_steps, "Length of the decay (0: the schedule's default)")
+      ->capture_default_str();
+  c->add_option("--wsd-decay-fraction", a->o.opt.wsd_decay_fraction,
+                "wsd without --decay-steps: the share of --steps that decay")
+      ->capture_default_str();
   c->add_option("--weight-decay", a->o.opt.weight_decay, "AdamW weight decay (matrices and embeddings)")->capture_default_str();
   c->add_option("--clip", a->o.opt.clip, "Global gradient-norm clip (0: off)")->capture_default_str();
   c->add_option("--seed", a->o.seed, "Seed for initialisation and data order")->capture_default_str();
   c->add_option("--out", a->o.out, "Output directory (metrics.jsonl, loss.svg)");
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
+  c->add_option("--eval-data", a->o.eval_data,
+                "Held-out data evaluated every --eval-every steps instead of the last 2% of the training data: a token "
+                "file from 'hybridscan tokenize' (of the training data's tokenizer) or a text (encoded as the training "
+                "text is)")
+      ->check(CLI::ExistingFile);
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");
   c->add_flag("--json", a->json, "End with one JSON line: tokens_per_s, final_loss, argument_bytes, temp_bytes, peak_bytes, ...");

@@ -35,6 +35,7 @@ PlanResult plan(const PlanRequest& r) {
                                 std::to_string(r.devices) + " devices");
   if (r.step.comm || r.step.batch_group || r.step.ep_group || r.step.update)
     throw std::invalid_argument("planner::plan: the plan's groups are its own (leave PlanRequest::step's null)");
+  train::check_grad_accum(r.grad_accum, r.update_in_backward);
   MemoryAccountant mem(/*planning=*/true);
   VirtualCollectives group(fsdp);
   VirtualCollectives replicas(r.devices / fsdp);  // data parallel across FSDP groups: the gradients' all-reduce
@@ -44,9 +45,11 @@ PlanResult plan(const PlanRequest& r) {
   train::StepOptions schedule = r.step;
   schedule.comm = &group;
   // The training step itself, over shapes: this device's shards of the parameters and of both AdamW moments, its
-  // batch, then forward, backward, the replicas' sum and the update (train::Step).
+  // micro-batches, each forward and backward, then the replicas' sum and the update (train::Step).
   train::Step step(r.model, r.weight_dtype, oc, schedule, r.update_in_backward, &replicas, mem);
-  step.run(train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
+  const std::vector<train::Batch> micro(static_cast<size_t>(r.grad_accum),
+                                        train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
+  step.run(micro);
 
   PlanResult out;
   out.remat = r.step.remat;
@@ -147,6 +150,7 @@ FitResult plan_fit(PlanRequest r, size_t budget) {
   for (auto remat : {train::RematPolicy::None, train::RematPolicy::Sublayer, train::RematPolicy::Block})
     for (DType moments : {DType::F32, DType::BF16})
       for (bool update : {false, true}) {
+        if (update && r.grad_accum > 1) continue;  // accumulation needs a gradient set across the micro-batches
         r.step.remat = remat;
         r.moment_dtype = moments;
         r.update_in_backward = update;

@@ -21,6 +21,7 @@ struct PlanRequest {
   DType weight_dtype = DType::F32;
   DType moment_dtype = DType::F32;  // AdamW moments (OptimizerConfig::moment_dtype)
   bool update_in_backward = false;  // AdamW per gradient shard in the backward (train::Step)
+  int64_t grad_accum = 1;           // micro-batches of batch_per_device sequences summed into one update (train::Step)
   // The schedule's options, as a training run's (train::TrainOptions::step): remat policy, compute dtype, expert
   // parallelism, prefetch, piece sizes, packed weights (this CPU's oneDNN packed forms: only meaningful for a run on
   // this machine), the delta rule's products. Its groups (comm, batch_group, ep_group, update) are the plan's own

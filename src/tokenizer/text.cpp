@@ -4,6 +4,8 @@
 #include <pcre2.h>
 #include <unicode/bytestream.h>
 #include <unicode/normalizer2.h>
+#include <unicode/uniset.h>
+#include <unicode/unistr.h>
 
 #include <cstring>
 #include <stdexcept>
@@ -135,6 +137,24 @@ void append_utf8(std::string& out, char32_t c) {
   }
 }
 
+namespace {
+// The code points Hugging Face's normalizers know: those assigned in Unicode 9.0, the version of the tables in their
+// Rust crate (unicode-normalization-alignments 0.1.12). A later character is unassigned to them: a starter without
+// a decomposition, which blocks and takes part in no composition. ICU's FilteredNormalizer2 gives exactly that:
+// text outside the set is passed through and bounds the normalized spans around it. The normalization properties
+// of an assigned character never change (Unicode's stability policy), so ICU's newer data, cut to 9.0, is 9.0's.
+const icu::UnicodeSet& hf_code_points() {
+  static const icu::UnicodeSet* set = [] {
+    UErrorCode err = U_ZERO_ERROR;
+    auto* s = new icu::UnicodeSet(icu::UnicodeString(u"[:age=9.0:]"), err);
+    if (U_FAILURE(err)) throw std::runtime_error(std::string("tokenizer: ICU [:age=9.0:]: ") + u_errorName(err));
+    s->freeze();
+    return s;
+  }();
+  return *set;
+}
+}  // namespace
+
 Normalizer::Normalizer(std::vector<Form> forms) : forms_(std::move(forms)) {
   for (Form f : forms_) {
     UErrorCode err = U_ZERO_ERROR;
@@ -143,7 +163,7 @@ Normalizer::Normalizer(std::vector<Form> forms) : forms_(std::move(forms)) {
                                 : f == Form::NFKC ? icu::Normalizer2::getNFKCInstance(err)
                                                   : icu::Normalizer2::getNFKDInstance(err);
     if (U_FAILURE(err)) throw std::runtime_error(std::string("tokenizer: ICU normalizer: ") + u_errorName(err));
-    icu_.push_back(n);
+    icu_.push_back(std::make_shared<icu::FilteredNormalizer2>(*n, hf_code_points()));
   }
 }
 
@@ -152,8 +172,8 @@ std::string_view Normalizer::apply(std::string_view text, std::string& storage) 
   if (forms_.empty() || all_ascii(text)) return text;
   std::string next;
   std::string_view cur = text;
-  for (const void* p : icu_) {
-    const auto* n = static_cast<const icu::Normalizer2*>(p);
+  for (const auto& p : icu_) {
+    const auto* n = static_cast<const icu::FilteredNormalizer2*>(p.get());
     UErrorCode err = U_ZERO_ERROR;
     const icu::StringPiece piece(cur.data(), static_cast<int32_t>(cur.size()));
     if (n->isNormalizedUTF8(piece, err) && U_SUCCESS(err)) continue;

@@ -1,4 +1,5 @@
-// The Unicode steps in front of BPE: repairing invalid UTF-8, normalization (ICU) and the split regex (PCRE2, with
+// The Unicode steps in front of BPE: repairing invalid UTF-8, normalization (ICU's, cut to Hugging Face's Unicode
+// 9.0) and the split regex (PCRE2, with
 // Oniguruma's meaning of the classes that the two dialects define differently).
 #pragma once
 #include <cstddef>
@@ -26,7 +27,9 @@ char32_t decode_utf8(std::string_view s, size_t i);
 // Appends the UTF-8 encoding of c.
 void append_utf8(std::string& out, char32_t c);
 
-// A chain of Unicode normalization forms (HF's normalizers NFC / NFD / NFKC / NFKD and Sequences of them).
+// A chain of Unicode normalization forms (HF's normalizers NFC / NFD / NFKC / NFKD and Sequences of them), as HF
+// computes them: with the tables of Unicode 9.0, so that a character assigned later (a combining mark of Unicode 10
+// or newer, say) is a starter that is neither reordered nor composed (docs/tokenizer.md).
 class Normalizer {
  public:
   enum class Form : uint8_t { NFC, NFD, NFKC, NFKD };
@@ -39,7 +42,9 @@ class Normalizer {
 
  private:
   std::vector<Form> forms_;
-  std::vector<const void*> icu_;  // the icu::Normalizer2 instances (owned by ICU)
+  // ICU's normalizer of each form, cut to the code points of Hugging Face's Unicode (text.cpp).
+  // (icu::FilteredNormalizer2, held type-erased to keep ICU's headers out of this one).
+  std::vector<std::shared_ptr<const void>> icu_;
 };
 
 // A split regex written in the Oniguruma dialect tokenizer.json uses, compiled by PCRE2 (UTF, UCP, JIT).

@@ -1,6 +1,8 @@
 #include "train/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -9,12 +11,75 @@
 
 namespace hs::train {
 
+std::string lr_schedule_name(LrSchedule s) {
+  switch (s) {
+    case LrSchedule::Constant: return "constant";
+    case LrSchedule::Cosine: return "cosine";
+    case LrSchedule::Linear: return "linear";
+    case LrSchedule::Wsd: return "wsd";
+  }
+  return "?";
+}
+
+LrSchedule parse_lr_schedule(const std::string& s) {
+  if (s == "constant") return LrSchedule::Constant;
+  if (s == "cosine") return LrSchedule::Cosine;
+  if (s == "linear") return LrSchedule::Linear;
+  if (s == "wsd") return LrSchedule::Wsd;
+  throw std::invalid_argument("unknown learning-rate schedule '" + s + "' (known: constant, cosine, linear, wsd)");
+}
+
+double min_lr_of(const OptimizerConfig& c) { return c.min_lr < 0 ? c.lr / 10 : c.min_lr; }
+
+void check_lr_schedule(const OptimizerConfig& c) {
+  if (c.warmup < 0 || c.decay_steps < 0)
+    throw std::invalid_argument("warmup " + std::to_string(c.warmup) + " and decay steps " +
+                                std::to_string(c.decay_steps) + ": neither may be negative");
+  if (min_lr_of(c) > c.lr)
+    throw std::invalid_argument("--min-lr " + std::to_string(min_lr_of(c)) + " is above --lr " + std::to_string(c.lr) +
+                                ": the schedule decays from --lr down to --min-lr");
+  if (!(c.wsd_decay_fraction > 0 && c.wsd_decay_fraction <= 1))
+    throw std::invalid_argument("--wsd-decay-fraction " + std::to_string(c.wsd_decay_fraction) +
+                                " must be in (0, 1]: the share of the steps that decay");
+}
+
+namespace {
+// The decay's first step and length (not for constant).
+struct Decay {
+  int64_t start, length;
+};
+Decay decay_of(const OptimizerConfig& c) {
+  if (c.schedule == LrSchedule::Wsd) {
+    const int64_t length =
+        c.decay_steps > 0 ? c.decay_steps
+                          : std::max<int64_t>(1, std::llround(c.wsd_decay_fraction * static_cast<double>(c.total_steps)));
+    return {std::max(c.warmup, c.total_steps - length), length};
+  }
+  return {c.warmup, c.decay_steps > 0 ? c.decay_steps : std::max<int64_t>(1, c.total_steps - c.warmup)};
+}
+}  // namespace
+
+std::string describe_lr_schedule(const OptimizerConfig& c) {
+  char line[256];
+  int n = std::snprintf(line, sizeof line, "%s, peak %g after %lld warmup steps", lr_schedule_name(c.schedule).c_str(),
+                        c.lr, static_cast<long long>(c.warmup));
+  if (c.schedule != LrSchedule::Constant) {
+    const Decay d = decay_of(c);
+    std::snprintf(line + n, sizeof line - static_cast<size_t>(n), ", decaying from step %lld to %g at step %lld",
+                  static_cast<long long>(d.start + 1), min_lr_of(c), static_cast<long long>(d.start + d.length + 1));
+  }
+  return line;
+}
+
 double lr_at(const OptimizerConfig& c, int64_t step) {
   if (c.warmup > 0 && step < c.warmup) return c.lr * static_cast<double>(step + 1) / static_cast<double>(c.warmup);
-  const int64_t decay_steps = std::max<int64_t>(1, c.total_steps - c.warmup);
-  const double t = std::min(1.0, static_cast<double>(step - c.warmup) / static_cast<double>(decay_steps));
-  const double cosine = 0.5 * (1.0 + std::cos(3.14159265358979323846 * t));
-  return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * cosine);
+  if (c.schedule == LrSchedule::Constant) return c.lr;
+  const Decay d = decay_of(c);
+  if (step < d.start) return c.lr;  // WSD's stable phase
+  const double lo = min_lr_of(c);
+  const double t = std::min(1.0, static_cast<double>(step - d.start) / static_cast<double>(d.length));
+  const double shape = c.schedule == LrSchedule::Cosine ? 0.5 * (1.0 + std::cos(3.14159265358979323846 * t)) : 1.0 - t;
+  return lo + (c.lr - lo) * shape;
 }
 
 AdamWOptimizer::AdamWOptimizer(const model::ParamSet& params, const OptimizerConfig& cfg, MemoryAccountant& mem)

@@ -1,17 +1,29 @@
 // AdamW over a ParamSet (or this rank's shards of one: the moments are sharded alike) with fp32 or bf16 moments,
-// global-norm gradient clipping, and a warmup + cosine learning-rate schedule.
+// global-norm gradient clipping, and the learning-rate schedules (warmup, then constant, cosine, linear or WSD).
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "model/params.h"
 #include "train/schedule.h"
 
 namespace hs::train {
 
+// The learning rate over the run (train --lr-schedule; docs/training.md has the formulas). Each starts with `warmup`
+// steps rising linearly to `lr`. constant: lr. cosine / linear: from lr down to min_lr over decay_steps (default:
+// the steps after the warmup), then min_lr. wsd (warmup-stable-decay): lr until the last decay_steps steps (default:
+// wsd_decay_fraction of all the steps), which fall linearly to min_lr.
+enum class LrSchedule { Constant, Cosine, Linear, Wsd };
+std::string lr_schedule_name(LrSchedule s);
+LrSchedule parse_lr_schedule(const std::string& s);  // throws std::invalid_argument
+
 struct OptimizerConfig {
   double lr = 3e-3;
-  double min_lr_ratio = 0.1;  // cosine decays to lr * min_lr_ratio
+  LrSchedule schedule = LrSchedule::Cosine;
+  double min_lr = -1;          // where the decay ends; < 0: lr / 10
   int64_t warmup = 20;
+  int64_t decay_steps = 0;     // the decay's length; 0: the schedule's default (above)
+  double wsd_decay_fraction = 0.2;
   int64_t total_steps = 1000;
   double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
   double weight_decay = 0.1;  // on matrices and embeddings only
@@ -21,7 +33,14 @@ struct OptimizerConfig {
   DType moment_dtype = DType::F32;
 };
 
-// Learning rate at 0-based `step`: linear warmup over `warmup` steps, then cosine to lr * min_lr_ratio.
+// min_lr with its default resolved.
+double min_lr_of(const OptimizerConfig& c);
+// Refuses (std::invalid_argument) a schedule that cannot run: a negative warmup or decay, min_lr above lr, a WSD
+// decay fraction outside (0, 1].
+void check_lr_schedule(const OptimizerConfig& c);
+// One line for logs: the schedule, its peak and end, and where the decay runs.
+std::string describe_lr_schedule(const OptimizerConfig& c);
+// Learning rate of the update at 0-based `step` (the schedule above; total_steps is the run's --steps).
 double lr_at(const OptimizerConfig& c, int64_t step);
 
 class AdamWOptimizer {

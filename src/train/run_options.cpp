@@ -8,13 +8,14 @@ namespace hs::train {
 
 nlohmann::json options_to_json(const TrainOptions& o) {
   return {{"model", o.model}, {"text", o.text}, {"data", o.data}, {"synthetic", o.synthetic}, {"steps", o.steps},
-          {"batch", o.batch}, {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr}, {"min_lr_ratio", o.opt.min_lr_ratio},
-          {"warmup", o.opt.warmup}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
+          {"batch", o.batch}, {"grad_accum", o.grad_accum}, {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr},
+          {"lr_schedule", lr_schedule_name(o.opt.schedule)}, {"min_lr", min_lr_of(o.opt)}, {"warmup", o.opt.warmup},
+          {"decay_steps", o.opt.decay_steps}, {"wsd_decay_fraction", o.opt.wsd_decay_fraction}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
           {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
           {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
           {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
-          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}};
+          {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}, {"eval_data", o.eval_data}};
 }
 
 void options_from_json(const nlohmann::json& j, TrainOptions& o) {
@@ -23,11 +24,17 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.data = j.value("data", o.data);
   o.synthetic = j.value("synthetic", o.synthetic);
   o.batch = j.value("batch", o.batch);
+  o.grad_accum = j.value("grad_accum", int64_t(1));  // checkpoints from before --grad-accum summed none
   o.seq = j.value("seq", o.seq);
   o.seed = j.value("seed", o.seed);
   o.opt.lr = j.value("lr", o.opt.lr);
-  o.opt.min_lr_ratio = j.value("min_lr_ratio", o.opt.min_lr_ratio);
+  // The schedule, as the checkpoint's run had it. Checkpoints from before --lr-schedule were cosine down to
+  // lr * min_lr_ratio over the steps after the warmup.
+  o.opt.schedule = parse_lr_schedule(j.value("lr_schedule", std::string("cosine")));
+  o.opt.min_lr = j.contains("min_lr") ? j["min_lr"].get<double>() : o.opt.lr * j.value("min_lr_ratio", 0.1);
   o.opt.warmup = j.value("warmup", o.opt.warmup);
+  o.opt.decay_steps = j.value("decay_steps", int64_t(0));
+  o.opt.wsd_decay_fraction = j.value("wsd_decay_fraction", o.opt.wsd_decay_fraction);
   o.opt.beta1 = j.value("beta1", o.opt.beta1);
   o.opt.beta2 = j.value("beta2", o.opt.beta2);
   o.opt.eps = j.value("eps", o.opt.eps);
@@ -36,6 +43,7 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.weight_dtype = parse_dtype(j.value("weight_dtype", std::string(dtype_name(o.weight_dtype))));
   o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
+  o.eval_data = j.value("eval_data", o.eval_data);
   // The step's arithmetic: a resume without them would silently compute another curve, so they come back too, and a
   // command line that names other ones is refused.
   if (j.contains("compute_dtype")) {

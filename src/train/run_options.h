@@ -31,6 +31,9 @@ struct TrainOptions {
   std::string tokenizer;        // tokenizer.json for `text` (default: the one beside the --init / --resume weights)
   bool synthetic = false;       // random tokens instead of text
   int64_t steps = 200, batch = 8, seq = 256;
+  // Micro-batches of `batch` sequences whose gradients are summed into each update (--grad-accum): an update sees
+  // batch * grad_accum sequences with the memory of `batch`.
+  int64_t grad_accum = 1;
   uint64_t seed = 1;
   OptimizerConfig opt;
   StepOptions step;
@@ -44,6 +47,9 @@ struct TrainOptions {
   std::string out;              // output directory: metrics.jsonl, loss.svg, checkpoints
   int64_t eval_every = 50, eval_batches = 8;
   double heldout_fraction = 0.02;
+  // Held-out data evaluated every eval_every steps instead of the last heldout_fraction of the training data: a token
+  // file or a text in the training data's ids (train::load_eval_tokens).
+  std::string eval_data;
   bool progress = true;         // live progress line on stderr
   int64_t save_every = 0;       // write <out>/checkpoint-<step> every N steps (0: only at the end, when --out is set)
   std::string init;             // start from these weights (native or Hugging Face checkpoint directory)

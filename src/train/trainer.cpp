@@ -51,6 +51,8 @@ void check_options(const TrainOptions& o, const model::ModelConfig& cfg, bool re
     throw std::invalid_argument("batch size " + std::to_string(o.batch) + ", sequence length " + std::to_string(o.seq) +
                                 ", steps " + std::to_string(o.steps) +
                                 ": the batch and the sequence must be positive, the steps not negative");
+  check_grad_accum(o.grad_accum, o.update_in_backward);
+  check_lr_schedule(o.opt);
   if (o.update_in_backward) {
     if (resumed && o.opt.clip > 0)
       throw std::invalid_argument(o.resume + " was trained with gradient clipping at " + std::to_string(o.opt.clip) +
@@ -129,6 +131,7 @@ class Run {
   bool record(int64_t step, const StepRecord& s);
   void show_progress(int64_t step, const StepRecord& s, bool evaluated);
   double comm_seconds() const;
+  int64_t tokens_per_step() const { return o_.batch * o_.grad_accum * o_.seq; }
   TrainSummary finish();
 
   TrainOptions o_;
@@ -140,7 +143,7 @@ class Run {
   std::optional<checkpoint::CheckpointDir> resume_;
   int64_t first_step_ = 0, last_step_ = 0, param_count_ = 0;
   model::ModelConfig cfg_;
-  Tokens tokens_;
+  Tokens tokens_, eval_tokens_;  // eval_tokens_: --eval-data's
   Corpus corpus_;
   std::string carried_tokenizer_;  // the tokenizer the ids belong to, which checkpoints carry
   MemoryAccountant mem_;
@@ -207,7 +210,15 @@ void Run::load_corpus() {
     if (o_.text.empty() && o_.data.empty())
       throw std::invalid_argument("no corpus: neither a token file nor a text was given, and no synthetic tokens asked for");
     tokens_ = load_tokens({o_.data, o_.text, o_.tokenizer}, vocab);
-    corpus_ = split_heldout(tokens_.tokens, o_.heldout_fraction, o_.seq, tokens_.description);
+    // With --eval-data every training token trains (a fraction of 0 splits nothing off).
+    corpus_ = split_heldout(tokens_.tokens, o_.eval_data.empty() ? o_.heldout_fraction : 0.0, o_.seq,
+                            tokens_.description);
+  }
+  if (!o_.eval_data.empty()) {
+    const std::string tokenizer = !o_.tokenizer.empty() ? o_.tokenizer : vocab.tokenizer;
+    const bool bytes = !o_.synthetic && o_.data.empty() && tokenizer.empty();
+    eval_tokens_ = load_eval_tokens(o_.eval_data, o_.synthetic ? "" : o_.data, tokenizer, bytes, vocab);
+    corpus_.heldout = eval_tokens_.tokens;
   }
   // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
   carried_tokenizer_ = !tokens_.tokenizer.empty() ? tokens_.tokenizer : vocab.tokenizer;
@@ -292,10 +303,14 @@ void Run::log_setup() {
   log_ << "model: " << model::describe(cfg_) << "\n"
        << "params " << param_count_ << " (" << format_bytes(double(params.nbytes())) << " " << dtype_name(o_.weight_dtype)
        << (shards_ > 1 ? " per rank" : "") << "), remat " << remat_name(o_.step.remat) << ", compute "
-       << dtype_name(o_.step.compute) << ", batch " << o_.batch << " x seq " << o_.seq << ", " << o_.steps << " steps";
+       << dtype_name(o_.step.compute) << ", batch " << o_.batch << " x seq " << o_.seq;
+  if (o_.grad_accum > 1)
+    log_ << " x " << o_.grad_accum << " micro-batches an update (" << o_.batch * o_.grad_accum << " sequences)";
+  log_ << ", " << o_.steps << " steps";
   if (!o_.synthetic)
     log_ << ", corpus " << tokens_.description << ": " << corpus_.train.size() << " train / " << corpus_.heldout.size()
          << " held-out tokens";
+  if (!o_.eval_data.empty()) log_ << ", held out: " << eval_tokens_.description;
   log_ << "\n";
   if (dist_)
     log_ << world_ << " ranks: FSDP groups of " << shards_ << " (" << world_ / shards_ << " data-parallel replicas), "
@@ -304,6 +319,9 @@ void Run::log_setup() {
     log_ << ", routed experts split over " << o_.step.expert_parallel << " ranks ("
          << cfg_.experts / o_.step.expert_parallel << " each)";
   if (dist_) log_ << "\n";
+  OptimizerConfig oc = o_.opt;
+  oc.total_steps = o_.steps;
+  log_ << "learning rate: " << describe_lr_schedule(oc) << "\n";
   if (o_.update_in_backward) log_ << "AdamW applied to each gradient shard in the backward (no clipping)\n";
 }
 
@@ -314,15 +332,24 @@ double Run::comm_seconds() const {
 }
 
 StepRecord Run::take_step(int64_t step) {
-  TokenBatch tb = o_.synthetic ? synthetic_batch(cfg_.vocab, o_.batch, o_.seq, o_.seed, step)
-                               : sample_batch(corpus_.train, o_.batch, o_.seq, o_.seed, step);
-  if (dist_) tb = rows_of(tb, rank_ * (o_.batch / world_), o_.batch / world_);
+  // The update's batch * grad_accum rows, drawn as one batch: micro-batch k is rows [k batch, (k + 1) batch), each
+  // rank its share of those, so the update is that of one batch of all the rows.
+  const int64_t rows = o_.batch * o_.grad_accum;
+  TokenBatch all = o_.synthetic ? synthetic_batch(cfg_.vocab, rows, o_.seq, o_.seed, step)
+                                : sample_batch(corpus_.train, rows, o_.seq, o_.seed, step);
+  const int64_t mine = o_.batch / world_;
+  std::vector<TokenBatch> micro;
+  if (!dist_ && o_.grad_accum == 1) micro.push_back(std::move(all));
+  else
+    for (int64_t k = 0; k < o_.grad_accum; ++k) micro.push_back(rows_of(all, k * o_.batch + rank_ * mine, mine));
+  std::vector<Batch> batches;
+  for (const TokenBatch& tb : micro) batches.push_back(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq});
   StepRecord s;
   std::optional<profile::Session> prof;
   if (profiling_) prof.emplace();
   const auto t0 = Clock::now();
   const double c0 = comm_seconds();
-  s.outcome = step_->run(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq});
+  s.outcome = step_->run(batches);
   s.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   if (prof) {
     s.profile = prof->totals();
@@ -344,17 +371,17 @@ bool Run::record(int64_t step, const StepRecord& s) {
   if (s.peak.total() > sum_.peak.total()) sum_.peak = s.peak;
   step_seconds_ += s.seconds;
   sum_.steps = step + 1;
-  sum_.tokens += o_.batch * o_.seq;
+  sum_.tokens += tokens_per_step();
   sum_.losses.push_back(r.loss);
   sum_.final_loss = r.loss;
   sum_.final_ce = r.ce;
   train_curve_.points.emplace_back(double(step + 1), r.ce);
   nlohmann::json m = {{"step", step + 1}, {"loss", r.loss}, {"ce", r.ce}, {"aux", r.aux}, {"lr", s.outcome.lr},
-                      {"grad_norm", s.outcome.grad_norm}, {"tokens_per_s", double(o_.batch * o_.seq) / s.seconds},
+                      {"grad_norm", s.outcome.grad_norm}, {"tokens_per_s", double(tokens_per_step()) / s.seconds},
                       {"peak_bytes", s.peak.total()}};
   if (dist_) m["comm_exposed_s"] = s.comm_seconds;
   if (profiling_) m["profile"] = profile_json(s.profile, s.seconds, false);
-  const bool evaluate = !o_.synthetic && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
+  const bool evaluate = (!o_.synthetic || !o_.eval_data.empty()) && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
   if (evaluate) {
     const EvalResult e = evaluate_tokens(step_->params(), corpus_.heldout, o_.seq, o_.batch, o_.step.compute, mem_,
                                          o_.eval_batches, dist_ ? dist_->fsdp : nullptr);
@@ -391,7 +418,7 @@ void Run::show_progress(int64_t step, const StepRecord& s, bool evaluated) {
 TrainSummary Run::finish() {
   sum_.seconds = std::chrono::duration<double>(Clock::now() - t_start_).count();
   const int64_t run = sum_.steps - first_step_;
-  sum_.tokens_per_s = run > 1 ? double((run - 1) * o_.batch * o_.seq) / (step_seconds_ - first_step_seconds_)
+  sum_.tokens_per_s = run > 1 ? double((run - 1) * tokens_per_step()) / (step_seconds_ - first_step_seconds_)
                               : (step_seconds_ > 0 ? double(sum_.tokens) / step_seconds_ : 0);
   sum_.step_s = run > 1 ? step_seconds_ - first_step_seconds_ : step_seconds_;
   if (run > 1) sum_.comm_exposed_s -= first_step_comm_;

@@ -1,0 +1,136 @@
+// train --eval-data: a held-out token file or text evaluated every --eval-every steps instead of the split-off tail
+// of the training data, in the training data's ids, with clear refusals otherwise.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/convert.h"
+#include "dataset/token_file.h"
+#include "dataset/vocabulary.h"
+#include "train/data.h"
+#include "train/evaluate.h"
+#include "train/trainer.h"
+#include "test_util.h"
+
+namespace hs::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A vocabulary of `size` ids whose id b < 255 is byte b and whose last id separates documents.
+dataset::Vocabulary byte_vocabulary(int64_t size, uint64_t fingerprint) {
+  dataset::Vocabulary v;
+  v.fingerprint = fingerprint;
+  v.size = size;
+  v.end_of_text = static_cast<uint32_t>(size - 1);
+  v.token_bytes.assign(static_cast<size_t>(size), 1);
+  v.token_bytes.back() = 0;
+  return v;
+}
+
+void write_token_file(const fs::path& path, const std::string& text, uint64_t fingerprint) {
+  dataset::TokenFileWriter w(path, byte_vocabulary(256, fingerprint), [](std::string_view s, int) {
+    std::vector<uint32_t> ids;
+    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
+    return ids;
+  });
+  w.add_document(text);
+  w.commit();
+}
+
+std::string words(size_t n, uint32_t seed) {
+  static const char* w[] = {"In", "the", "beginning", "God", "created", "heaven", "and", "earth", "\n", ". ", ", "};
+  std::mt19937 rng(seed);
+  std::string s;
+  while (s.size() < n) s += std::string(w[rng() % 11]) + " ";
+  s.resize(n);
+  return s;
+}
+
+TrainOptions run_options(const fs::path& out) {
+  TrainOptions o;
+  o.model = "tiny";
+  o.steps = 3;
+  o.batch = 2;
+  o.seq = 32;
+  o.opt.warmup = 1;
+  o.eval_every = 2;
+  o.eval_batches = 3;
+  o.out = out.string();
+  o.progress = false;
+  o.step.compute = DType::F32;
+  return o;
+}
+
+// A text trained on whole (no tail held out) and another text evaluated at steps 2 and 3: the reported held-out
+// loss is what evaluate_tokens gives for the final checkpoint's parameters on that text (the same windows, the same
+// arithmetic: equal to the bit), and the log counts every training byte as a training token.
+TEST(EvalData, TextIsEvaluatedInsteadOfTheTail) {
+  test::TempDir t;
+  std::ofstream(t / "train.txt") << words(6000, 1);
+  std::ofstream(t / "held.txt") << words(1500, 2);
+  TrainOptions o = run_options(t / "run");
+  o.text = (t / "train.txt").string();
+  o.eval_data = (t / "held.txt").string();
+  std::ostringstream log;
+  const TrainSummary s = run_training(o, log);
+  EXPECT_NE(log.str().find("6000 train / 1500 held-out tokens"), std::string::npos) << log.str();
+  std::vector<double> evals;
+  std::ifstream f(t / "run/metrics.jsonl");
+  for (std::string line; std::getline(f, line);) {
+    const nlohmann::json m = nlohmann::json::parse(line);
+    if (m.contains("eval_ce")) evals.push_back(m["eval_ce"].get<double>());
+  }
+  ASSERT_EQ(evals.size(), 2u);  // steps 2 and 3
+  EXPECT_EQ(evals.back(), s.eval_ce);
+
+  const checkpoint::CheckpointDir ckpt = checkpoint::open_checkpoint_dir((t / "run/checkpoint-3").string());
+  MemoryAccountant mem;
+  model::ParamSet params(ckpt.config, DType::F32, mem, MemCategory::Parameters, false);
+  checkpoint::load_parameters(ckpt, params);
+  const Tokens held = load_tokens({"", (t / "held.txt").string(), ""}, {256, ""});
+  const EvalResult e = evaluate_tokens(params, held.tokens, o.seq, o.batch, DType::F32, mem, o.eval_batches);
+  EXPECT_EQ(e.ce, s.eval_ce);
+  // And the options come back with a resume.
+  nlohmann::json st = ckpt.native["state"]["options"];
+  EXPECT_EQ(st["eval_data"], o.eval_data);
+}
+
+// A token file of the training token file's vocabulary is evaluated; one of another fingerprint, a token file against
+// byte tokens, a text against a token file whose tokenizer is unknown and a chat file are refused, each saying why.
+TEST(EvalData, TokenFilesAndRefusals) {
+  test::TempDir t;
+  write_token_file(t / "train.tok", words(4000, 3), 0x1234);
+  write_token_file(t / "held.tok", words(1000, 4), 0x1234);
+  write_token_file(t / "other.tok", words(1000, 4), 0x9999);
+  std::ofstream(t / "held.txt") << words(1000, 4);
+  std::ofstream(t / "chat.jsonl") << "{\"messages\": []}\n";
+  TrainOptions o = run_options(t / "run");
+  o.data = (t / "train.tok").string();
+  o.eval_data = (t / "held.tok").string();
+  std::ostringstream log;
+  const TrainSummary s = run_training(o, log);
+  EXPECT_GT(s.eval_ce, 0);
+  EXPECT_NE(log.str().find("held out: token file"), std::string::npos) << log.str();
+
+  auto refusal = [&](TrainOptions x) { return test::error_of([&] { run_training(x, log); }); };
+  o.eval_data = (t / "other.tok").string();
+  EXPECT_NE(refusal(o).find("vocabulary fingerprints differ"), std::string::npos) << refusal(o);
+  o.eval_data = (t / "held.txt").string();
+  EXPECT_NE(refusal(o).find("is not known here: pass --tokenizer"), std::string::npos) << refusal(o);
+  o.eval_data = (t / "chat.jsonl").string();
+  EXPECT_NE(refusal(o).find("a chat file (JSONL)"), std::string::npos) << refusal(o);
+  TrainOptions bytes = run_options(t / "bytes");
+  std::ofstream(t / "train.txt") << words(4000, 3);
+  bytes.text = (t / "train.txt").string();
+  bytes.eval_data = (t / "held.tok").string();
+  EXPECT_NE(refusal(bytes).find("read as bytes"), std::string::npos) << refusal(bytes);
+}
+
+}  // namespace
+}  // namespace hs::train
