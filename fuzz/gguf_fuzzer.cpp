@@ -1,5 +1,5 @@
 // libFuzzer target for the GGUF header parser (src/gguf/gguf_file.h); built and run by scripts/fuzz.sh
-// (HS_FUZZ_TARGET=gguf), not by CMake. Any input must either parse to a layout whose tensors are aligned, inside the
+// (scripts/fuzz.sh gguf), not by CMake. Any input must either parse to a layout whose tensors are aligned, inside the
 // file, sized as their type and shape say and overlap no other, or throw FormatError; anything else (another
 // exception, a sanitizer report, a broken invariant) is a finding.
 #include <algorithm>

@@ -38,9 +38,12 @@ done
 #                                                  CPU (Haswell) and one without AVX (Nehalem)
 #   ccache                                         the compiler cache (CMakeLists.txt, HS_CCACHE): a second clone or
 #                                                  build directory compiles only what changed
+#   libcpp-httplib-dev                             `hybridscan serve`'s HTTP server (src/serve, docs/serving.md)
+#   chromium chromium-driver                       Serve.page: the server's chat page tested in headless Chromium
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev openmpi-bin libopenmpi-dev python3 python3-venv ca-certificates
-      bible-kjv bible-kjv-text qemu-user ccache)
+      bible-kjv bible-kjv-text qemu-user ccache libcpp-httplib-dev
+      chromium chromium-driver)
 missing=()
 for p in "${pkgs[@]}"; do
   [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")

@@ -40,7 +40,7 @@ std::string thread_wait() {
 struct GenerateArgs {
   std::string checkpoint, prompt, prompts_file, weight_dtype, weights_memory = "auto", chat_template, system;
   std::vector<std::string> prompt_ids;  // one prompt each
-  int64_t max_new_tokens = 128, top_k = 0;
+  int64_t max_new_tokens = 128, top_k = 0, prefill_piece = infer::GenerateOptions{}.piece;
   int threads = 0;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
@@ -150,6 +150,8 @@ void run_generate(const GenerateArgs& a) {
   infer::GenerateOptions opt;
   opt.max_new_tokens = infer::new_token_budget(a.max_new_tokens, infer::model_context(d.config_json), longest);
   opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  if (a.prefill_piece <= 0) throw std::invalid_argument("--prefill-piece must be positive");
+  opt.piece = a.prefill_piece;
   if (!a.ignore_eos) opt.stop_ids = infer::end_ids(d.config_json, tok ? &*tok : nullptr);
 
   // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
@@ -255,6 +257,9 @@ void register_generate(CLI::App& app) {
                 "dropped), auto (copy when the weights "
                 "plus 1 GiB take at most half of the available memory, else map)")
       ->check(CLI::IsMember({"map", "copy", "auto"}))
+      ->capture_default_str();
+  c->add_option("--prefill-piece", a->prefill_piece,
+                "Prompt tokens per prefill pass (serve prefills in pieces of 64: the same bits as serve's answers)")
       ->capture_default_str();
   c->add_flag("--chat", a->chat,
               "Render each prompt as a user turn with the checkpoint's chat template (chat_template.jinja, or "

@@ -17,8 +17,9 @@ namespace {
 struct PlanArgs {
   StepArgs step;
   std::string chip;
-  int64_t devices = 1, batch_per_device = 0, context = 4096;
-  bool compare = false, json = false, generate = false, fit = false;
+  int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
+  std::string cache_bytes = "1GiB";
+  bool compare = false, json = false, generate = false, fit = false, serve = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -93,6 +94,33 @@ void plan_generation(const PlanArgs& a) {
                 "not planned)\n",
                 "quantized weights", format_bytes(double(*quantized)).c_str(),
                 format_bytes(double(p.total - p.weights + *quantized)).c_str());
+}
+
+// plan --serve: hybridscan serve's peak for --parallel slots of --ctx positions and a --cache-bytes prefix cache.
+void plan_serving(const PlanArgs& a) {
+  planner::ServePlanRequest r;
+  r.model = model::load_config(a.step.model);
+  r.context = a.context;
+  r.parallel = a.parallel;
+  r.cache_bytes = parse_bytes(a.cache_bytes);
+  r.weight_dtype = parse_dtype(a.step.weight_dtype);
+  const planner::ServePlan p = planner::plan_serve(r);
+  if (a.json) {
+    std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
+                                        {"recurrent_state_bytes", p.recurrent_state},
+                                        {"prefix_cache_bytes", p.prefix_cache}, {"workspace_bytes", p.workspace},
+                                        {"total_bytes", p.total}, {"context", r.context}, {"parallel", r.parallel}})
+                            .dump()
+                            .c_str());
+    return;
+  }
+  std::printf("%s\nserve: %lld slots x %lld positions, prefix cache %s, weights %s, one device\n",
+              model::describe(r.model).c_str(), (long long)r.parallel, (long long)r.context,
+              format_bytes(double(r.cache_bytes)).c_str(), a.step.weight_dtype.c_str());
+  for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
+                                    {"recurrent state", p.recurrent_state}, {"prefix cache", p.prefix_cache},
+                                    {"workspace", p.workspace}, {"total", p.total}})
+    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
 }
 
 // The request of a training-step plan: --batch is over all devices (a multiple of them), --batch-per-device per device
@@ -171,6 +199,7 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
+  if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
   if (a.generate) {
     plan_generation(a);
     return;
@@ -178,6 +207,10 @@ void run_plan(const PlanArgs& a) {
   if (a.step.weight_dtype != "fp32" && a.step.weight_dtype != "bf16")
     throw std::invalid_argument("--weight-dtype " + a.step.weight_dtype + " (GGUF) is for plan --generate; training "
                                 "stores fp32 or bf16");
+  if (a.serve) {
+    plan_serving(a);
+    return;
+  }
   planner::PlanRequest r = plan_request(a);
   if (a.fit) return run_fit(a, r);
   std::vector<planner::PlanResult> plans;
@@ -211,7 +244,13 @@ void register_plan(CLI::App& app) {
   c->add_flag("--generate", a->generate,
               "Plan generation instead of training: --batch sequences decoded together on one device, weights in "
               "--weight-dtype");
-  c->add_option("--context", a->context, "--generate: positions per sequence (prompt + new tokens)")->capture_default_str();
+  c->add_option("--context,--ctx", a->context, "--generate, --serve: positions per sequence (prompt + new tokens)")
+      ->capture_default_str();
+  c->add_flag("--serve", a->serve,
+              "Plan hybridscan serve instead of training: --parallel slots of --ctx positions, a --cache-bytes prefix "
+              "cache, weights in --weight-dtype");
+  c->add_option("--parallel", a->parallel, "--serve: slots (requests decoded together)")->capture_default_str();
+  c->add_option("--cache-bytes", a->cache_bytes, "--serve: the prefix cache's budget")->capture_default_str();
   // plan --generate also takes GGUF types (and a .gguf --model); the step's flag knows only fp32 | bf16.
   c->remove_option(c->get_option("--weight-dtype"));
   c->add_option("--weight-dtype", a->step.weight_dtype,
