@@ -336,6 +336,7 @@ def case_errors():
         (json.dumps({"prompt": "a", "max_tokens": 0}).encode(), "max_tokens 0"),
         (json.dumps({"prompt": "a", "max_tokens": -3}).encode(), "max_tokens < 0"),
         (json.dumps({"prompt": "a", "max_tokens": 8192}).encode(), "max_tokens past the context"),
+        (json.dumps({"prompt": "a", "max_tokens": 2**63 - 1}).encode(), "max_tokens whose sum with the prompt wraps"),
         (json.dumps({"prompt": [1] * 8192}).encode(), "a prompt longer than the context"),
         (json.dumps({"prompt": [1, 2, 999]}).encode(), "a token outside the vocabulary"),
     ]

@@ -344,7 +344,12 @@ TokenFile::TokenFile(std::filesystem::path path, const std::byte* map, size_t si
   if ((h.dtype_bytes != 2 && h.dtype_bytes != 4) || (h.dtype_bytes == 2 && h.vocab_size > 65536) || h.tokens < 0 ||
       h.documents < 0 || h.text_bytes < 0 || (h.end_of_text && *h.end_of_text >= h.vocab_size))
     throw TokenFileError(name + " has an inconsistent header (dtype, counts or end-of-text id)");
-  const uint64_t expected = h.data_offset + static_cast<uint64_t>(h.tokens) * (h.dtype_bytes + (h.loss_mask ? 1 : 0));
+  const uint64_t per_token = h.dtype_bytes + (h.loss_mask ? 1 : 0);
+  // (A token count past what the file could hold is refused before multiplying: the product could wrap around.)
+  if (static_cast<uint64_t>(h.tokens) > (map_size_ - h.data_offset) / per_token)
+    throw TokenFileError(name + " is truncated: its header describes " + std::to_string(h.tokens) + " tokens, more than " +
+                         std::to_string(map_size_) + " bytes can hold");
+  const uint64_t expected = h.data_offset + static_cast<uint64_t>(h.tokens) * per_token;
   if (map_size_ != expected)
     throw TokenFileError(name + (map_size_ < expected ? " is truncated" : " has trailing bytes") + ": " +
                          std::to_string(map_size_) + " bytes, but its header describes " + std::to_string(h.tokens) +

@@ -83,7 +83,11 @@ void Engine::loop() {
       continue;
     }
     lk.unlock();
-    pass(active);
+    try {
+      pass(active);
+    } catch (const std::exception& e) {  // (an exception leaving this thread would end the process)
+      for (Active& a : active) finish(a, "error", e.what());
+    }
     lk.lock();
     // Ended requests give their slots back.
     for (auto it = active.begin(); it != active.end();) {

@@ -59,8 +59,11 @@ struct Model {
                                 std::to_string(vocab),
                        param);
   }
+  // The bytes of a token; an id of the model's vocabulary that the tokenizer lacks (the embedding is padded past the
+  // tokenizer's size, e.g. 248320 rows for Qwen3.5's ~248k tokens) reads as "<id>", as without a tokenizer.
   std::string token_bytes(int32_t id) const {
-    if (tok) return tok->token_bytes(static_cast<tokenizer::TokenId>(id));
+    if (tok && id >= 0 && static_cast<uint64_t>(id) < static_cast<uint64_t>(tok->vocab_size()))
+      return tok->token_bytes(static_cast<tokenizer::TokenId>(id));
     if (bytes_vocab) return std::string(1, static_cast<char>(id));
     std::string s = "<";  // (one append at a time: GCC 12 warns, wrongly, of an overlapping copy in "<" + ... + ">")
     s += std::to_string(id);
@@ -174,7 +177,8 @@ struct Session {
       const bool ends =
           !req.ignore_eos && std::find(model.end_ids.begin(), model.end_ids.end(), t.id) != model.end_ids.end();
       const size_t old = text.size();
-      if (!ends) text += stream.push(t.id);
+      // An end id is not part of the text, but bytes of a character it cut short are (as U+FFFD, as decoding says).
+      text += ends ? stream.finish() : stream.push(t.id);
       // A stop string ends the answer before it.
       for (const std::string& s : req.stop) {
         const size_t at = text.find(s, old >= s.size() ? old - s.size() + 1 : 0);
@@ -245,6 +249,31 @@ struct Session {
     return l;
   }
 };
+
+// cpp-httplib (0.11) runs a content provider outside its own try/catch: an exception escaping one would end the
+// process. Every provider is wrapped: whatever it throws ends that answer with an error body, the others go on.
+template <typename Provider, typename ErrorText>
+auto never_throws(Provider provider, ErrorText error_text) {
+  return [provider = std::move(provider), error_text](size_t offset, httplib::DataSink& sink) mutable -> bool {
+    try {
+      return provider(offset, sink);
+    } catch (const std::exception& e) {
+      const std::string out = error_text(e);
+      sink.write(out.data(), out.size());
+      sink.done();
+      return true;
+    }
+  };
+}
+
+// A request that failed after its answer began: its job is cancelled (the scheduler frees the slot) and the client
+// gets a server error saying what failed.
+ApiError failure(Session& s, const std::exception& e) {
+  s.job->cancel = true;
+  s.finish_reason = "error";
+  return ApiError(500, std::string("generation failed: ") + e.what(), "", "server_error");
+}
+
 
 class Server {
  public:
@@ -327,12 +356,16 @@ void Server::completion(const httplib::Request& hreq, httplib::Response& res, En
                    "model", "invalid_request_error", "model_not_found");
   const std::vector<int32_t> prompt = prompt_ids(r);
   const int64_t n = static_cast<int64_t>(prompt.size()), ctx = model_.context;
+  if (n == 0)
+    throw ApiError(400, ep == Endpoint::Chat ? "the chat template rendered these messages to no tokens"
+                                             : "the prompt encodes to no tokens: give at least one",
+                   ep == Endpoint::Chat ? "messages" : "prompt");
   if (n >= ctx)
     throw ApiError(400, "the prompt's " + std::to_string(n) + " tokens leave no room in the context of " +
                             std::to_string(ctx) + " positions (shorten the prompt, or start the server with a larger "
                             "--ctx)",
                    ep == Endpoint::Chat ? "messages" : "prompt", "invalid_request_error", "context_length_exceeded");
-  if (r.max_tokens && n + *r.max_tokens > ctx)
+  if (r.max_tokens && *r.max_tokens > ctx - n)  // (not n + max_tokens: a max_tokens near INT64_MAX would wrap)
     throw ApiError(400, "max_tokens " + std::to_string(*r.max_tokens) + " plus the prompt's " + std::to_string(n) +
                             " tokens pass the context of " + std::to_string(ctx) + " positions (at most " +
                             std::to_string(ctx - n) + " here)",
@@ -410,7 +443,7 @@ void Server::answer(std::shared_ptr<Session> s, httplib::Response& res) {
   ++counters_.in_flight;
   res.set_chunked_content_provider(
       "application/json",
-      [s, this](size_t, httplib::DataSink& sink) {
+      never_throws([s, this](size_t, httplib::DataSink& sink) {
         std::string out;
         try {
           const auto beat = std::chrono::steady_clock::now() + std::chrono::seconds(1);
@@ -427,7 +460,7 @@ void Server::answer(std::shared_ptr<Session> s, httplib::Response& res) {
         }
         if (!s->finish_reason.empty()) sink.done();
         return true;
-      },
+      }, [s](const std::exception& e) { return dump(failure(*s, e).body()); }),
       [s, this](bool) {
         s->job->cancel = true;
         counters_.completion_tokens += s->consumed;
@@ -455,7 +488,7 @@ void Server::stream(std::shared_ptr<Session> s, httplib::Response& res) {
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [s, chat, chunk, started, this](size_t, httplib::DataSink& sink) {
+      never_throws([s, chat, chunk, started, this](size_t, httplib::DataSink& sink) {
         std::string out;
         if (!*started) {
           *started = true;
@@ -470,17 +503,21 @@ void Server::stream(std::shared_ptr<Session> s, httplib::Response& res) {
           sink.done();
           return true;
         }
+        // Pieces are tokens but for a last text-only one (id -1: text held back until the end); s->all holds tokens.
+        size_t token_pieces = 0;
+        for (const Piece& p : pieces) token_pieces += p.token.id >= 0;
+        size_t k = s->all.size() - token_pieces;  // the index in s->all of the next token piece
         for (size_t i = 0; i < pieces.size(); ++i) {
           const Piece& p = pieces[i];
+          const size_t index = p.token.id >= 0 ? k++ : 0;  // this token's place in s->all
           if (p.text.empty() && !s->req.return_tokens && !s->req.logprobs) continue;
           json choice;
           if (chat) choice["delta"] = {{"content", p.text}};
           else choice["text"] = p.text;
           if (p.token.id >= 0) {
-            const size_t k = s->all.size() - pieces.size() + i;  // this token's index
             if (s->req.logprobs)
               choice["logprobs"] = chat ? json{{"content", json::array({s->chat_logprob(p.token)})}}
-                                        : s->completion_logprobs(k, k + 1);
+                                        : s->completion_logprobs(index, index + 1);
             if (s->req.return_tokens) choice["token_ids"] = json::array({p.token.id});
           }
           out += chunk(choice);
@@ -507,7 +544,7 @@ void Server::stream(std::shared_ptr<Session> s, httplib::Response& res) {
         }
         if (!s->finish_reason.empty()) sink.done();
         return true;
-      },
+      }, [s](const std::exception& e) { return "data: " + dump(failure(*s, e).body()) + "\n\n"; }),
       [s, this](bool) {
         s->job->cancel = true;
         counters_.completion_tokens += s->consumed;
