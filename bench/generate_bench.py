@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from byte_level import byte_tokenizer_json, llama_converter_for_byte_vocab  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------- models
@@ -79,27 +81,6 @@ def real_config(transformers, layers=4, experts=16, top_k=8):
     )
 
 
-def byte_tokenizer_json():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from byte_level import bytes_to_unicode
-
-    b2u = bytes_to_unicode()
-    vocab = {b2u[b]: b for b in range(256)}
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [],
-        "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
-    }
-
-
 def cmd_models(a):
     import torch
     import transformers
@@ -123,32 +104,7 @@ def cmd_models(a):
 
 # --------------------------------------------------------------------------------------------------------- convert
 def cmd_convert(a):
-    llama = Path(a.llama_dir).resolve()
-    sys.path.insert(0, str(llama / "gguf-py"))
-    sys.path.insert(0, str(llama))
-    import convert_hf_to_gguf as conv  # noqa: E402
-    from conversion import base  # noqa: E402
-
-    original = base.TextModel.get_vocab_base_pre
-
-    def vocab_base_pre(self, tokenizer):
-        if len(tokenizer.get_vocab()) <= 256:  # the byte vocabulary of `small`: no known hash
-            return "qwen2"
-        return original(self, tokenizer)
-
-    base.TextModel.get_vocab_base_pre = vocab_base_pre
-    # llama.cpp refuses a BPE vocabulary without merges; the byte vocabulary has none (every token is one byte), so
-    # it gets one that can never apply to the ids the bench feeds (its result is not a token).
-    import gguf  # noqa: E402
-
-    add_to_gguf = gguf.SpecialVocab.add_to_gguf
-
-    def add_with_merges(self, gw, quiet=False):
-        if self.load_merges and not self.merges:
-            self.merges = ["\u0100 \u0101"]
-        return add_to_gguf(self, gw, quiet=quiet)
-
-    gguf.SpecialVocab.add_to_gguf = add_with_merges
+    conv = llama_converter_for_byte_vocab(Path(a.llama_dir).resolve())  # `small`'s byte vocabulary
     # --no-mtp: these checkpoints have no multi-token-prediction head (the converter asserts one for Qwen3-Next).
     sys.argv = ["convert_hf_to_gguf.py", str(a.hf), "--outtype", "bf16", "--no-mtp", "--outfile", str(a.out)]
     conv.main()

@@ -26,26 +26,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from byte_level import byte_tokenizer_json, llama_converter_for_byte_vocab  # noqa: E402
+
 FIXTURES = ["qwen3_next_L5", "qwen3_5_L5"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-
-
-def byte_tokenizer_json():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from byte_level import bytes_to_unicode
-
-    b2u = bytes_to_unicode()
-    vocab = {b2u[b]: b for b in range(256)}
-    return {
-        "version": "1.0", "truncation": None, "padding": None, "normalizer": None, "added_tokens": [],
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
-    }
 
 
 def make_dense(out):
@@ -78,26 +64,7 @@ def make_dense(out):
 
 
 def patch_converter(llama):
-    sys.path.insert(0, str(llama / "gguf-py"))
-    sys.path.insert(0, str(llama))
-    import convert_hf_to_gguf as conv
-    from conversion import base
-    import gguf
-
-    original = base.TextModel.get_vocab_base_pre
-
-    def vocab_base_pre(self, tokenizer):
-        return "qwen2" if len(tokenizer.get_vocab()) <= 256 else original(self, tokenizer)
-
-    base.TextModel.get_vocab_base_pre = vocab_base_pre
-    add_to_gguf = gguf.SpecialVocab.add_to_gguf
-
-    def add_with_merges(self, gw, quiet=False):
-        if self.load_merges and not self.merges:
-            self.merges = ["\u0100 \u0101"]
-        return add_to_gguf(self, gw, quiet=quiet)
-
-    gguf.SpecialVocab.add_to_gguf = add_with_merges
+    conv = llama_converter_for_byte_vocab(llama)
     import transformers
 
     auto = transformers.AutoTokenizer.from_pretrained

@@ -4,7 +4,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -16,40 +15,17 @@
 #include "train/evaluate.h"
 #include "train/trainer.h"
 #include "test_util.h"
+#include "token_file_util.h"
 
 namespace hs::train {
 namespace {
 
 namespace fs = std::filesystem;
+using test::lorem;
 
-// A vocabulary of `size` ids whose id b < 255 is byte b and whose last id separates documents.
-dataset::Vocabulary byte_vocabulary(int64_t size, uint64_t fingerprint) {
-  dataset::Vocabulary v;
-  v.fingerprint = fingerprint;
-  v.size = size;
-  v.end_of_text = static_cast<uint32_t>(size - 1);
-  v.token_bytes.assign(static_cast<size_t>(size), 1);
-  v.token_bytes.back() = 0;
-  return v;
-}
-
+// A token file of `text` as one document of bytes.
 void write_token_file(const fs::path& path, const std::string& text, uint64_t fingerprint) {
-  dataset::TokenFileWriter w(path, byte_vocabulary(256, fingerprint), [](std::string_view s, int) {
-    std::vector<uint32_t> ids;
-    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
-    return ids;
-  });
-  w.add_document(text);
-  w.commit();
-}
-
-std::string words(size_t n, uint32_t seed) {
-  static const char* w[] = {"In", "the", "beginning", "God", "created", "heaven", "and", "earth", "\n", ". ", ", "};
-  std::mt19937 rng(seed);
-  std::string s;
-  while (s.size() < n) s += std::string(w[rng() % 11]) + " ";
-  s.resize(n);
-  return s;
+  test::write_byte_documents(path, test::byte_vocabulary(256, fingerprint), {text});
 }
 
 TrainOptions run_options(const fs::path& out) {
@@ -72,8 +48,8 @@ TrainOptions run_options(const fs::path& out) {
 // arithmetic: equal to the bit), and the log counts every training byte as a training token.
 TEST(EvalData, TextIsEvaluatedInsteadOfTheTail) {
   test::TempDir t;
-  std::ofstream(t / "train.txt") << words(6000, 1);
-  std::ofstream(t / "held.txt") << words(1500, 2);
+  std::ofstream(t / "train.txt") << lorem(6000, 1);
+  std::ofstream(t / "held.txt") << lorem(1500, 2);
   TrainOptions o = run_options(t / "run");
   o.text = (t / "train.txt").string();
   o.eval_data = (t / "held.txt").string();
@@ -105,10 +81,10 @@ TEST(EvalData, TextIsEvaluatedInsteadOfTheTail) {
 // byte tokens, a text against a token file whose tokenizer is unknown and a chat file are refused, each saying why.
 TEST(EvalData, TokenFilesAndRefusals) {
   test::TempDir t;
-  write_token_file(t / "train.tok", words(4000, 3), 0x1234);
-  write_token_file(t / "held.tok", words(1000, 4), 0x1234);
-  write_token_file(t / "other.tok", words(1000, 4), 0x9999);
-  std::ofstream(t / "held.txt") << words(1000, 4);
+  write_token_file(t / "train.tok", lorem(4000, 3), 0x1234);
+  write_token_file(t / "held.tok", lorem(1000, 4), 0x1234);
+  write_token_file(t / "other.tok", lorem(1000, 4), 0x9999);
+  std::ofstream(t / "held.txt") << lorem(1000, 4);
   std::ofstream(t / "chat.jsonl") << "{\"messages\": []}\n";
   TrainOptions o = run_options(t / "run");
   o.data = (t / "train.tok").string();
@@ -126,7 +102,7 @@ TEST(EvalData, TokenFilesAndRefusals) {
   o.eval_data = (t / "chat.jsonl").string();
   EXPECT_NE(refusal(o).find("a chat file (JSONL)"), std::string::npos) << refusal(o);
   TrainOptions bytes = run_options(t / "bytes");
-  std::ofstream(t / "train.txt") << words(4000, 3);
+  std::ofstream(t / "train.txt") << lorem(4000, 3);
   bytes.text = (t / "train.txt").string();
   bytes.eval_data = (t / "held.tok").string();
   EXPECT_NE(refusal(bytes).find("read as bytes"), std::string::npos) << refusal(bytes);

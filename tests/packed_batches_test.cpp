@@ -8,6 +8,7 @@
 
 #include "dataset/token_file.h"
 #include "test_util.h"
+#include "token_file_util.h"
 #include "train/data.h"
 
 namespace hs::train {
@@ -18,21 +19,12 @@ using dataset::TokenFileWriter;
 
 constexpr int32_t kSep = 299;
 
-// A token file of byte documents separated by id 299.
+// The byte vocabulary of these tests: its last id, kSep, separates documents.
+dataset::Vocabulary vocabulary() { return test::byte_vocabulary(kSep + 1, 1); }
+
+// A token file of byte documents separated by kSep.
 TokenSource documents_file(const test::TempDir& t, const std::vector<std::string>& docs) {
-  dataset::Vocabulary v;
-  v.fingerprint = 1;
-  v.size = 300;
-  v.end_of_text = kSep;
-  v.token_bytes.assign(300, 1);
-  v.token_bytes.back() = 0;
-  TokenFileWriter w(t / "docs.tok", v, [](std::string_view s, int) {
-    std::vector<uint32_t> ids;
-    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
-    return ids;
-  });
-  for (const auto& d : docs) w.add_document(d);
-  w.commit();
+  test::write_byte_documents(t / "docs.tok", vocabulary(), docs);
   return TokenSource::mapped(TokenFile::open(t / "docs.tok"));
 }
 
@@ -108,17 +100,8 @@ TEST(PackedBatches, AutoIsStreamForASingleDocumentOrMemoryTokens) {
 // version 1 and reads as before.
 TEST(PackedBatches, LossMaskSectionRoundTripsAndMasksTargets) {
   test::TempDir t;
-  dataset::Vocabulary v;
-  v.fingerprint = 1;
-  v.size = 300;
-  v.end_of_text = kSep;
-  v.token_bytes.assign(300, 1);
-  v.token_bytes.back() = 0;
-  auto bytes = [](std::string_view s, int) {
-    std::vector<uint32_t> ids;
-    for (char c : s) ids.push_back(static_cast<unsigned char>(c));
-    return ids;
-  };
+  const dataset::Vocabulary v = vocabulary();
+  const dataset::Encoder bytes = test::byte_encoder();
   std::vector<int32_t> chat(200), want_ids, want_mask;
   std::vector<uint8_t> chat_mask(200);
   for (size_t i = 0; i < chat.size(); ++i) {

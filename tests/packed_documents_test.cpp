@@ -15,6 +15,7 @@
 
 #include "model/config.h"
 #include "model/params.h"
+#include "packed_layout.h"
 #include "planner/plan.h"
 #include "train/step.h"
 #include "train/schedule.h"
@@ -24,25 +25,7 @@ namespace {
 
 using model::ModelConfig;
 using model::ParamSet;
-
-constexpr int64_t kSeq = 320;
-const std::vector<std::vector<int64_t>> kDocs = {{1, 63, 64, 65, 127}, {300, 20}};
-
-struct Doc {
-  int64_t b, start, len;
-};
-
-std::vector<Doc> documents() {
-  std::vector<Doc> out;
-  for (int64_t b = 0; b < static_cast<int64_t>(kDocs.size()); ++b) {
-    int64_t at = 0;
-    for (int64_t len : kDocs[b]) {
-      out.push_back({b, at, len});
-      at += len;
-    }
-  }
-  return out;
-}
+using namespace test::packed;
 
 // Both families at the tiny preset's sizes (3 Gated DeltaNet layers and an attention layer) with a byte vocabulary,
 // and no load-balance loss: that one is a statistic of the whole batch by definition (transformers computes it over
@@ -67,15 +50,9 @@ Packed packed_batch(int64_t vocab, uint32_t seed) {
         p.inputs.push_back(static_cast<int32_t>(rng() % vocab));
         // Every document's last token predicts nothing here (alone, nothing follows it); a few others are ignored too.
         p.targets.push_back(i + 1 == len || rng() % 11 == 0 ? -1 : static_cast<int32_t>(rng() % vocab));
-        p.positions.push_back(static_cast<int32_t>(i));
       }
+  p.positions = positions();
   return p;
-}
-
-template <typename E>
-std::vector<E> rows_of(const std::vector<E>& x, const Doc& d) {
-  const auto first = x.begin() + d.b * kSeq + d.start;
-  return std::vector<E>(first, first + d.len);
 }
 
 // Gradients as fp64 vectors, each scaled by `scale` (the mean's count: the sum of the documents' cross-entropy sums).

@@ -13,6 +13,7 @@
 #include "kernels/attention.h"
 #include "kernels/conv.h"
 #include "kernels/delta_rule.h"
+#include "packed_layout.h"
 #include "test_util.h"
 
 namespace hs::kernels {
@@ -21,41 +22,7 @@ namespace {
 using test::cast;
 using test::widen;
 using Vec = std::vector<double>;
-
-constexpr int64_t kSeq = 320;
-const std::vector<std::vector<int64_t>> kDocs = {{1, 63, 64, 65, 127}, {300, 20}};
-
-struct Doc {
-  int64_t b, start, len;
-};
-
-std::vector<Doc> documents() {
-  std::vector<Doc> out;
-  for (int64_t b = 0; b < static_cast<int64_t>(kDocs.size()); ++b) {
-    int64_t at = 0;
-    for (int64_t len : kDocs[b]) {
-      out.push_back({b, at, len});
-      at += len;
-    }
-    EXPECT_EQ(at, kSeq);
-  }
-  return out;
-}
-
-std::vector<int32_t> positions() {
-  std::vector<int32_t> pos;
-  for (const auto& seq : kDocs)
-    for (int64_t len : seq)
-      for (int64_t i = 0; i < len; ++i) pos.push_back(static_cast<int32_t>(i));
-  return pos;
-}
-
-// Rows [d.start, d.start + d.len) of sequence d.b of a [B, kSeq, width] array, as a [1, len, width] array.
-template <typename E>
-std::vector<E> rows_of(const std::vector<E>& x, const Doc& d, int64_t width) {
-  const auto first = x.begin() + (d.b * kSeq + d.start) * width;
-  return std::vector<E>(first, first + d.len * width);
-}
+using namespace test::packed;
 
 Vec randn(size_t n, std::mt19937& rng, double stddev = 1.0) {
   std::normal_distribution<double> nd(0.0, stddev);

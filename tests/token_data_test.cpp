@@ -15,6 +15,7 @@
 #include "dataset/vocabulary.h"
 #include "model/params.h"
 #include "test_util.h"
+#include "token_file_util.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 #include "train/trainer.h"
@@ -23,42 +24,16 @@ namespace hs::dataset {
 namespace {
 
 namespace fs = std::filesystem;
+using test::byte_encoder;
+using test::byte_vocabulary;
+using test::bytes_of;
 using test::error_of;
-
-// A vocabulary of `size` ids whose id b < 255 is byte b (one byte of text) and whose last id separates documents.
-Vocabulary byte_vocabulary(int64_t size, uint64_t fingerprint = 0x1234) {
-  Vocabulary v;
-  v.fingerprint = fingerprint;
-  v.size = size;
-  v.end_of_text = static_cast<uint32_t>(size - 1);
-  v.token_bytes.assign(static_cast<size_t>(size), 1);
-  v.token_bytes.back() = 0;
-  return v;
-}
-
-std::vector<uint32_t> bytes_of(std::string_view s) {
-  std::vector<uint32_t> ids;
-  for (char c : s) ids.push_back(static_cast<unsigned char>(c));
-  return ids;
-}
-
-Encoder byte_encoder() {
-  return [](std::string_view s, int) { return bytes_of(s); };
-}
+using test::lorem;
 
 std::vector<int32_t> read_all(const TokenSource& s) {
   std::vector<int32_t> v(static_cast<size_t>(s.size()));
   s.read(0, s.size(), v.data());
   return v;
-}
-
-std::string lorem(size_t n, uint32_t seed) {
-  static const char* words[] = {"In", "the", "beginning", "God", "created", "heaven", "and", "earth", "\n", ". ", ", "};
-  std::mt19937 rng(seed);
-  std::string s;
-  while (s.size() < n) s += std::string(words[rng() % 11]) + (rng() % 3 ? " " : "");
-  s.resize(n);
-  return s;
 }
 
 // Documents in memory and from files, separators between them, both id widths: what is read back is what was written,
@@ -325,7 +300,7 @@ TEST(TokenSource, ReadingALargeFileKeepsTheResidentSetFlat) {
   {
     WriterOptions wo;
     wo.block_bytes = size_t(4) << 20;
-    TokenFileWriter w(t / "big.tok", byte_vocabulary(300), [](std::string_view s, int) { return bytes_of(s); }, wo);
+    TokenFileWriter w(t / "big.tok", byte_vocabulary(300), byte_encoder(), wo);
     const std::string chunk = lorem(size_t(1) << 20, 5);
     for (int64_t i = 0; i < tokens >> 20; ++i) w.add_document(chunk);
     w.commit();

@@ -414,6 +414,19 @@ class Parser {
     if (peek().type != Tok::BlockEnd) syntax("expected the end of the block tag, found '" + peek().text + "'");
     next();
   }
+  // Items separated by commas up to the operator `close` (consumed); a trailing comma is allowed.
+  template <class ParseItem>
+  void parse_comma_separated(const char* close, ParseItem parse_item) {
+    while (!is_op(close)) {
+      parse_item();
+      if (!is_op(close)) expect_op(",");
+    }
+    next();
+  }
+  bool at_comparison_operator() const {
+    return peek().type == Tok::Op && (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
+                                      peek().text == ">" || peek().text == "<=" || peek().text == ">=");
+  }
 
   // Statements up to one of `ends` (a block tag whose first word is in it; that word is returned in `end`, the tag
   // is consumed up to its name).
@@ -529,7 +542,7 @@ class Parser {
       Stmt s = make_stmt(Stmt::Macro, line);
       s.text = expect_name();
       expect_op("(");
-      while (!is_op(")")) {
+      parse_comma_separated(")", [&] {
         s.params.push_back(expect_name());
         if (is_op("=")) {
           next();
@@ -537,9 +550,7 @@ class Parser {
         } else {
           s.defaults.push_back(nullptr);
         }
-        if (!is_op(")")) expect_op(",");
-      }
-      next();
+      });
       expect_block_end();
       std::string end;
       s.bodies.push_back(parse_body({"endmacro"}, end));
@@ -608,26 +619,20 @@ class Parser {
     return e;
   }
 
-  ExprPtr parse_or() {
-    auto e = parse_and();
-    while (is_name("or")) {
-      auto o = make(Expr::Or, next().line);
+  // operand (word operand)*, left-associative, for the logical operators "or" and "and".
+  template <class ParseOperand>
+  ExprPtr parse_logical_chain(const char* word, Expr::Kind kind, ParseOperand parse_operand) {
+    auto e = parse_operand();
+    while (is_name(word)) {
+      auto o = make(kind, next().line);
       o->kids.push_back(std::move(e));
-      o->kids.push_back(parse_and());
+      o->kids.push_back(parse_operand());
       e = std::move(o);
     }
     return e;
   }
-  ExprPtr parse_and() {
-    auto e = parse_not();
-    while (is_name("and")) {
-      auto o = make(Expr::And, next().line);
-      o->kids.push_back(std::move(e));
-      o->kids.push_back(parse_not());
-      e = std::move(o);
-    }
-    return e;
-  }
+  ExprPtr parse_or() { return parse_logical_chain("or", Expr::Or, [&] { return parse_and(); }); }
+  ExprPtr parse_and() { return parse_logical_chain("and", Expr::And, [&] { return parse_not(); }); }
   ExprPtr parse_not() {
     Nest nest(*this);
     if (is_name("not")) {
@@ -643,8 +648,7 @@ class Parser {
     ExprPtr cmp;
     while (true) {
       std::string op;
-      if (peek().type == Tok::Op && (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
-                                     peek().text == ">" || peek().text == "<=" || peek().text == ">=")) {
+      if (at_comparison_operator()) {
         op = next().text;
       } else if (is_name("in")) {
         next();
@@ -672,38 +676,20 @@ class Parser {
     b->kids.push_back(std::move(r));
     return b;
   }
-  ExprPtr parse_math1() {
-    auto e = parse_concat();
-    while (is_op("+") || is_op("-")) {
+  // operand (op operand)*, left-associative, for the binary operators `ops` of one precedence level.
+  template <class ParseOperand>
+  ExprPtr parse_binary_chain(std::initializer_list<const char*> ops, ParseOperand parse_operand) {
+    auto e = parse_operand();
+    while (std::any_of(ops.begin(), ops.end(), [&](const char* o) { return is_op(o); })) {
       const Token& op = next();
-      e = binary(std::move(e), op.text, parse_concat(), op.line);
+      e = binary(std::move(e), op.text, parse_operand(), op.line);
     }
     return e;
   }
-  ExprPtr parse_concat() {
-    auto e = parse_math2();
-    while (is_op("~")) {
-      const Token& op = next();
-      e = binary(std::move(e), "~", parse_math2(), op.line);
-    }
-    return e;
-  }
-  ExprPtr parse_math2() {
-    auto e = parse_pow();
-    while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
-      const Token& op = next();
-      e = binary(std::move(e), op.text, parse_pow(), op.line);
-    }
-    return e;
-  }
-  ExprPtr parse_pow() {
-    auto e = parse_unary();
-    while (is_op("**")) {
-      const Token& op = next();
-      e = binary(std::move(e), "**", parse_unary(), op.line);
-    }
-    return e;
-  }
+  ExprPtr parse_math1() { return parse_binary_chain({"+", "-"}, [&] { return parse_concat(); }); }
+  ExprPtr parse_concat() { return parse_binary_chain({"~"}, [&] { return parse_math2(); }); }
+  ExprPtr parse_math2() { return parse_binary_chain({"*", "/", "//", "%"}, [&] { return parse_pow(); }); }
+  ExprPtr parse_pow() { return parse_binary_chain({"**"}, [&] { return parse_unary(); }); }
   ExprPtr parse_unary(bool with_filter = true) {
     Nest nest(*this);
     ExprPtr e;
@@ -761,30 +747,24 @@ class Parser {
     if (is_op("[")) {
       next();
       auto l = make(Expr::ListLit, tk.line);
-      while (!is_op("]")) {
-        l->kids.push_back(parse_expr());
-        if (!is_op("]")) expect_op(",");
-      }
-      next();
+      parse_comma_separated("]", [&] { l->kids.push_back(parse_expr()); });
       return l;
     }
     if (is_op("{")) {
       next();
       auto d = make(Expr::DictLit, tk.line);
-      while (!is_op("}")) {
+      parse_comma_separated("}", [&] {
         d->kids.push_back(parse_expr());
         expect_op(":");
         d->kids.push_back(parse_expr());
-        if (!is_op("}")) expect_op(",");
-      }
-      next();
+      });
       return d;
     }
     syntax("unexpected '" + tk.text + "'");
   }
   void parse_call_args(Expr& call) {
     expect_op("(");
-    while (!is_op(")")) {
+    parse_comma_separated(")", [&] {
       if (is_op("*") || is_op("**")) not_implemented(origin_, peek().line, "'*args' / '**kwargs' in a call");
       if (peek().type == Tok::Name && is_op("=", 1)) {
         call.kwnames.push_back(next().text);
@@ -794,9 +774,14 @@ class Parser {
         if (!call.kwnames.empty()) syntax("a positional argument after a keyword argument");
         call.kids.push_back(parse_expr());
       }
-      if (!is_op(")")) expect_op(",");
-    }
-    next();
+    });
+  }
+  // callee(args...), at the "(".
+  ExprPtr parse_call(ExprPtr callee) {
+    auto c = make(Expr::Call, peek().line);
+    c->kids.push_back(std::move(callee));
+    parse_call_args(*c);
+    return c;
   }
   ExprPtr parse_postfix(ExprPtr e) {
     while (true) {
@@ -845,10 +830,7 @@ class Parser {
           e = std::move(g);
         }
       } else if (is_op("(")) {
-        auto c = make(Expr::Call, peek().line);
-        c->kids.push_back(std::move(e));
-        parse_call_args(*c);
-        e = std::move(c);
+        e = parse_call(std::move(e));
       } else {
         return e;
       }
@@ -871,8 +853,7 @@ class Parser {
           next();
           t->negate = true;
         }
-        if (peek().type == Tok::Op && (peek().text == "==" || peek().text == "!=" || peek().text == "<" ||
-                                       peek().text == ">" || peek().text == "<=" || peek().text == ">=")) {
+        if (at_comparison_operator()) {
           t->name = next().text;
         } else {
           t->name = expect_name();
@@ -889,10 +870,7 @@ class Parser {
         }
         e = std::move(t);
       } else if (is_op("(")) {
-        auto c = make(Expr::Call, peek().line);
-        c->kids.push_back(std::move(e));
-        parse_call_args(*c);
-        e = std::move(c);
+        e = parse_call(std::move(e));
       } else {
         return e;
       }

@@ -190,34 +190,13 @@ void TokenFileWriter::flush() {
     }
     if (error) std::rethrow_exception(error);
   }
-  std::vector<std::byte> out;
   for (int i = 0; i < n; ++i) {
     const Piece& p = pending_[static_cast<size_t>(i)];
     std::vector<uint32_t>& v = ids[static_cast<size_t>(i)];
     if (p.starts_document) {
-      if (header_.documents > 0) {
-        if (!vocab_.end_of_text)
-          throw std::invalid_argument("token file '" + file_.target().string() +
-                                      "': the tokenizer has no end-of-text token to separate documents; "
-                                      "write one file per document");
-        v.insert(v.begin(), *vocab_.end_of_text);
-      }
-      ++header_.documents;
+      if (const auto separator = begin_document()) v.insert(v.begin(), *separator);
     }
-    out.resize(v.size() * header_.dtype_bytes);
-    for (size_t j = 0; j < v.size(); ++j) {
-      if (v[j] >= static_cast<uint64_t>(vocab_.size))
-        throw std::runtime_error("token file '" + file_.target().string() + "': the tokenizer gave id " +
-                                 std::to_string(v[j]) + ", outside its vocabulary of " + std::to_string(vocab_.size));
-      if (header_.dtype_bytes == 2) {
-        const uint16_t x = static_cast<uint16_t>(v[j]);
-        std::memcpy(out.data() + 2 * j, &x, 2);
-      } else {
-        std::memcpy(out.data() + 4 * j, &v[j], 4);
-      }
-    }
-    file_.write(out);
-    header_.tokens += static_cast<int64_t>(v.size());
+    write_ids(v);
     header_.text_bytes += static_cast<int64_t>(p.text.size());
     if (has_mask_) mask_.resize(static_cast<size_t>(header_.tokens), 1);
   }
@@ -243,30 +222,46 @@ void TokenFileWriter::add_tokens(std::span<const int32_t> ids, std::span<const u
     mask_.assign(static_cast<size_t>(header_.tokens), 1);
   }
   std::vector<uint32_t> v;
-  if (header_.documents > 0) {
-    if (!vocab_.end_of_text)
-      throw std::invalid_argument(name + ": the tokenizer has no end-of-text token to separate documents; "
-                                         "write one file per document");
-    v.push_back(*vocab_.end_of_text);
+  if (const auto separator = begin_document()) {
+    v.push_back(*separator);
     mask_.push_back(1);  // the separator ends the previous document and is predicted
   }
-  ++header_.documents;
   for (size_t i = 0; i < ids.size(); ++i) {
     v.push_back(static_cast<uint32_t>(ids[i]));
     mask_.push_back(loss_mask[i] != 0 ? 1 : 0);
     header_.text_bytes += vocab_.token_bytes[static_cast<size_t>(ids[i])];
   }
-  std::vector<std::byte> out(v.size() * header_.dtype_bytes);
-  for (size_t j = 0; j < v.size(); ++j) {
+  write_ids(v);
+}
+
+std::optional<uint32_t> TokenFileWriter::begin_document() {
+  std::optional<uint32_t> separator;
+  if (header_.documents > 0) {
+    if (!vocab_.end_of_text)
+      throw std::invalid_argument("token file '" + file_.target().string() +
+                                  "': the tokenizer has no end-of-text token to separate documents; "
+                                  "write one file per document");
+    separator = *vocab_.end_of_text;
+  }
+  ++header_.documents;
+  return separator;
+}
+
+void TokenFileWriter::write_ids(std::span<const uint32_t> ids) {
+  std::vector<std::byte> out(ids.size() * header_.dtype_bytes);
+  for (size_t j = 0; j < ids.size(); ++j) {
+    if (ids[j] >= static_cast<uint64_t>(vocab_.size))
+      throw std::runtime_error("token file '" + file_.target().string() + "': the tokenizer gave id " +
+                               std::to_string(ids[j]) + ", outside its vocabulary of " + std::to_string(vocab_.size));
     if (header_.dtype_bytes == 2) {
-      const uint16_t x = static_cast<uint16_t>(v[j]);
+      const uint16_t x = static_cast<uint16_t>(ids[j]);
       std::memcpy(out.data() + 2 * j, &x, 2);
     } else {
-      std::memcpy(out.data() + 4 * j, &v[j], 4);
+      std::memcpy(out.data() + 4 * j, &ids[j], 4);
     }
   }
   file_.write(out);
-  header_.tokens += static_cast<int64_t>(v.size());
+  header_.tokens += static_cast<int64_t>(ids.size());
 }
 
 TokenFileHeader TokenFileWriter::commit() {

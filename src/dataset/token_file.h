@@ -103,6 +103,10 @@ class TokenFileWriter {
   };
   void queue(std::string text, bool starts_document);
   void flush();
+  // Counts a new document; returns the end-of-text id that separates it from the previous one (none for the first).
+  std::optional<uint32_t> begin_document();
+  // Appends ids (checked against the vocabulary) to the token section at the file's id width.
+  void write_ids(std::span<const uint32_t> ids);
 
   AtomicFile file_;
   Vocabulary vocab_;

@@ -104,16 +104,18 @@ struct V {
     for (int i = 0; i < 8; ++i) f.l[i] = std::fma(a.l[i], b.l[i], c.l[i]);
     return f;
   }
+  // The 32 bytes at p (_mm256_loadu_si256).
+  static I loadu(const void* p) {
+    I v;
+    std::memcpy(v.b, p, 32);
+    return v;
+  }
   static int32_t lane(const I& v, int i) {
     int32_t x;
     std::memcpy(&x, v.b + 4 * i, 4);
     return x;
   }
-  static I from_lanes(const int32_t* l) {
-    I v;
-    std::memcpy(v.b, l, 32);
-    return v;
-  }
+  static I from_lanes(const int32_t* l) { return loadu(l); }
   static F cvt(const I& v) {
     F f;
     for (int i = 0; i < 8; ++i) f.l[i] = static_cast<float>(lane(v, i));
@@ -129,11 +131,7 @@ struct V {
     for (int j = 0; j < 32; ++j) v.b[j] = a.b[j] | b.b[j];
     return v;
   }
-  static I load_rows(const uint8_t* const* p) {
-    I v;
-    std::memcpy(v.b, p[0], 32);
-    return v;
-  }
+  static I load_rows(const uint8_t* const* p) { return loadu(p[0]); }
   static I load_nibble_rows(const uint8_t* const* p) {
     I v;
     for (int j = 0; j < 16; ++j) {
@@ -142,11 +140,7 @@ struct V {
     }
     return v;
   }
-  static I bcast(const int8_t* x) {
-    I v;
-    std::memcpy(v.b, x, 32);
-    return v;
-  }
+  static I bcast(const int8_t* x) { return loadu(x); }
   static I low_nibbles(const I& a) {
     I v;
     for (int j = 0; j < 32; ++j) v.b[j] = a.b[j] & 0xF;

@@ -30,6 +30,8 @@ namespace {
 using nlohmann::json;
 
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+// A server-sent event carrying `j`.
+std::string event(const json& j) { return "data: " + dump(j) + "\n\n"; }
 
 // The model as the HTTP side sees it: its name, how text becomes ids and back, what ends an answer.
 struct Model {
@@ -289,6 +291,9 @@ class Server {
   void answer(std::shared_ptr<Session> s, httplib::Response& res);
   std::string answer_body(Session& s);
   void stream(std::shared_ptr<Session> s, httplib::Response& res);
+  json completion_object(const Session& s, const char* object, json choices) const;
+  void send_chunked(std::shared_ptr<Session> s, httplib::Response& res, const char* content_type,
+                    httplib::ContentProviderWithoutLength provider);
   std::string metrics_text();
   std::vector<int32_t> prompt_ids(const CompletionRequest& r) const;
 
@@ -394,6 +399,43 @@ void Server::completion(const httplib::Request& hreq, httplib::Response& res, En
   else answer(s, res);
 }
 
+// What every answer and chunk of `s` carries around its choices; `object` is the API's name for what it is.
+json Server::completion_object(const Session& s, const char* object, json choices) const {
+  return {{"id", s.response_id},
+          {"object", object},
+          {"created", s.created},
+          {"model", model_.name},
+          {"choices", std::move(choices)}};
+}
+
+// Writes a chunk of `s`'s chunked response (nothing when `out` is empty) and ends the response once `s` is finished;
+// a client gone (the write fails) cancels the request.
+bool write_chunk(Session& s, httplib::DataSink& sink, const std::string& out) {
+  if (!out.empty() && !sink.write(out.data(), out.size())) {
+    s.job->cancel = true;
+    return false;
+  }
+  if (!s.finish_reason.empty()) sink.done();
+  return true;
+}
+
+// Sends `s` as a chunked response whose chunks `provider` writes. It counts as in flight until the response ends,
+// and however it ends (finished, failed, client gone) the generation stops and its tokens are counted.
+void Server::send_chunked(std::shared_ptr<Session> s, httplib::Response& res, const char* content_type,
+                          httplib::ContentProviderWithoutLength provider) {
+  ++counters_.in_flight;
+  const bool sse = std::string_view(content_type) == "text/event-stream";
+  auto error_text = [s, sse](const std::exception& e) {
+    const json body = failure(*s, e).body();
+    return sse ? event(body) : dump(body);
+  };
+  res.set_chunked_content_provider(content_type, never_throws(std::move(provider), error_text), [s, this](bool) {
+    s->job->cancel = true;
+    counters_.completion_tokens += s->consumed;
+    --counters_.in_flight;
+  });
+}
+
 // The JSON answer of a request that is not streamed.
 std::string Server::answer_body(Session& s) {
   json choice = {{"index", 0}, {"finish_reason", s.finish_reason}, {"logprobs", nullptr}};
@@ -413,12 +455,9 @@ std::string Server::answer_body(Session& s) {
     for (const TokenOut& t : s.all) ids.push_back(t.id);
     choice["token_ids"] = ids;
   }
-  json out = {{"id", s.response_id},
-              {"object", s.req.endpoint == Endpoint::Chat ? "chat.completion" : "text_completion"},
-              {"created", s.created},
-              {"model", model_.name},
-              {"choices", json::array({choice})},
-              {"usage", s.usage()}};
+  json out = completion_object(s, s.req.endpoint == Endpoint::Chat ? "chat.completion" : "text_completion",
+                               json::array({choice}));
+  out["usage"] = s.usage();
   return dump(out);
 }
 
@@ -440,116 +479,82 @@ void Server::answer(std::shared_ptr<Session> s, httplib::Response& res) {
     res.set_content(answer_body(*s), "application/json");
     return;
   }
-  ++counters_.in_flight;
-  res.set_chunked_content_provider(
-      "application/json",
-      never_throws([s, this](size_t, httplib::DataSink& sink) {
-        std::string out;
-        try {
-          const auto beat = std::chrono::steady_clock::now() + std::chrono::seconds(1);
-          while (s->finish_reason.empty() && std::chrono::steady_clock::now() < beat)
-            s->take(std::chrono::milliseconds(100));
-          out = s->finish_reason.empty() ? " " : answer_body(*s);
-        } catch (const ApiError& e) {
-          out = dump(e.body());
-          s->finish_reason = "error";
-        }
-        if (!sink.write(out.data(), out.size())) {
-          s->job->cancel = true;
-          return false;
-        }
-        if (!s->finish_reason.empty()) sink.done();
-        return true;
-      }, [s](const std::exception& e) { return dump(failure(*s, e).body()); }),
-      [s, this](bool) {
-        s->job->cancel = true;
-        counters_.completion_tokens += s->consumed;
-        --counters_.in_flight;
-      });
+  send_chunked(s, res, "application/json", [s, this](size_t, httplib::DataSink& sink) {
+    std::string out;
+    try {
+      const auto beat = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+      while (s->finish_reason.empty() && std::chrono::steady_clock::now() < beat)
+        s->take(std::chrono::milliseconds(100));
+      out = s->finish_reason.empty() ? " " : answer_body(*s);
+    } catch (const ApiError& e) {
+      out = dump(e.body());
+      s->finish_reason = "error";
+    }
+    return write_chunk(*s, sink, out);
+  });
 }
 
 // Server-sent events: a chunk per token (its text, and its logprobs / id when asked), a last chunk with the finish
 // reason, a chunk with the usage, then "data: [DONE]". A client gone (a write fails) cancels the request.
 void Server::stream(std::shared_ptr<Session> s, httplib::Response& res) {
-  ++counters_.in_flight;
   const bool chat = s->req.endpoint == Endpoint::Chat;
-  auto chunk = [s, chat, this](json choice) {
+  const char* object = chat ? "chat.completion.chunk" : "text_completion";
+  auto chunk = [s, object, this](json choice) {
     choice["index"] = 0;
     if (!choice.contains("finish_reason")) choice["finish_reason"] = nullptr;
     if (!choice.contains("logprobs")) choice["logprobs"] = nullptr;
-    json c = {{"id", s->response_id},
-              {"object", chat ? "chat.completion.chunk" : "text_completion"},
-              {"created", s->created},
-              {"model", model_.name},
-              {"choices", json::array({choice})}};
-    return "data: " + dump(c) + "\n\n";
+    return event(completion_object(*s, object, json::array({choice})));
   };
   auto started = std::make_shared<bool>(false);
   res.set_header("Cache-Control", "no-cache");
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      never_throws([s, chat, chunk, started, this](size_t, httplib::DataSink& sink) {
-        std::string out;
-        if (!*started) {
-          *started = true;
-          if (chat) out += chunk({{"delta", {{"role", "assistant"}, {"content", ""}}}});
-        }
-        std::vector<Piece> pieces;
-        try {
-          pieces = s->take(std::chrono::milliseconds(200));
-        } catch (const ApiError& e) {
-          out += "data: " + dump(e.body()) + "\n\n";
-          sink.write(out.data(), out.size());
-          sink.done();
-          return true;
-        }
-        // Pieces are tokens but for a last text-only one (id -1: text held back until the end); s->all holds tokens.
-        size_t token_pieces = 0;
-        for (const Piece& p : pieces) token_pieces += p.token.id >= 0;
-        size_t k = s->all.size() - token_pieces;  // the index in s->all of the next token piece
-        for (size_t i = 0; i < pieces.size(); ++i) {
-          const Piece& p = pieces[i];
-          const size_t index = p.token.id >= 0 ? k++ : 0;  // this token's place in s->all
-          if (p.text.empty() && !s->req.return_tokens && !s->req.logprobs) continue;
-          json choice;
-          if (chat) choice["delta"] = {{"content", p.text}};
-          else choice["text"] = p.text;
-          if (p.token.id >= 0) {
-            if (s->req.logprobs)
-              choice["logprobs"] = chat ? json{{"content", json::array({s->chat_logprob(p.token)})}}
-                                        : s->completion_logprobs(index, index + 1);
-            if (s->req.return_tokens) choice["token_ids"] = json::array({p.token.id});
-          }
-          out += chunk(choice);
-        }
-        if (!s->finish_reason.empty()) {
-          json choice = {{"finish_reason", s->finish_reason}};
-          if (chat) choice["delta"] = json::object();
-          else choice["text"] = "";
-          out += chunk(choice);
-          if (s->req.include_usage)
-            out += "data: " +
-                   dump({{"id", s->response_id},
-                         {"object", chat ? "chat.completion.chunk" : "text_completion"},
-                         {"created", s->created},
-                         {"model", model_.name},
-                         {"choices", json::array()},
-                         {"usage", s->usage()}}) +
-                   "\n\n";
-          out += "data: [DONE]\n\n";
-        }
-        if (!out.empty() && !sink.write(out.data(), out.size())) {
-          s->job->cancel = true;
-          return false;
-        }
-        if (!s->finish_reason.empty()) sink.done();
-        return true;
-      }, [s](const std::exception& e) { return "data: " + dump(failure(*s, e).body()) + "\n\n"; }),
-      [s, this](bool) {
-        s->job->cancel = true;
-        counters_.completion_tokens += s->consumed;
-        --counters_.in_flight;
-      });
+  send_chunked(s, res, "text/event-stream", [s, chat, object, chunk, started, this](size_t, httplib::DataSink& sink) {
+    std::string out;
+    if (!*started) {
+      *started = true;
+      if (chat) out += chunk({{"delta", {{"role", "assistant"}, {"content", ""}}}});
+    }
+    std::vector<Piece> pieces;
+    try {
+      pieces = s->take(std::chrono::milliseconds(200));
+    } catch (const ApiError& e) {
+      out += event(e.body());
+      sink.write(out.data(), out.size());
+      sink.done();
+      return true;
+    }
+    // Pieces are tokens but for a last text-only one (id -1: text held back until the end); s->all holds tokens.
+    size_t token_pieces = 0;
+    for (const Piece& p : pieces) token_pieces += p.token.id >= 0;
+    size_t k = s->all.size() - token_pieces;  // the index in s->all of the next token piece
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& p = pieces[i];
+      const size_t index = p.token.id >= 0 ? k++ : 0;  // this token's place in s->all
+      if (p.text.empty() && !s->req.return_tokens && !s->req.logprobs) continue;
+      json choice;
+      if (chat) choice["delta"] = {{"content", p.text}};
+      else choice["text"] = p.text;
+      if (p.token.id >= 0) {
+        if (s->req.logprobs)
+          choice["logprobs"] = chat ? json{{"content", json::array({s->chat_logprob(p.token)})}}
+                                    : s->completion_logprobs(index, index + 1);
+        if (s->req.return_tokens) choice["token_ids"] = json::array({p.token.id});
+      }
+      out += chunk(choice);
+    }
+    if (!s->finish_reason.empty()) {
+      json choice = {{"finish_reason", s->finish_reason}};
+      if (chat) choice["delta"] = json::object();
+      else choice["text"] = "";
+      out += chunk(choice);
+      if (s->req.include_usage) {
+        json usage = completion_object(*s, object, json::array());
+        usage["usage"] = s->usage();
+        out += event(usage);
+      }
+      out += "data: [DONE]\n\n";
+    }
+    return write_chunk(*s, sink, out);
+  });
 }
 
 size_t resident_bytes() {
