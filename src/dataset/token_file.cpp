@@ -224,7 +224,7 @@ void TokenFileWriter::add_tokens(std::span<const int32_t> ids, std::span<const u
   std::vector<uint32_t> v;
   if (const auto separator = begin_document()) {
     v.push_back(*separator);
-    mask_.push_back(1);  // the separator ends the previous document and is predicted
+    mask_.push_back(options_.separator_mask != 0 ? 1 : 0);  // the separator ends the previous document
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     v.push_back(static_cast<uint32_t>(ids[i]));

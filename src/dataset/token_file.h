@@ -71,6 +71,9 @@ struct WriterOptions {
   size_t block_bytes = size_t(32) << 20;            // text encoded per round (bounds the writer's memory)
   uint64_t bytes_total = 0;                         // for progress only
   std::function<void(const WriteProgress&)> progress;  // after every block; may be empty
+  // The loss-mask byte of each separator written before a document that add_tokens adds (1: predicted, as in text
+  // training; chat data with the loss on the assistant turns writes 0). Separators of add_document/add_text_file: 1.
+  uint8_t separator_mask = 1;
 };
 
 // Writes a token file: each add_* call appends one document. Nothing appears at `path` until commit(); an exception
