@@ -65,7 +65,7 @@ void choose_remat(TrainArgs& x, int64_t world, bool lead) {
 
 // The default corpus is the CLI's (scripts/setup.sh renders it); a resume takes the checkpoint's back instead.
 void take_default_corpus(train::TrainOptions& o) {
-  if (o.text.empty() && o.data.empty() && !o.synthetic && o.resume.empty()) {
+  if (o.text.empty() && o.data.empty() && o.chat.empty() && !o.synthetic && o.resume.empty()) {
     if (!std::filesystem::exists(kDefaultCorpus))
       throw std::invalid_argument(std::string("no corpus: pass --data TOKENS or --text FILE, run scripts/setup.sh to "
                                               "install the default one (") + kDefaultCorpus +
@@ -77,6 +77,10 @@ void take_default_corpus(train::TrainOptions& o) {
 // --packing auto: documents for a token file of several documents (what train::sample_batch would choose), so that
 // a --remat auto plan counts the batch the run makes.
 void resolve_packing(train::TrainOptions& o) {
+  if (o.step.packing == train::Packing::Auto && !o.chat.empty()) {  // conversations are documents
+    o.step.packing = train::Packing::Documents;
+    return;
+  }
   if (o.step.packing != train::Packing::Auto || o.data.empty() || !std::filesystem::exists(o.data)) return;
   const auto f = dataset::TokenFile::open(o.data);
   const bool documents = f->header().documents > 1 && f->header().end_of_text.has_value();
@@ -191,9 +195,27 @@ void register_train(CLI::App& app) {
                              "Training text: byte tokens, or encoded by --tokenizer (default: the tokenizer.json beside "
                              "the --init / --resume weights); the last 2% is held out (unless --eval-data)")
                    ->check(CLI::ExistingFile);
-  c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out (unless --eval-data)")
+  auto* data = c->add_option("--data", a->o.data, "Token file from 'hybridscan tokenize' (memory-mapped); the last 2% is held out (unless --eval-data)")
       ->check(CLI::ExistingFile)
       ->excludes(text);
+  c->add_option("--chat", a->o.chat,
+                "Chat file (JSONL, one conversation a line, docs/chat.md): each conversation rendered with the chat "
+                "template, tokenized by the run's tokenizer with its loss mask, packed as one document; conversations "
+                "longer than --seq dropped (counted and reported). Rendered into a temporary token file, unlinked once "
+                "mapped")
+      ->check(CLI::ExistingFile)
+      ->excludes(text)
+      ->excludes(data);
+  c->add_option("--chat-template", a->o.chat_template,
+                "--chat / a chat --eval-data: the template (.jinja or tokenizer_config.json; default: the --init "
+                "checkpoint's)")
+      ->check(CLI::ExistingPath);
+  c->add_option("--loss-on", a->o.loss_on,
+                "--chat: the loss on the assistant turns and their end-of-turn token (docs/chat.md) or on all tokens")
+      ->check(CLI::IsMember({"assistant", "all"}))
+      ->capture_default_str();
+  c->add_flag("--skip-bad-lines", a->o.skip_bad_lines,
+              "--chat: skip (count and report) malformed conversations instead of stopping at the first one");
   c->add_option("--tokenizer", a->o.tokenizer,
                 "tokenizer.json (or a directory holding one) to encode --text with and to check --data against")
       ->check(CLI::ExistingPath);
@@ -220,8 +242,8 @@ void register_train(CLI::App& app) {
   c->add_option("--eval-every", a->o.eval_every, "Held-out evaluation every N steps (0: never)")->capture_default_str();
   c->add_option("--eval-data", a->o.eval_data,
                 "Held-out data evaluated every --eval-every steps instead of the last 2% of the training data: a token "
-                "file from 'hybridscan tokenize' (of the training data's tokenizer) or a text (encoded as the training "
-                "text is)")
+                "file from 'hybridscan tokenize' (of the training data's tokenizer), a text (encoded as the training "
+                "text is), or a chat file (.jsonl, rendered and masked as --chat)")
       ->check(CLI::ExistingFile);
   c->add_option("--eval-batches", a->o.eval_batches, "Batches per held-out evaluation")->capture_default_str();
   c->add_flag("--report-memory", a->report_memory, "Print the measured step peak broken down by category");

@@ -1,6 +1,9 @@
 #include "train/chat_data.h"
 
 #include <omp.h>
+#include <unistd.h>
+
+#include <atomic>
 
 #include <algorithm>
 #include <exception>
@@ -101,6 +104,26 @@ ChatDataReport write_chat_tokens(const ChatDataOptions& o, const std::filesystem
                                 std::to_string(r.bad_lines) + " bad lines)");
   w->commit();
   return r;
+}
+
+Tokens load_chat_tokens(const ChatDataOptions& o, const ModelVocabulary& model, ChatDataReport* report) {
+  static std::atomic<int> counter{0};
+  const std::filesystem::path tmp = std::filesystem::temp_directory_path() /
+                                    ("hybridscan-chat-" + std::to_string(getpid()) + "-" +
+                                     std::to_string(counter.fetch_add(1)) + ".tok");
+  const ChatDataReport r = write_chat_tokens(o, tmp);
+  Tokens t;
+  try {
+    t = load_tokens({tmp.string(), "", o.tokenizer}, model);
+  } catch (...) {
+    std::filesystem::remove(tmp);
+    throw;
+  }
+  std::filesystem::remove(tmp);  // the mapping stays
+  t.description = "chat file " + o.chat + " (" + r.summary() + ", loss on " + chat::loss_on_name(o.loss_on) +
+                  "; rendered into a temporary token file)";
+  if (report) *report = r;
+  return t;
 }
 
 }  // namespace hs::train

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "chat/conversation.h"
+#include "train/data.h"
 
 namespace hs::train {
 
@@ -47,6 +48,11 @@ struct ChatDataReport {
 // std::invalid_argument naming the file and line of a bad conversation (unless skip_bad_lines), a missing template
 // ("no chat template ... pass --chat-template"), or a file in which no conversation is left.
 ChatDataReport write_chat_tokens(const ChatDataOptions& o, const std::filesystem::path& out);
+
+// The same in memory for train --chat / --eval-data FILE.jsonl: written to a temporary token file (in
+// std::filesystem::temp_directory_path()), memory-mapped and checked against the model, then unlinked (the mapping
+// stays). `report`, when given, receives the counts.
+Tokens load_chat_tokens(const ChatDataOptions& o, const ModelVocabulary& model, ChatDataReport* report = nullptr);
 
 // Whether `path` names a chat file (its extension is .jsonl).
 bool is_chat_file(const std::string& path);

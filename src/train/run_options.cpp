@@ -7,7 +7,8 @@
 namespace hs::train {
 
 nlohmann::json options_to_json(const TrainOptions& o) {
-  return {{"model", o.model}, {"text", o.text}, {"data", o.data}, {"synthetic", o.synthetic}, {"steps", o.steps},
+  return {{"model", o.model}, {"text", o.text}, {"data", o.data}, {"chat", o.chat},
+          {"chat_template", o.chat_template}, {"loss_on", o.loss_on}, {"skip_bad_lines", o.skip_bad_lines}, {"synthetic", o.synthetic}, {"steps", o.steps},
           {"batch", o.batch}, {"grad_accum", o.grad_accum}, {"seq", o.seq}, {"seed", o.seed}, {"lr", o.opt.lr},
           {"lr_schedule", lr_schedule_name(o.opt.schedule)}, {"min_lr", min_lr_of(o.opt)}, {"warmup", o.opt.warmup},
           {"decay_steps", o.opt.decay_steps}, {"wsd_decay_fraction", o.opt.wsd_decay_fraction}, {"beta1", o.opt.beta1}, {"beta2", o.opt.beta2}, {"eps", o.opt.eps},
@@ -23,6 +24,11 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   // The tokenizer is not taken back: the checkpoint carries its own copy, which a resume uses.
   o.text = j.value("text", o.text);
   o.data = j.value("data", o.data);
+  o.chat = j.value("chat", o.chat);
+  // The template the run rendered with (a command line that names one renders with it instead).
+  if (o.chat_template.empty()) o.chat_template = j.value("chat_template", o.chat_template);
+  o.loss_on = j.value("loss_on", o.loss_on);
+  o.skip_bad_lines = j.value("skip_bad_lines", o.skip_bad_lines);
   o.synthetic = j.value("synthetic", o.synthetic);
   o.batch = j.value("batch", o.batch);
   o.grad_accum = j.value("grad_accum", int64_t(1));  // checkpoints from before --grad-accum summed none

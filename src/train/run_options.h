@@ -30,6 +30,12 @@ struct TrainOptions {
   std::string data;             // corpus: a token file (memory-mapped)
   std::string tokenizer;        // tokenizer.json for `text` (default: the one beside the --init / --resume weights)
   bool synthetic = false;       // random tokens instead of text
+  // corpus: a chat file (JSONL), rendered with `chat_template` (default: the --init / --resume checkpoint's) and
+  // tokenized with the loss mask of `loss_on` (train::load_chat_tokens); conversations longer than `seq` dropped.
+  std::string chat;
+  std::string chat_template;    // a .jinja file, tokenizer_config.json or checkpoint directory ("": the checkpoint's)
+  std::string loss_on = "assistant";
+  bool skip_bad_lines = false;  // chat files: skip (count, report) bad lines instead of stopping
   int64_t steps = 200, batch = 8, seq = 256;
   // Micro-batches of `batch` sequences whose gradients are summed into each update (--grad-accum): an update sees
   // batch * grad_accum sequences with the memory of `batch`.

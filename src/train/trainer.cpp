@@ -15,6 +15,7 @@
 #include "checkpoint/convert.h"
 #include "core/profile.h"
 #include "model/params.h"
+#include "train/chat_data.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 #include "train/loss_chart.h"
@@ -205,12 +206,39 @@ void Run::open_resume() {
                                 std::to_string(first_step_));
 }
 
+// A chat file's tokens (train --chat, --eval-data FILE.jsonl): rendered with --chat-template, else the template the
+// run's checkpoint (--resume / --init) carries; tokenized by the run's tokenizer.
+Tokens chat_tokens(const TrainOptions& o, const std::string& path, const ModelVocabulary& vocab) {
+  ChatDataOptions c;
+  c.chat = path;
+  c.tokenizer = !o.tokenizer.empty() ? o.tokenizer : vocab.tokenizer;
+  if (c.tokenizer.empty())
+    throw std::invalid_argument("chat file " + path + ": no tokenizer to encode it with: " +
+                                (o.init.empty() && o.resume.empty() ? std::string("pass --tokenizer")
+                                                                    : "the checkpoint carries no tokenizer.json; pass --tokenizer"));
+  const std::string& ckpt = !o.resume.empty() ? o.resume : o.init;
+  c.chat_template = o.chat_template;
+  if (c.chat_template.empty()) {
+    if (ckpt.empty())
+      throw std::invalid_argument("chat file " + path + ": no chat template to render it with: a model without a "
+                                  "checkpoint has none; pass --chat-template FILE (a .jinja file or tokenizer_config.json)");
+    c.chat_template = ckpt;  // ChatTemplate::load says so when the directory holds none
+  }
+  c.loss_on = chat::parse_loss_on(o.loss_on);
+  c.skip_bad_lines = o.skip_bad_lines;
+  c.max_tokens = o.seq;
+  return load_chat_tokens(c, vocab);
+}
+
 void Run::load_corpus() {
   const ModelVocabulary vocab{cfg_.vocab, checkpoint_tokenizer(!o_.resume.empty() ? o_.resume : o_.init)};
+  // The template a chat file renders with, recorded with the options so that a resume renders with it again.
+  if (o_.chat_template.empty() && o_.resume.empty() && (!o_.chat.empty() || is_chat_file(o_.eval_data)))
+    o_.chat_template = o_.init;
   if (!o_.synthetic) {
-    if (o_.text.empty() && o_.data.empty())
+    if (o_.text.empty() && o_.data.empty() && o_.chat.empty())
       throw std::invalid_argument("no corpus: neither a token file nor a text was given, and no synthetic tokens asked for");
-    tokens_ = load_tokens({o_.data, o_.text, o_.tokenizer}, vocab);
+    tokens_ = !o_.chat.empty() ? chat_tokens(o_, o_.chat, vocab) : load_tokens({o_.data, o_.text, o_.tokenizer}, vocab);
     // With --eval-data every training token trains (a fraction of 0 splits nothing off).
     corpus_ = split_heldout(tokens_.tokens, o_.eval_data.empty() ? o_.heldout_fraction : 0.0, o_.seq,
                             tokens_.description);
@@ -218,7 +246,14 @@ void Run::load_corpus() {
   if (!o_.eval_data.empty()) {
     const std::string tokenizer = !o_.tokenizer.empty() ? o_.tokenizer : vocab.tokenizer;
     const bool bytes = !o_.synthetic && o_.data.empty() && tokenizer.empty();
-    eval_tokens_ = load_eval_tokens(o_.eval_data, o_.synthetic ? "" : o_.data, tokenizer, bytes, vocab);
+    if (is_chat_file(o_.eval_data)) {
+      if (bytes || tokenizer.empty())
+        throw std::invalid_argument("--eval-data " + o_.eval_data + " is a chat file, but the run has no tokenizer: pass "
+                                    "--tokenizer (the training data's)");
+      eval_tokens_ = chat_tokens(o_, o_.eval_data, vocab);
+    } else {
+      eval_tokens_ = load_eval_tokens(o_.eval_data, o_.synthetic ? "" : o_.data, tokenizer, bytes, vocab);
+    }
     corpus_.heldout = eval_tokens_.tokens;
   }
   // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
