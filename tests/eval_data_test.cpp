@@ -100,7 +100,7 @@ TEST(EvalData, TokenFilesAndRefusals) {
   o.eval_data = (t / "held.txt").string();
   EXPECT_NE(refusal(o).find("is not known here: pass --tokenizer"), std::string::npos) << refusal(o);
   o.eval_data = (t / "chat.jsonl").string();
-  EXPECT_NE(refusal(o).find("a chat file (JSONL)"), std::string::npos) << refusal(o);
+  EXPECT_NE(refusal(o).find("is a chat file, but the run has no tokenizer"), std::string::npos) << refusal(o);
   TrainOptions bytes = run_options(t / "bytes");
   std::ofstream(t / "train.txt") << lorem(4000, 3);
   bytes.text = (t / "train.txt").string();

@@ -47,8 +47,8 @@ bool is_token_file(const std::string& path) {
 Tokens load_eval_tokens(const std::string& path, const std::string& train_data, const std::string& tokenizer,
                         bool byte_tokens, const ModelVocabulary& vocab) {
   if (std::filesystem::path(path).extension() == ".jsonl")
-    throw std::invalid_argument("--eval-data " + path + ": a chat file (JSONL) is evaluated as conversations, which "
-                                "train does not render yet; give a token file from 'hybridscan tokenize' or a text");
+    throw std::invalid_argument("--eval-data " + path + ": a chat file (JSONL) is rendered with a chat template "
+                                "(train::load_chat_tokens), not read as a text or token file");
   if (is_token_file(path)) {
     if (byte_tokens)
       throw std::invalid_argument("--eval-data " + path + " is a token file, but the training text is read as bytes: "

@@ -33,7 +33,7 @@ EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSo
 // must carry the training token file's or the tokenizer's vocabulary fingerprint. Refused (std::invalid_argument,
 // dataset::TokenFileError) when the ids would not be the training data's: a token file against byte tokens, a text
 // against a token file whose tokenizer is unknown, another fingerprint.
-// A chat file (.jsonl, as train --chat reads) is where chat evaluation plugs in: refused until chat training exists.
+// A chat file (.jsonl) is refused here: the trainer renders it with the run's template (train::load_chat_tokens).
 Tokens load_eval_tokens(const std::string& path, const std::string& train_data, const std::string& tokenizer,
                         bool byte_tokens, const ModelVocabulary& vocab);
 
