@@ -16,6 +16,8 @@ with a chat file as --eval-data. The checkpoint is exported to Hugging Face (`hy
    bound of the transformers parity tests (tests/parity_test.cpp).
 3. `--resume` of the step-2 checkpoint (which records --chat, the template and --loss-on) continues to the same losses
    as the uninterrupted run, bit for bit.
+The checkpoints carry the template (chat_template.jinja, which the export keeps), so `tokenize --chat --checkpoint`
+renders with it.
 4. Bad input: a checkpoint with no template, an unknown role (line number in the error; counted with
    --skip-bad-lines), a conversation longer than --seq (dropped and counted): clear errors, no file written.
 
@@ -136,12 +138,17 @@ def main():
 
     # 1. tokenize --chat against an independent Python computation of ids and masks.
     tok_path = os.path.join(tmp, "eval.tok")
-    run("tokenize", "--chat", os.path.join(tmp, "eval.jsonl"), "--tokenizer", TOKENIZER, "--chat-template", TEMPLATE,
+    # The checkpoint carries the tokenizer and the template it was trained with.
+    run("tokenize", "--chat", os.path.join(tmp, "eval.jsonl"), "--checkpoint", os.path.join(tmp, "run/checkpoint-4"),
         "--out", tok_path, "--quiet")
     ids, mask, documents = read_token_file(tok_path)
     assert documents == len(eval_convs)
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=TOKENIZER)
     hf_tok.chat_template = open(TEMPLATE, encoding="utf-8").read()
+    hf_dir = os.path.join(tmp, "hf")
+    run("convert", "--from", os.path.join(tmp, "run/checkpoint-4"), "--to", hf_dir, "--format", "hf", "--quiet")
+    exported = open(os.path.join(hf_dir, "chat_template.jinja"), encoding="utf-8").read()
+    assert exported == hf_tok.chat_template, "the export carries the template the run rendered with"
     raw = tokenizers.Tokenizer.from_file(TOKENIZER)
     sep = raw.token_to_id("<|endoftext|>")
     expect_ids, expect_mask, per_conv = [], [], []
@@ -162,8 +169,6 @@ def main():
           % (documents, len(ids), sum(mask)))
 
     # 2. transformers' masked cross-entropy of the exported checkpoint.
-    hf_dir = os.path.join(tmp, "hf")
-    run("convert", "--from", os.path.join(tmp, "run/checkpoint-4"), "--to", hf_dir, "--format", "hf", "--quiet")
     hcfg = transformers.AutoConfig.from_pretrained(hf_dir)
     cls = (transformers.AutoModelForImageTextToText if hcfg.model_type in ("qwen3_5", "qwen3_5_moe")
            else transformers.AutoModelForCausalLM)
@@ -191,8 +196,10 @@ def main():
 
     # 4. Bad input.
     out = os.path.join(tmp, "bad.tok")
-    p = run("tokenize", "--chat", os.path.join(tmp, "eval.jsonl"), "--checkpoint", os.path.join(tmp, "run/checkpoint-4"),
-            "--out", out, ok=False)
+    bare = os.path.join(tmp, "bare")  # a checkpoint directory with a tokenizer and no template
+    os.makedirs(bare)
+    shutil.copy(TOKENIZER, bare)
+    p = run("tokenize", "--chat", os.path.join(tmp, "eval.jsonl"), "--checkpoint", bare, "--out", out, ok=False)
     assert "chat template" in p.stderr and not os.path.exists(out), p.stderr
     bad = os.path.join(tmp, "bad.jsonl")
     with open(bad, "w") as f:

@@ -13,6 +13,8 @@
 #include <optional>
 
 #include "checkpoint/convert.h"
+#include "chat/chat_template.h"
+#include "core/atomic_file.h"
 #include "core/profile.h"
 #include "model/params.h"
 #include "train/chat_data.h"
@@ -148,6 +150,7 @@ class Run {
   Tokens tokens_, eval_tokens_;  // eval_tokens_: --eval-data's
   Corpus corpus_;
   std::string carried_tokenizer_;  // the tokenizer the ids belong to, which checkpoints carry
+  std::string carried_template_;   // the chat template chat data was rendered with, which checkpoints carry
   MemoryAccountant mem_;
   std::unique_ptr<Step> step_;
   // Sharded: initialisation and checkpoints go through a full set that lives only for that moment, outside the
@@ -256,6 +259,10 @@ void Run::load_corpus() {
     }
     corpus_.heldout = eval_tokens_.tokens;
   }
+  // Checkpoints carry the template chat data was rendered with (chat_template.jinja, which convert --format hf
+  // copies), so that tokenize --chat --checkpoint, generate --chat and an export render as training did.
+  if ((!o_.chat.empty() || is_chat_file(o_.eval_data)) && !o_.chat_template.empty())
+    carried_template_ = chat::ChatTemplate::load(o_.chat_template).source();
   // Checkpoints carry the tokenizer their ids belong to, so that eval, a resume and an export use it by default.
   carried_tokenizer_ = !tokens_.tokenizer.empty() ? tokens_.tokenizer : vocab.tokenizer;
 }
@@ -323,6 +330,11 @@ void Run::save(int64_t step) {
       const bool full = shards_ > 1;
       checkpoint::save_native(dir, {full ? full_params_.get() : &params, full ? full_m_.get() : &opt.first_moment(),
                                     full ? full_v_.get() : &opt.second_moment(), state, carried_tokenizer_});
+      if (!carried_template_.empty()) {
+        AtomicFile t(std::filesystem::path(dir) / "chat_template.jinja");
+        t.write(carried_template_);
+        t.commit();
+      }
     }
   } catch (const std::exception& e) {
     error = e.what();
