@@ -100,8 +100,9 @@ ChatDataReport write_chat_tokens(const ChatDataOptions& o, const std::filesystem
   }
   if (r.written == 0)
     throw std::invalid_argument("--chat " + o.chat + ": no conversation left to train on (" + std::to_string(r.lines) +
-                                " read, " + std::to_string(r.dropped_long) + " longer than the window, " +
-                                std::to_string(r.bad_lines) + " bad lines)");
+                                " read, " + std::to_string(r.dropped_long) + " longer than " +
+                                std::to_string(o.max_tokens) + " tokens, " + std::to_string(r.bad_lines) +
+                                " bad lines)" + (r.dropped_long ? ": raise --seq" : ""));
   w->commit();
   return r;
 }
