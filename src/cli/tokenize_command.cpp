@@ -66,7 +66,8 @@ void tokenize_chat(const TokenizeArgs& a, int threads) {
 void register_tokenize(CLI::App& app) {
   auto a = std::make_shared<TokenizeArgs>();
   CLI::App* c = app.add_subcommand(
-      "tokenize", "Encode text files with a tokenizer into a token file for 'train --data' and 'eval --data'");
+      "tokenize", "Encode text files with a tokenizer (or conversations of a chat file, with their loss masks) into a token "
+                  "file for 'train --data' and 'eval --data'");
   c->add_option("--tokenizer", a->tokenizer, "tokenizer.json, or a directory holding it (or vocab.json + merges.txt)")
       ->check(CLI::ExistingPath);
   auto* text_opt = c->add_option("--text", a->texts, "Text files, one document each, separated by the end-of-text token")
