@@ -16,7 +16,8 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
   a.seq = d.seq;
   c->add_option("--model,--preset,--config", a.model,
                 "Model: a preset (tiny, small, qwen3.5-tiny with the Qwen3.5 vocabulary, qwen3-next-80b-a3b, "
-                "qwen3.5-35b-a3b, qwen3.5-397b-a17b) or a Hugging Face config.json (or a directory holding one)")
+                "qwen3.5-35b-a3b, qwen3.5-397b-a17b; any of them + \"+mtp\" for a multi-token-prediction layer, e.g. "
+                "small+mtp) or a Hugging Face config.json (or a directory holding one)")
       ->capture_default_str();
   a.batch_option = c->add_option("--batch", a.batch, "Sequences per step, over all devices (ranks) together")
                        ->capture_default_str();
