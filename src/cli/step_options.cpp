@@ -68,6 +68,12 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
                                  "sums (vdpbf16ps; bf16 compute on a CPU with AVX-512-BF16, else fp32)")
                        ->check(CLI::IsMember({"fp32", "bf16"}))
                        ->capture_default_str();
+  c->add_option("--mtp-weight", a.mtp_weight,
+                "Multi-token prediction: loss = main + this weight x the MTP layer's mean cross-entropy of the token "
+                "after next (DeepSeek-V3 uses 0.3, then 0.1); needs a model with an MTP layer (e.g. small+mtp). 0: "
+                "the MTP layer is not run")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   add_threads_option(c, a.threads);
 }
 
@@ -82,6 +88,7 @@ train::StepOptions schedule_options(const StepArgs& a, bool for_this_machine) {
   s.pack_weights =
       a.packed_weights.empty() ? for_this_machine && train::packed_weights_default() : a.packed_weights == "on";
   s.delta_rule_bf16_products = a.delta_rule_products == "bf16";
+  s.mtp_weight = a.mtp_weight;
   return s;
 }
 

@@ -115,7 +115,8 @@ class ParamSet {
   const TensorView& global(g::Global which) const { return params_[static_cast<size_t>(which)].tensor.view(); }
   const StackedParam& global_param(g::Global which) const { return params_[static_cast<size_t>(which)]; }
   // The MTP layer's own tensors (config().mtp_layers > 0 only); its decoder layer is layer({StackGroup::Mtp, i, 0}).
-  const StackedParam& mtp_param(g::Mtp which) const { return params_.at(mtp_first_ + static_cast<size_t>(which)); }
+  const StackedParam& mtp_param(g::Mtp which) const { return params_.at(mtp_index(which)); }
+  size_t mtp_index(g::Mtp which) const { return mtp_first_ + static_cast<size_t>(which); }  // into all()
   int64_t numel() const;
   size_t nbytes() const;
   void zero();
