@@ -8,11 +8,15 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <sstream>
 
 #include "checkpoint/hf_io.h"
 #include "checkpoint/hf_layout.h"
 #include "checkpoint/sharded.h"
 #include "model/mtp.h"
+#include "planner/plan.h"
+#include "train/trainer.h"
+#include "train_util.h"
 #include "train/schedule.h"
 #include "test_util.h"
 
@@ -234,6 +238,36 @@ TEST(Mtp, EveryRematPolicyAgreesAndPlanEqualsMeasured) {
       std::string where;
       EXPECT_LT(max_rel_diff(*g1, *base, &where), 1e-5) << remat_name(pol) << " " << where;
     }
+}
+
+// Planner pattern (Planner.PlannedPeakEqualsMeasuredTrainingStep) with the MTP layer trained: the planned
+// argument bytes (its parameters, gradients and AdamW moments among them) and temporaries equal a real training
+// step's, for every policy and both weight dtypes, on tiny+mtp and small+mtp.
+TEST(Mtp, PlannedPeakEqualsMeasuredTrainingStep) {
+  for (const char* preset : {"tiny+mtp", "small+mtp"})
+    for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
+      for (DType w : {DType::F32, DType::BF16}) {
+        TrainOptions o = tiny_synthetic_run(1, 32);
+        o.model = preset;
+        o.weight_dtype = w;
+        o.step = {pol, DType::BF16};
+        o.step.mtp_weight = 0.3;
+        std::ostringstream log;
+        TrainSummary s = run_training(o, log);
+        planner::PlanRequest r;
+        r.model = model::preset(preset);
+        r.batch_per_device = 2;
+        r.seq = 32;
+        r.step.remat = pol;
+        r.step.mtp_weight = 0.3;
+        r.weight_dtype = w;
+        planner::PlanResult p = planner::plan(r);
+        EXPECT_EQ(p.argument_bytes, s.argument_bytes) << preset << " " << remat_name(pol) << " " << dtype_name(w);
+        EXPECT_EQ(p.temp_bytes, s.temp_bytes) << preset << " " << remat_name(pol) << " " << dtype_name(w);
+        // Without the MTP loss the same model plans less temporary memory (the layer does not run).
+        r.step.mtp_weight = 0;
+        EXPECT_LT(planner::plan(r).temp_bytes, p.temp_bytes) << preset << " " << remat_name(pol);
+      }
 }
 
 TEST(Mtp, BadUseIsRefusedWithTheFix) {
