@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <sstream>
 #include <stdexcept>
 
 #include "core/profile.h"
@@ -756,7 +757,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
   if (!opt.update && !grads) throw std::invalid_argument("forward_backward: no gradient set to fill");
   if (opt.mtp_weight < 0) throw std::invalid_argument("--mtp-weight must be >= 0");
   if (opt.mtp_weight > 0 && params.config().mtp_layers == 0)
-    throw std::invalid_argument("--mtp-weight " + std::to_string(opt.mtp_weight) + ": the model '" +
+    throw std::invalid_argument("--mtp-weight " + (std::ostringstream() << opt.mtp_weight).str() + ": the model '" +
                                 params.config().name + "' has no multi-token-prediction layer (use a preset with "
                                 "'+mtp', e.g. small+mtp, or a config.json with num_nextn_predict_layers / "
                                 "mtp_num_hidden_layers 1)");
