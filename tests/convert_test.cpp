@@ -128,6 +128,25 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<3>(p) ? "_sharded" : "") + (std::get<4>(p) ? "_mtp" : "");
     });
 
+// A config.json that announces an MTP layer over files without any mtp.* tensor (transformers' save_pretrained
+// drops them): read as the decoder alone, converted, and its config says so from then on.
+TEST(Convert, ConfigWithMtpOverFilesWithoutItReadsAsNoMtp) {
+  test::TempDir t;
+  const model::ModelConfig c = config(model::Family::Qwen3_5, 4);
+  write_hf(t / "hf", c, ExpertLayout::Fused, 1ull << 40, 3, /*extras=*/false);
+  model::ModelConfig announced = c;
+  announced.mtp_layers = 1;
+  std::ofstream(t / "hf" / "config.json") << model::config_to_hf_json(announced).dump(2);
+  CheckpointDir d = open_checkpoint_dir(t / "hf");
+  EXPECT_EQ(d.config.mtp_layers, 0);
+  convert_checkpoint(t / "hf", t / "native", {});
+  EXPECT_EQ(open_checkpoint_dir(t / "native").config.mtp_layers, 0);
+  ConvertOptions to_hf;
+  to_hf.to = Format::HuggingFace;
+  convert_checkpoint(t / "native", t / "back", to_hf);
+  expect_same_tensors(t / "hf", t / "back", /*skip_extras=*/false);
+}
+
 // The transformers-written fixtures: HF -> native -> HF gives back every decoder tensor byte for byte (Qwen3-Next's
 // whole file, which has no skipped tensors, is identical too), and the native copy gives the same logits.
 TEST(Convert, TransformersCheckpointsRoundTripAndKeepTheirLogits) {
