@@ -56,6 +56,7 @@ h = captured["h"]
 # Depth 1: position t reads x_{t+1} and predicts x_{t+2}; the last position's token after next is outside.
 next_ids = torch.cat([inputs[:, 1:], targets[:, -1:].clamp(min=0)], dim=1)
 mtp_targets = torch.cat([targets[:, 1:], torch.full((B, 1), -1, dtype=torch.long)], dim=1)
+mtp_targets[targets < 0] = -1  # x_{t+2} counts only where x_{t+1} does (a document's end, an untrained span)
 e = norms["pre_fc_norm_embedding"](model.model.embed_tokens(next_ids))
 u = norms["pre_fc_norm_hidden"](h)
 m = F.linear(torch.cat([e, u], dim=-1), fc)

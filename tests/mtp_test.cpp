@@ -64,9 +64,10 @@ void spread(ParamSet& ps, uint32_t seed) {
 TEST(MtpShift, ReadsTheNextTokenAndPredictsTheOneAfter) {
   const std::vector<int32_t> in = {10, 11, 12, 13, 20, 21, 22, 23}, tg = {11, 12, -1, 14, 21, 22, 23, -1};
   std::vector<int32_t> next(8), t2(8);
-  EXPECT_EQ(model::mtp_shift(in.data(), tg.data(), 2, 4, next.data(), t2.data()), 4);
+  EXPECT_EQ(model::mtp_shift(in.data(), tg.data(), 2, 4, next.data(), t2.data()), 3);
   EXPECT_EQ(next, (std::vector<int32_t>{11, 12, 13, 14, 21, 22, 23, 0}));
-  EXPECT_EQ(t2, (std::vector<int32_t>{12, -1, 14, -1, 22, 23, -1, -1}));
+  // Position 2's next target is ignored (a document ends there): its token after next (14) is not counted.
+  EXPECT_EQ(t2, (std::vector<int32_t>{12, -1, -1, -1, 22, 23, -1, -1}));
 }
 
 // The MTP cross-entropy and the gradient of every parameter (decoder included: the MTP loss reaches it through h_t,

@@ -16,7 +16,9 @@ int64_t mtp_shift(const int32_t* inputs, const int32_t* targets, int64_t batch, 
       const int64_t i = b * seq + t;
       const bool last = t + 1 == seq;
       next_ids[i] = last ? (targets[i] >= 0 ? targets[i] : 0) : inputs[i + 1];
-      mtp_targets[i] = last ? -1 : targets[i + 1];
+      // x_{t+2} counts only when x_{t+1} does too: a position whose next token is ignored ends its document (packed
+      // documents) or precedes an untrained span, and the token after it belongs to what follows.
+      mtp_targets[i] = last || targets[i] < 0 ? -1 : targets[i + 1];
       counted += mtp_targets[i] >= 0;
     }
   return counted;

@@ -13,7 +13,8 @@ namespace hs::model {
 
 // Depth-1 inputs of a batch of [batch, seq] inputs and targets (targets[t] = x_{t+1}, < 0 ignored): next_ids[t] =
 // x_{t+1} (inputs[t+1]; at the last position the target, or 0 when that is ignored) and mtp_targets[t] = x_{t+2}
-// (targets[t+1]; -1 at the last position, whose token after next is outside the sequence). Returns the number of
+// (targets[t+1]; -1 at the last position, whose token after next is outside the sequence, and where targets[t] is
+// ignored: the end of a packed document, whose token after next is another document's). Returns the number of
 // counted MTP targets (>= 0).
 int64_t mtp_shift(const int32_t* inputs, const int32_t* targets, int64_t batch, int64_t seq, int32_t* next_ids,
                   int32_t* mtp_targets);
