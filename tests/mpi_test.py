@@ -12,7 +12,8 @@ parameters and moments to the bit on 2 ranks and on 2 FSDP groups of 2, peaks eq
 (--expert-parallel: losses, memory, checkpoints, bad input), faults (a killed rank, mismatched options, a
 world size that does not divide the batch), vocab (the LM head and the embedding in vocabulary pieces whose
 ranges straddle the shard bound: losses within the bound of one process, peaks equal to the plan,
---update-in-backward to the bit).
+--update-in-backward to the bit), packed (packed documents from a token file: 2 ranks equal one process, peaks
+equal to the plan).
 
 The ranks run one OpenMP thread each (two ranks already fill this 2-core machine), as the plan is told
 (OMP_NUM_THREADS=1): the delta rule's backward scratch is per thread.
@@ -164,6 +165,64 @@ def case_accum(binary):
     print(f"--grad-accum 3 on 2 ranks: measured {r['rank_peak_bytes']} B, planned {plan[0]} B (one micro-batch: {plan[1]} B)")
     if any(peak != plan[0] for peak in r["rank_peak_bytes"]) or plan[0] != plan[1]:
         failures.append(f"--grad-accum peaks {r['rank_peak_bytes']} vs plan {plan}")
+    return failures
+
+
+def write_documents_file(path, vocab=256, seed=0):
+    """A token file (docs/token_format.md, version 1) of byte-like documents of random lengths 1-150, separated by
+    id vocab - 1: what `tokenize` writes, without needing a tokenizer."""
+    import random
+    import struct
+    rng = random.Random(seed)
+    eot = vocab - 1
+    ids, docs = [], 0
+    while len(ids) < 40000:
+        if docs:
+            ids.append(eot)
+        ids.extend(rng.randrange(eot) for _ in range(rng.randint(1, 150)))
+        docs += 1
+    table = struct.pack(f"<{vocab}H", *([1] * (vocab - 1) + [0]))
+    fixed = b"HSTOKENS" + struct.pack("<IIQqqqqII", 1, 2, 0, vocab, len(ids), docs, len(ids) - docs + 1, eot, 0)
+    h = 0xcbf29ce484222325
+    for byte in fixed + table:
+        h = ((h ^ byte) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    head = fixed + struct.pack("<Q", h) + table
+    head += b"\0" * (-len(head) % 64)
+    pathlib.Path(path).write_bytes(head + struct.pack(f"<{len(ids)}H", *ids))
+
+
+def case_packed(binary):
+    """Packed documents (--packing documents, the default on a token file of several documents) on 2 ranks equal one
+    process, both families, with FSDP; each rank's peak equals the plan with --packing documents; and packing is in
+    effect (stream gives other losses)."""
+    failures = []
+    with tempfile.TemporaryDirectory() as d:
+        data = f"{d}/docs.tok"
+        write_documents_file(data)
+        for model, remat in (("tiny", "sublayer"), ("qwen3.5-L5", "none")):
+            common = ["--data", data, "--seq", "128", "--steps", "8", "--batch", "4", "--compute-dtype", "fp32",
+                      "--remat", remat]
+            args = lambda extra: [binary, "train", *MODELS[model], "--threads", "1", "--quiet", "--json", *common,
+                                  *extra]
+            one = json.loads(run(args([])).stdout.strip().splitlines()[-1])
+            stream = json.loads(run(args(["--packing", "stream"])).stdout.strip().splitlines()[-1])
+            two = json.loads(run(mpirun(2, args(["--packing", "documents"]))).stdout.strip().splitlines()[-1])
+            w = worst_rel(two["losses"], one["losses"])
+            moved = worst_rel(stream["losses"], one["losses"])
+            print(f"{model} packed documents, 2 ranks vs 1: worst relative loss difference {w:.2e}; "
+                  f"stream vs documents {moved:.2e}")
+            if w > TOL["fp32"]:
+                failures.append(f"{model} packed on 2 ranks: {w:.2e} > {TOL['fp32']}")
+            if moved < 1e-4:
+                failures.append(f"{model}: --packing stream and documents train alike ({moved:.2e}): packing not in effect")
+            cfg = MODELS[model][1]
+            p = json.loads(run([binary, "plan", "--model", cfg, "--devices", "2", "--batch-per-device", "2", "--seq",
+                                "128", "--remat", remat, "--compute-dtype", "fp32", "--packing", "documents",
+                                "--json"]).stdout)
+            for rank, peak in enumerate(two["rank_peak_bytes"]):
+                print(f"{model} packed N=2 rank {rank}: measured {peak} B, planned {p['total_bytes']} B")
+                if peak != p["total_bytes"]:
+                    failures.append(f"{model} packed N=2 rank {rank}: {peak} vs plan {p['total_bytes']}")
     return failures
 
 

@@ -51,7 +51,7 @@ TEST(StepOptions, OneCommandLineGivesTheRunAndThePlanTheSameStep) {
                             "fp32", "--weight-dtype", "bf16", "--moment-dtype", "bf16", "--expert-parallel", "2",
                             "--prefetch", "--gather-piece-bytes", "1MiB", "--vocab-piece-bytes", "0",
                             "--packed-weights", "on", "--delta-rule-products", "bf16", "--update-in-backward",
-                            "--grad-accum", "3"});
+                            "--grad-accum", "3", "--packing", "documents"});
   train::TrainOptions o;
   fill_train_options(a, o);
   const planner::PlanRequest r = step_plan_request(a, model::preset("tiny"), 2, o.batch / 2, true);
@@ -77,6 +77,7 @@ TEST(StepOptions, OneCommandLineGivesTheRunAndThePlanTheSameStep) {
     EXPECT_EQ(s->vocab_piece_bytes, 0u);
     EXPECT_TRUE(s->pack_weights);
     EXPECT_TRUE(s->delta_rule_bf16_products);
+    EXPECT_EQ(s->packing, train::Packing::Documents);
   }
 }
 
@@ -87,6 +88,7 @@ TEST(StepOptions, PresetAndConfigAreSpellingsOfModelAndHbmOfMemoryBudget) {
   EXPECT_EQ(parse({"--hbm", "2GiB"}).memory_budget, "2GiB");
   EXPECT_EQ(parse({"--memory-budget", "3GiB"}).memory_budget, "3GiB");
   EXPECT_THROW(parse({"--compute-dtype", "fp16"}), CLI::ValidationError);
+  EXPECT_THROW(parse({"--packing", "docs"}), CLI::ValidationError);
   // The options' own records live in the App: keep it alive while they are read.
   CLI::App app;
   StepArgs given;

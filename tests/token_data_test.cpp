@@ -199,6 +199,27 @@ TEST(TokenFile, RefusesFilesThatAreNotWholeTokenFiles) {
   b = bytes;
   b[8] = std::byte(9);
   EXPECT_NE(open_error(write("version.tok", b)).find("format version 9"), std::string::npos);
+  // A header whose token count times the id width wraps around 2^64 to the bytes there are (2^62 uint32 ids: 0 bytes
+  // past the header), checksum and all made right: refused, not mapped as 2^62 tokens to read out of bounds.
+  {
+    auto f0 = TokenFile::open(good);
+    b.assign(bytes.begin(), bytes.begin() + static_cast<ptrdiff_t>(f0->header().data_offset));
+    auto put64 = [&](size_t at, uint64_t v) { std::memcpy(b.data() + at, &v, 8); };
+    const uint32_t four = 4;
+    std::memcpy(b.data() + 12, &four, 4);  // the id width
+    put64(32, uint64_t(1) << 62);          // the token count
+    // The checksum: FNV-1a over bytes [0, 64) then the length table at [72, 72 + 2 vocab) (docs/token_format.md).
+    uint64_t h = 0xcbf29ce484222325ull;
+    auto fnv = [&](size_t from, size_t to) {
+      for (size_t i = from; i < to; ++i) h = (h ^ uint64_t(b[i])) * 0x100000001b3ull;
+    };
+    fnv(0, 64);
+    fnv(72, 72 + 2 * 300);
+    put64(64, h);
+    EXPECT_NE(open_error(write("wrap.tok", b)).find("more than " + std::to_string(b.size()) + " bytes can hold"),
+              std::string::npos)
+        << open_error(write("wrap.tok", b));
+  }
   // An id outside the vocabulary (the ids are not covered by the checksum) is found when it is read.
   b = bytes;
   auto f0 = TokenFile::open(good);

@@ -1,6 +1,7 @@
 // convert, inspect and eval: the checkpoint-facing subcommands.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,8 @@
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "cli/step_options.h"
+#include "gguf/export.h"
+#include "gguf/import.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 
@@ -16,7 +19,7 @@ namespace hs::cli {
 
 void register_convert(CLI::App& app) {
   struct Args {
-    std::string from, to, format = "native", layout = "scanned", max_shard = "5GB";
+    std::string from, to, format = "native", layout = "scanned", max_shard = "5GB", quantize;
     bool overwrite = false, quiet = false;
   };
   auto a = std::make_shared<Args>();
@@ -30,7 +33,22 @@ void register_convert(CLI::App& app) {
   c->add_option("--max-shard-size", a->max_shard, "Largest shard (tensor bytes), e.g. 5GB")->capture_default_str();
   c->add_flag("--overwrite", a->overwrite, "Replace a non-empty destination");
   c->add_flag("--quiet", a->quiet, "No progress lines");
+  c->add_option("--quantize", a->quantize,
+                "Write --to as one GGUF file llama.cpp loads: f32 | f16 | bf16 | q8_0 | q4_k | q5_k | q6_k | mixed "
+                "(docs/gguf.md)");
   c->callback([a] {
+    if (!a->quantize.empty()) {
+      const gguf::QuantScheme s = gguf::parse_quant_scheme(a->quantize);
+      if (!gguf::is_gguf_path(a->to)) throw std::invalid_argument("--quantize writes a GGUF file: --to must end in .gguf");
+      if (std::filesystem::exists(a->to) && !a->overwrite)
+        throw std::invalid_argument(a->to + " exists (--overwrite replaces it)");
+      const gguf::ExportReport r = gguf::export_gguf(a->from, a->to, s);
+      for (const auto& n : r.notes) std::fprintf(stderr, "convert: note: %s\n", n.c_str());
+      std::printf("converted %s -> %s (gguf %s, %s): %zu tensors, %s\n", a->from.c_str(), a->to.c_str(),
+                  r.architecture.c_str(), gguf::quant_scheme_name(s).c_str(), r.tensors,
+                  format_bytes(double(r.bytes)).c_str());
+      return;
+    }
     checkpoint::ConvertOptions o;
     o.to = a->format == "hf" ? checkpoint::Format::HuggingFace : checkpoint::Format::Native;
     o.layout = a->layout == "scanned" ? checkpoint::Layout::Scanned : checkpoint::Layout::Unscanned;
@@ -52,10 +70,11 @@ void register_inspect(CLI::App& app) {
   };
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("inspect", "List a checkpoint's tensors, its layout, family and parameter count");
-  c->add_option("path", a->path, "Checkpoint directory")->required()->check(CLI::ExistingPath);
+  c->add_option("path", a->path, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   c->add_flag("--json", a->json, "Print JSON");
   c->callback([a] {
-    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->path);
+    const gguf::CheckpointPath source(a->path);  // a .gguf file is imported for the run
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     checkpoint::CheckpointReader r(d.path);
     nlohmann::json tensors = nlohmann::json::array();
     uint64_t elems = 0, bytes = 0, skipped = 0, mtp_elems = 0;
@@ -110,7 +129,7 @@ void register_eval(CLI::App& app) {
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("eval", "Cross-entropy and bits per byte of a checkpoint (native or Hugging Face) "
                                            "on a text or a token file");
-  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   auto* text = c->add_option("--text", a->data.text,
                              "Text file: encoded by --tokenizer, else by the checkpoint's tokenizer.json, else byte tokens")
                    ->check(CLI::ExistingFile);
@@ -125,9 +144,10 @@ void register_eval(CLI::App& app) {
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
-    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a->checkpoint);
+    const gguf::CheckpointPath source(a->checkpoint);  // a .gguf file is imported for the run
+    checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     // The data is checked against the model before any weight is read.
-    const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(a->checkpoint)});
+    const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(source.path())});
     MemoryAccountant mem;
     model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
     for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());

@@ -15,6 +15,7 @@ void register_commands(CLI::App& app) {
   register_inspect(app);
   register_plan(app);
   register_generate(app);
+  register_serve(app);
 }
 
 void note_bf16_widening(const char* who) {

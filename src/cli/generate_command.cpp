@@ -11,11 +11,13 @@
 #include <optional>
 #include <sstream>
 
+#include "chat/chat_template.h"
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "core/memory.h"
+#include "gguf/import.h"
 #include "infer/generate.h"
 #include "infer/policy.h"
 #include "infer/weights.h"
@@ -36,9 +38,9 @@ std::string thread_wait() {
 }
 
 struct GenerateArgs {
-  std::string checkpoint, prompt, prompts_file, weight_dtype, weights_memory = "auto";
+  std::string checkpoint, prompt, prompts_file, weight_dtype, weights_memory = "auto", chat_template, system;
   std::vector<std::string> prompt_ids;  // one prompt each
-  int64_t max_new_tokens = 128, top_k = 0;
+  int64_t max_new_tokens = 128, top_k = 0, prefill_piece = infer::GenerateOptions{}.piece;
   int threads = 0;
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
@@ -79,7 +81,8 @@ void run_generate(const GenerateArgs& a) {
   if (a.top_p <= 0 || a.top_p > 1) throw std::invalid_argument("--top-p must be in (0, 1]");
   if (a.top_k < 0) throw std::invalid_argument("--top-k must be >= 0");
 
-  checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(a.checkpoint);
+  const gguf::CheckpointPath source(a.checkpoint);  // a .gguf file is imported for the run
+  checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
   const model::ModelConfig& cfg = d.config;
   // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
   // vocabulary 256).
@@ -93,9 +96,33 @@ void run_generate(const GenerateArgs& a) {
                                     std::to_string(cfg.vocab) + " (a tokenizer that does not belong to the model?)");
     return ids;
   };
+  // --chat: the prompt is one user turn (after a --system one) rendered by the checkpoint's own chat template, as
+  // transformers' apply_chat_template(add_generation_prompt=True) renders it. No template, no guess: a base model or
+  // one trained on another format would be given a format it never saw (docs/chat.md).
+  const bool chat = a.chat || !a.chat_template.empty();
+  std::optional<chat::ChatTemplate> chat_template;
+  if (chat) try {
+      const std::filesystem::path from = a.chat_template.empty() ? d.path : std::filesystem::path(a.chat_template);
+      chat_template = chat::ChatTemplate::load(from);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(std::string("--chat: ") + e.what() +
+                                  (a.chat_template.empty() ? " (or name one with --chat-template FILE)" : ""));
+    }
+  auto chat_prompt = [&](const std::string& text) {
+    nlohmann::json messages = nlohmann::json::array();
+    if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+    messages.push_back({{"role", "user"}, {"content", text}});
+    chat::RenderOptions opt;
+    opt.add_generation_prompt = true;
+    try {
+      return chat_template->render(messages, opt);
+    } catch (const std::exception& e) {
+      throw std::invalid_argument(std::string("--chat: ") + e.what());
+    }
+  };
   auto text_ids = [&](const std::string& text) {
     if (text.empty()) throw std::invalid_argument("an empty prompt");
-    const std::string wrapped = a.chat ? infer::chat_user_turn(text, tok ? &*tok : nullptr) : text;
+    const std::string wrapped = chat ? chat_prompt(text) : text;
     if (tok) {
       const std::vector<tokenizer::TokenId> ids = tok->encode(wrapped);
       return check_ids(std::vector<int32_t>(ids.begin(), ids.end()));
@@ -106,11 +133,7 @@ void run_generate(const GenerateArgs& a) {
     return std::vector<int32_t>(reinterpret_cast<const unsigned char*>(wrapped.data()),
                                 reinterpret_cast<const unsigned char*>(wrapped.data()) + wrapped.size());
   };
-  if (a.chat) try {
-      infer::chat_user_turn("", tok ? &*tok : nullptr);
-    } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(std::string("--chat: ") + e.what());
-    }
+  if (!a.system.empty() && !chat) throw std::invalid_argument("--system needs --chat");
 
   std::vector<std::vector<int32_t>> prompts;
   if (!a.prompt.empty()) prompts.push_back(text_ids(a.prompt));
@@ -127,6 +150,8 @@ void run_generate(const GenerateArgs& a) {
   infer::GenerateOptions opt;
   opt.max_new_tokens = infer::new_token_budget(a.max_new_tokens, infer::model_context(d.config_json), longest);
   opt.sampling = {a.temperature, a.top_k, a.top_p, a.seed};
+  if (a.prefill_piece <= 0) throw std::invalid_argument("--prefill-piece must be positive");
+  opt.piece = a.prefill_piece;
   if (!a.ignore_eos) opt.stop_ids = infer::end_ids(d.config_json, tok ? &*tok : nullptr);
 
   // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
@@ -214,7 +239,7 @@ void run_generate(const GenerateArgs& a) {
 void register_generate(CLI::App& app) {
   auto a = std::make_shared<GenerateArgs>();
   CLI::App* c = app.add_subcommand("generate", "Generate text from a checkpoint (native or Hugging Face)");
-  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory")->required()->check(CLI::ExistingDirectory);
+  c->add_option("--checkpoint", a->checkpoint, "Checkpoint directory or .gguf file")->required()->check(CLI::ExistingPath);
   c->add_option("--prompt", a->prompt, "Prompt text (bytes for the byte-level presets)");
   c->add_option("--prompt-ids", a->prompt_ids, "Prompt as token ids, e.g. 1,2,3 (repeat for several prompts)");
   c->add_option("--prompts", a->prompts_file, "File of prompts, one a line, generated together");
@@ -233,7 +258,16 @@ void register_generate(CLI::App& app) {
                 "plus 1 GiB take at most half of the available memory, else map)")
       ->check(CLI::IsMember({"map", "copy", "auto"}))
       ->capture_default_str();
-  c->add_flag("--chat", a->chat, "Wrap the prompt in the Qwen chat format");
+  c->add_option("--prefill-piece", a->prefill_piece,
+                "Prompt tokens per prefill pass (serve prefills in pieces of 64: the same bits as serve's answers)")
+      ->capture_default_str();
+  c->add_flag("--chat", a->chat,
+              "Render each prompt as a user turn with the checkpoint's chat template (chat_template.jinja, or "
+              "tokenizer_config.json's chat_template), ending where the assistant's answer begins");
+  c->add_option("--chat-template", a->chat_template,
+                "A chat template (.jinja file, or a directory holding one) instead of the checkpoint's; implies --chat")
+      ->check(CLI::ExistingPath);
+  c->add_option("--system", a->system, "With --chat: a system turn before each prompt");
   c->add_flag("--ignore-eos", a->ignore_eos,
               "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");
   add_threads_option(c, a->threads);

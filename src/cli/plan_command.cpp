@@ -1,10 +1,13 @@
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
+#include "gguf/export.h"
+#include "gguf/import.h"
 #include "planner/plan.h"
 
 namespace hs::cli {
@@ -14,8 +17,9 @@ namespace {
 struct PlanArgs {
   StepArgs step;
   std::string chip;
-  int64_t devices = 1, batch_per_device = 0, context = 4096;
-  bool compare = false, json = false, generate = false, fit = false;
+  int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
+  std::string cache_bytes = "1GiB";
+  bool compare = false, json = false, generate = false, fit = false, serve = false;
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -39,23 +43,83 @@ std::string gb(size_t b) {
 
 void plan_generation(const PlanArgs& a) {
   planner::GeneratePlanRequest r;
-  r.model = model::load_config(a.step.model);
+  // GGUF weights (a .gguf --model, or a GGUF type for --weight-dtype) are dequantized at load today: the run holds
+  // them in fp32 (bf16 where the file's embedding is BF16), which is what plan_generate plans and generate measures.
+  // What quantized storage will hold is reported beside it (quantized_weights_bytes) as a prediction.
+  std::optional<uint64_t> quantized;
+  std::string stored = a.step.weight_dtype;
+  if (gguf::is_gguf_path(a.step.model)) {
+    const gguf::GgufReader file(a.step.model);
+    r.model = gguf::config_from_gguf(file);
+    uint64_t bytes = 0;
+    for (const gguf::TensorInfo& t : file.tensors()) bytes += t.nbytes;
+    quantized = bytes;
+    const bool bf16 = file.tensor("token_embd.weight").type == gguf::ggml_type::BF16;
+    r.weight_dtype = bf16 ? DType::BF16 : DType::F32;
+    stored = "the file's types";
+  } else {
+    r.model = model::load_config(a.step.model);
+    if (a.step.weight_dtype == "fp32" || a.step.weight_dtype == "bf16") {
+      r.weight_dtype = parse_dtype(a.step.weight_dtype);
+    } else {
+      quantized = gguf::quantized_weight_bytes(r.model, gguf::parse_quant_scheme(a.step.weight_dtype));
+      r.weight_dtype = DType::F32;
+    }
+  }
   r.context = a.context;
   r.batch = a.step.batch;
-  r.weight_dtype = parse_dtype(a.step.weight_dtype);
   const planner::GeneratePlan p = planner::plan_generate(r);
+  const std::string runs_as(dtype_name(r.weight_dtype));
+  if (a.json) {
+    nlohmann::json j{{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
+                     {"recurrent_state_bytes", p.recurrent_state}, {"workspace_bytes", p.workspace},
+                     {"total_bytes", p.total}, {"context", r.context}, {"batch", r.batch}};
+    if (quantized) {
+      j["weights_run_as"] = runs_as;
+      j["quantized_weights_bytes"] = *quantized;
+      j["total_with_quantized_weights_bytes"] = p.total - p.weights + *quantized;
+    }
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
+              (long long)r.batch, (long long)r.context, stored.c_str());
+  if (quantized)
+    std::printf("(dequantized at load today: the run holds the weights in %s, as planned below)\n", runs_as.c_str());
+  for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
+                                    {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
+    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+  if (quantized)
+    std::printf("%-18s %12s  (total %s once quantized storage lands: a prediction; its dequantizing workspace is "
+                "not planned)\n",
+                "quantized weights", format_bytes(double(*quantized)).c_str(),
+                format_bytes(double(p.total - p.weights + *quantized)).c_str());
+}
+
+// plan --serve: hybridscan serve's peak for --parallel slots of --ctx positions and a --cache-bytes prefix cache.
+void plan_serving(const PlanArgs& a) {
+  planner::ServePlanRequest r;
+  r.model = model::load_config(a.step.model);
+  r.context = a.context;
+  r.parallel = a.parallel;
+  r.cache_bytes = parse_bytes(a.cache_bytes);
+  r.weight_dtype = parse_dtype(a.step.weight_dtype);
+  const planner::ServePlan p = planner::plan_serve(r);
   if (a.json) {
     std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
-                                        {"recurrent_state_bytes", p.recurrent_state}, {"workspace_bytes", p.workspace},
-                                        {"total_bytes", p.total}, {"context", r.context}, {"batch", r.batch}})
+                                        {"recurrent_state_bytes", p.recurrent_state},
+                                        {"prefix_cache_bytes", p.prefix_cache}, {"workspace_bytes", p.workspace},
+                                        {"total_bytes", p.total}, {"context", r.context}, {"parallel", r.parallel}})
                             .dump()
                             .c_str());
     return;
   }
-  std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
-              (long long)r.batch, (long long)r.context, a.step.weight_dtype.c_str());
+  std::printf("%s\nserve: %lld slots x %lld positions, prefix cache %s, weights %s, one device\n",
+              model::describe(r.model).c_str(), (long long)r.parallel, (long long)r.context,
+              format_bytes(double(r.cache_bytes)).c_str(), a.step.weight_dtype.c_str());
   for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
-                                    {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
+                                    {"recurrent state", p.recurrent_state}, {"prefix cache", p.prefix_cache},
+                                    {"workspace", p.workspace}, {"total", p.total}})
     std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
 }
 
@@ -135,8 +199,16 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
+  if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
   if (a.generate) {
     plan_generation(a);
+    return;
+  }
+  if (a.step.weight_dtype != "fp32" && a.step.weight_dtype != "bf16")
+    throw std::invalid_argument("--weight-dtype " + a.step.weight_dtype + " (GGUF) is for plan --generate; training "
+                                "stores fp32 or bf16");
+  if (a.serve) {
+    plan_serving(a);
     return;
   }
   planner::PlanRequest r = plan_request(a);
@@ -172,7 +244,19 @@ void register_plan(CLI::App& app) {
   c->add_flag("--generate", a->generate,
               "Plan generation instead of training: --batch sequences decoded together on one device, weights in "
               "--weight-dtype");
-  c->add_option("--context", a->context, "--generate: positions per sequence (prompt + new tokens)")->capture_default_str();
+  c->add_option("--context,--ctx", a->context, "--generate, --serve: positions per sequence (prompt + new tokens)")
+      ->capture_default_str();
+  c->add_flag("--serve", a->serve,
+              "Plan hybridscan serve instead of training: --parallel slots of --ctx positions, a --cache-bytes prefix "
+              "cache, weights in --weight-dtype");
+  c->add_option("--parallel", a->parallel, "--serve: slots (requests decoded together)")->capture_default_str();
+  c->add_option("--cache-bytes", a->cache_bytes, "--serve: the prefix cache's budget")->capture_default_str();
+  // plan --generate also takes GGUF types (and a .gguf --model); the step's flag knows only fp32 | bf16.
+  c->remove_option(c->get_option("--weight-dtype"));
+  c->add_option("--weight-dtype", a->step.weight_dtype,
+                "Weight storage: fp32 | bf16; with --generate also f16 | q8_0 | q4_k | q5_k | q6_k | mixed (GGUF)")
+      ->check(CLI::IsMember({"fp32", "bf16", "f16", "q8_0", "q4_k", "q5_k", "q6_k", "mixed"}))
+      ->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->add_flag("--fit", a->fit,
               "With --chip or --memory-budget: the cheapest remat x moment dtype x update in backward that fits (least "

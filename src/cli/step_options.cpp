@@ -74,6 +74,12 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
                 "the MTP layer is not run")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  c->add_option("--packing", a.packing,
+                "documents | stream | auto: documents restarts the model at every document start of the data (no "
+                "token sees another document, no loss across one); stream reads the data as one sequence; auto: "
+                "documents when the data has documents (a token file of several; plan: stream)")
+      ->check(CLI::IsMember({"documents", "stream", "auto"}))
+      ->capture_default_str();
   add_threads_option(c, a.threads);
 }
 
@@ -89,6 +95,7 @@ train::StepOptions schedule_options(const StepArgs& a, bool for_this_machine) {
       a.packed_weights.empty() ? for_this_machine && train::packed_weights_default() : a.packed_weights == "on";
   s.delta_rule_bf16_products = a.delta_rule_products == "bf16";
   s.mtp_weight = a.mtp_weight;
+  s.packing = train::parse_packing(a.packing);
   return s;
 }
 

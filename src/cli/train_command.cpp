@@ -9,6 +9,7 @@
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "core/memory.h"
+#include "dataset/token_file.h"
 #include "mpi/mpi_collectives.h"
 #include "planner/plan.h"
 #include "train/trainer.h"
@@ -73,6 +74,15 @@ void take_default_corpus(train::TrainOptions& o) {
   }
 }
 
+// --packing auto: documents for a token file of several documents (what train::sample_batch would choose), so that
+// a --remat auto plan counts the batch the run makes.
+void resolve_packing(train::TrainOptions& o) {
+  if (o.step.packing != train::Packing::Auto || o.data.empty() || !std::filesystem::exists(o.data)) return;
+  const auto f = dataset::TokenFile::open(o.data);
+  const bool documents = f->header().documents > 1 && f->header().end_of_text.has_value();
+  o.step.packing = documents ? train::Packing::Documents : train::Packing::Stream;
+}
+
 // Rank 0's report: the summary line, the memory and phase tables, the JSON line.
 void report(const TrainArgs& x, const train::TrainSummary& s, int64_t world, bool distributed,
             const std::vector<double>& peaks, const std::vector<double>& exposed) {
@@ -121,6 +131,7 @@ void report(const TrainArgs& x, const train::TrainSummary& s, int64_t world, boo
 
 void run_train(TrainArgs& x) {
   fill_train_options(x.step, x.o);
+  resolve_packing(x.o);
   // Under mpirun every rank runs this: MPI first, so that option errors stop every rank alike.
   std::unique_ptr<mpi::Runtime> rt;
   mpi::Groups groups;

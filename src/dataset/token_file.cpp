@@ -25,6 +25,7 @@ constexpr char kMagic[8] = {'H', 'S', 'T', 'O', 'K', 'E', 'N', 'S'};
 constexpr size_t kFixedHeader = 72;  // fields up to and including the checksum
 constexpr size_t kAlign = 64;        // the ids start on a cache line
 constexpr uint32_t kNoEndOfText = 0xFFFFFFFFu;
+constexpr uint32_t kFlagLossMask = 1u;  // version 2's flags (offset 60)
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -72,6 +73,7 @@ std::vector<std::byte> encode_header(const TokenFileHeader& h, const std::vector
   put<int64_t>(b, 40, h.documents);
   put<int64_t>(b, 48, h.text_bytes);
   put<uint32_t>(b, 56, h.end_of_text.value_or(kNoEndOfText));
+  put<uint32_t>(b, 60, h.loss_mask ? kFlagLossMask : 0u);
   std::memcpy(b.data() + kFixedHeader, token_bytes.data(), 2 * token_bytes.size());
   put<uint64_t>(b, 64, header_checksum(b.data(), b.data() + kFixedHeader, 2 * token_bytes.size()));
   return b;
@@ -123,7 +125,7 @@ TokenFileWriter::TokenFileWriter(const std::filesystem::path& path, Vocabulary v
     throw std::invalid_argument("token file '" + path.string() + "': end-of-text id is outside the vocabulary");
   if (options_.threads <= 0) options_.threads = omp_get_max_threads();
   if (options_.block_bytes == 0) options_.block_bytes = 1;
-  header_.version = kTokenFileVersion;
+  header_.version = 1;  // 2 once a document brings a loss mask
   header_.dtype_bytes = vocab_.size <= 65536 ? 2 : 4;
   header_.fingerprint = vocab_.fingerprint;
   header_.vocab_size = vocab_.size;
@@ -217,6 +219,7 @@ void TokenFileWriter::flush() {
     file_.write(out);
     header_.tokens += static_cast<int64_t>(v.size());
     header_.text_bytes += static_cast<int64_t>(p.text.size());
+    if (has_mask_) mask_.resize(static_cast<size_t>(header_.tokens), 1);
   }
   pending_.clear();
   pending_bytes_ = 0;
@@ -225,8 +228,54 @@ void TokenFileWriter::flush() {
                        header_.documents, now_seconds() - start_});
 }
 
+void TokenFileWriter::add_tokens(std::span<const int32_t> ids, std::span<const uint8_t> loss_mask) {
+  const std::string name = "token file '" + file_.target().string() + "'";
+  if (ids.size() != loss_mask.size())
+    throw std::invalid_argument(name + ": a document of " + std::to_string(ids.size()) + " ids came with a loss mask of " +
+                                std::to_string(loss_mask.size()) + " entries; give one per id");
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= vocab_.size)
+      throw std::invalid_argument(name + ": id " + std::to_string(ids[i]) + " at " + std::to_string(i) +
+                                  " is outside the vocabulary of " + std::to_string(vocab_.size));
+  flush();  // the documents queued before this one come first
+  if (!has_mask_) {
+    has_mask_ = true;
+    mask_.assign(static_cast<size_t>(header_.tokens), 1);
+  }
+  std::vector<uint32_t> v;
+  if (header_.documents > 0) {
+    if (!vocab_.end_of_text)
+      throw std::invalid_argument(name + ": the tokenizer has no end-of-text token to separate documents; "
+                                         "write one file per document");
+    v.push_back(*vocab_.end_of_text);
+    mask_.push_back(1);  // the separator ends the previous document and is predicted
+  }
+  ++header_.documents;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    v.push_back(static_cast<uint32_t>(ids[i]));
+    mask_.push_back(loss_mask[i] != 0 ? 1 : 0);
+    header_.text_bytes += vocab_.token_bytes[static_cast<size_t>(ids[i])];
+  }
+  std::vector<std::byte> out(v.size() * header_.dtype_bytes);
+  for (size_t j = 0; j < v.size(); ++j) {
+    if (header_.dtype_bytes == 2) {
+      const uint16_t x = static_cast<uint16_t>(v[j]);
+      std::memcpy(out.data() + 2 * j, &x, 2);
+    } else {
+      std::memcpy(out.data() + 4 * j, &v[j], 4);
+    }
+  }
+  file_.write(out);
+  header_.tokens += static_cast<int64_t>(v.size());
+}
+
 TokenFileHeader TokenFileWriter::commit() {
   flush();
+  if (has_mask_) {
+    header_.version = 2;
+    header_.loss_mask = true;
+    file_.write(std::as_bytes(std::span<const uint8_t>(mask_)));
+  }
   file_.write_at(0, encode_header(header_, vocab_.token_bytes));
   file_.commit();
   return header_;
@@ -268,9 +317,14 @@ TokenFile::TokenFile(std::filesystem::path path, const std::byte* map, size_t si
                                 "`hybridscan tokenize --tokenizer PATH --text FILE --out DATA`");
   TokenFileHeader& h = header_;
   h.version = get<uint32_t>(map_, 8);
-  if (h.version != kTokenFileVersion)
-    throw TokenFileError(name + " has format version " + std::to_string(h.version) + "; this build reads version " +
-                         std::to_string(kTokenFileVersion) + " (re-tokenize the text)");
+  if (h.version < 1 || h.version > kTokenFileVersion)
+    throw TokenFileError(name + " has format version " + std::to_string(h.version) + "; this build reads versions 1 to " +
+                         std::to_string(kTokenFileVersion) + " (re-tokenize the text, or use a newer hybridscan)");
+  const uint32_t flags = get<uint32_t>(map_, 60);
+  if ((h.version == 1 && flags != 0) || (flags & ~kFlagLossMask) != 0)
+    throw TokenFileError(name + " has unknown flags " + std::to_string(flags) + " for its version " +
+                         std::to_string(h.version) + " (re-tokenize the text)");
+  h.loss_mask = (flags & kFlagLossMask) != 0;
   h.dtype_bytes = get<uint32_t>(map_, 12);
   h.fingerprint = get<uint64_t>(map_, 16);
   h.vocab_size = get<int64_t>(map_, 24);
@@ -290,7 +344,12 @@ TokenFile::TokenFile(std::filesystem::path path, const std::byte* map, size_t si
   if ((h.dtype_bytes != 2 && h.dtype_bytes != 4) || (h.dtype_bytes == 2 && h.vocab_size > 65536) || h.tokens < 0 ||
       h.documents < 0 || h.text_bytes < 0 || (h.end_of_text && *h.end_of_text >= h.vocab_size))
     throw TokenFileError(name + " has an inconsistent header (dtype, counts or end-of-text id)");
-  const uint64_t expected = h.data_offset + static_cast<uint64_t>(h.tokens) * h.dtype_bytes;
+  const uint64_t per_token = h.dtype_bytes + (h.loss_mask ? 1 : 0);
+  // (A token count past what the file could hold is refused before multiplying: the product could wrap around.)
+  if (static_cast<uint64_t>(h.tokens) > (map_size_ - h.data_offset) / per_token)
+    throw TokenFileError(name + " is truncated: its header describes " + std::to_string(h.tokens) + " tokens, more than " +
+                         std::to_string(map_size_) + " bytes can hold");
+  const uint64_t expected = h.data_offset + static_cast<uint64_t>(h.tokens) * per_token;
   if (map_size_ != expected)
     throw TokenFileError(name + (map_size_ < expected ? " is truncated" : " has trailing bytes") + ": " +
                          std::to_string(map_size_) + " bytes, but its header describes " + std::to_string(h.tokens) +
@@ -320,6 +379,20 @@ void TokenFile::read(int64_t begin, int64_t n, int32_t* out) const {
   if (bad_at >= 0)
     throw TokenFileError("token file '" + path_.string() + "' is corrupt: token " + std::to_string(bad_at) + " is id " +
                          std::to_string(bad) + ", outside its vocabulary of " + std::to_string(header_.vocab_size));
+}
+
+void TokenFile::read_mask(int64_t begin, int64_t n, uint8_t* out) const {
+  if (begin < 0 || n < 0 || begin + n > header_.tokens)
+    throw std::out_of_range("token file '" + path_.string() + "': mask [" + std::to_string(begin) + ", " +
+                            std::to_string(begin + n) + ") outside its " + std::to_string(header_.tokens));
+  if (!header_.loss_mask) {
+    std::fill_n(out, n, uint8_t{1});
+    return;
+  }
+  const std::byte* p = map_ + header_.data_offset + static_cast<uint64_t>(header_.tokens) * header_.dtype_bytes +
+                       static_cast<uint64_t>(begin);
+  std::memcpy(out, p, static_cast<size_t>(n));
+  release_pages(p, static_cast<size_t>(n), map_, map_size_);
 }
 
 void check_token_file(const TokenFile& f, int64_t model_vocab, std::optional<uint64_t> fingerprint,

@@ -50,9 +50,12 @@ struct TokenFileHeader {
   int64_t text_bytes = 0;  // bytes of the original text (separators not counted)
   std::optional<uint32_t> end_of_text;
   uint64_t data_offset = 0;  // where the ids start
+  bool loss_mask = false;    // version 2: a loss-mask section follows the ids (one byte per token)
 };
 
-inline constexpr uint32_t kTokenFileVersion = 1;
+// Version 1: header, length table, ids. Version 2 adds flags (bit 0: a loss mask of one byte per token after the ids);
+// the writer writes 2 only when a document has a mask, and the reader reads both.
+inline constexpr uint32_t kTokenFileVersion = 2;
 
 // Encodes `text` to ids on `threads` threads (1: the calling thread only).
 using Encoder = std::function<std::vector<uint32_t>(std::string_view text, int threads)>;
@@ -85,6 +88,11 @@ class TokenFileWriter {
   void add_text_file(const std::filesystem::path& text);
   // A document held in memory. Short documents are gathered and encoded in parallel, one per thread.
   void add_document(std::string_view text);
+  // A pre-tokenized document with its loss mask (loss_mask[i] != 0: predicting ids[i] counts in the loss; as many
+  // entries as ids). The file becomes version 2; every other token's mask is 1 (documents added without one, and the
+  // separators, which are predicted). Throws std::invalid_argument on a length mismatch or an id outside the
+  // vocabulary. Holds one byte per token of the file in memory until commit().
+  void add_tokens(std::span<const int32_t> ids, std::span<const uint8_t> loss_mask);
   // Encodes what is pending, writes the header and renames the file into place.
   TokenFileHeader commit();
 
@@ -103,6 +111,8 @@ class TokenFileWriter {
   TokenFileHeader header_;
   std::vector<Piece> pending_;
   size_t pending_bytes_ = 0;
+  std::vector<uint8_t> mask_;  // the loss mask, once a document has one (then one byte per token written)
+  bool has_mask_ = false;
   double start_ = 0;
 };
 
@@ -123,6 +133,10 @@ class TokenFile {
   // Copies ids [begin, begin + n) to out and releases their pages. Throws TokenFileError on an id outside the
   // vocabulary (a corrupt file).
   void read(int64_t begin, int64_t n, int32_t* out) const;
+  // Whether the file holds a loss mask (version 2), and its bytes [begin, begin + n) (1: the token is predicted in
+  // the loss, 0: not). Without a mask every token counts.
+  bool has_mask() const { return header_.loss_mask; }
+  void read_mask(int64_t begin, int64_t n, uint8_t* out) const;
 
  private:
   TokenFile(std::filesystem::path path, const std::byte* map, size_t size);

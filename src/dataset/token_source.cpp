@@ -34,6 +34,19 @@ TokenSource TokenSource::slice(int64_t begin, int64_t end) const {
   return s;
 }
 
+void TokenSource::read_mask(int64_t begin, int64_t n, uint8_t* out) const {
+  if (begin < 0 || n < 0 || begin + n > size())
+    throw std::out_of_range("mask [" + std::to_string(begin) + ", " + std::to_string(begin + n) + ") of " +
+                            std::to_string(size()));
+  if (file_) file_->read_mask(begin_ + begin, n, out);
+  else std::fill_n(out, n, uint8_t{1});
+}
+
+std::optional<int32_t> TokenSource::document_separator() const {
+  if (!file_ || file_->header().documents < 2 || !file_->header().end_of_text) return std::nullopt;
+  return static_cast<int32_t>(*file_->header().end_of_text);
+}
+
 void TokenSource::read(int64_t begin, int64_t n, int32_t* out) const {
   if (begin < 0 || n < 0 || begin + n > size())
     throw std::out_of_range("tokens [" + std::to_string(begin) + ", " + std::to_string(begin + n) + ") of " +

@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -23,11 +24,19 @@ class TokenSource {
   TokenSource slice(int64_t begin, int64_t end) const;
   // Copies tokens [begin, begin + n) of this source to out.
   void read(int64_t begin, int64_t n, int32_t* out) const;
+  // Whether the tokens carry a loss mask (a version-2 token file with one), and its bytes [begin, begin + n) (0: a
+  // token not predicted in the loss). Without a mask every byte is 1.
+  bool has_mask() const { return file_ && file_->has_mask(); }
+  void read_mask(int64_t begin, int64_t n, uint8_t* out) const;
   // The bytes of original text token `id` stands for (bits per byte count them).
   int64_t text_bytes(int32_t id) const {
     return token_bytes_.empty() ? 1 : token_bytes_[static_cast<size_t>(id)];
   }
   bool memory_mapped() const { return file_ != nullptr; }
+  // The separator written between documents (a token file's end-of-text id) when the tokens hold more than one
+  // document; none for a single document, byte tokens or a text encoded at startup. Packed training restarts the
+  // model's context after each (train::sample_batch).
+  std::optional<int32_t> document_separator() const;
 
  private:
   std::shared_ptr<const std::vector<int32_t>> ids_;

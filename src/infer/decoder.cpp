@@ -75,6 +75,81 @@ void Decoder::reset(int64_t slot) {
   }
 }
 
+namespace {
+void check_slot(int64_t slot, int64_t slots) {
+  if (slot < 0 || slot >= slots) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
+}
+}  // namespace
+
+size_t Decoder::recurrent_bytes_per_slot() const { return recurrent_state_bytes() / static_cast<size_t>(slots_); }
+
+size_t Decoder::kv_bytes_per_position() const {
+  return kv_cache_bytes() / static_cast<size_t>(slots_ * capacity_);
+}
+
+void Decoder::save_recurrent(int64_t slot, void* out) const {
+  check_slot(slot, slots_);
+  char* o = static_cast<char*>(out);
+  for (const model::LayerCache& c : caches_) {
+    if (c.conv.empty()) continue;
+    for (const Buffer* b : {&c.conv, &c.state}) {
+      const size_t n = b->bytes() / static_cast<size_t>(slots_);
+      std::memcpy(o, static_cast<const char*>(b->data()) + static_cast<size_t>(slot) * n, n);
+      o += n;
+    }
+  }
+}
+
+void Decoder::load_recurrent(int64_t slot, const void* in, int64_t length) {
+  check_slot(slot, slots_);
+  if (length < 0 || length > capacity_)
+    throw std::out_of_range("decoder: length " + std::to_string(length) + " outside the capacity " +
+                            std::to_string(capacity_));
+  const char* p = static_cast<const char*>(in);
+  for (model::LayerCache& c : caches_) {
+    if (c.conv.empty()) continue;
+    for (Buffer* b : {&c.conv, &c.state}) {
+      const size_t n = b->bytes() / static_cast<size_t>(slots_);
+      std::memcpy(static_cast<char*>(b->data()) + static_cast<size_t>(slot) * n, p, n);
+      p += n;
+    }
+  }
+  length_[static_cast<size_t>(slot)] = length;
+}
+
+// Keys and values are [slots, nKV, capacity, hd]: one run of positions per head.
+void Decoder::save_kv(int64_t slot, int64_t from, int64_t to, void* out) const {
+  check_slot(slot, slots_);
+  if (from < 0 || to < from || to > capacity_) throw std::out_of_range("decoder: positions outside the capacity");
+  char* o = static_cast<char*>(out);
+  const size_t row = static_cast<size_t>(cfg_.head_dim * dtype_size(compute_)), n = static_cast<size_t>(to - from) * row;
+  for (const model::LayerCache& c : caches_) {
+    if (c.k.empty()) continue;
+    for (const Buffer* b : {&c.k, &c.v})
+      for (int64_t h = 0; h < cfg_.kv_heads; ++h) {
+        const size_t at = static_cast<size_t>((slot * cfg_.kv_heads + h) * capacity_ + from) * row;
+        std::memcpy(o, static_cast<const char*>(b->data()) + at, n);
+        o += n;
+      }
+  }
+}
+
+void Decoder::load_kv(int64_t slot, int64_t from, int64_t to, const void* in) {
+  check_slot(slot, slots_);
+  if (from < 0 || to < from || to > capacity_) throw std::out_of_range("decoder: positions outside the capacity");
+  const char* p = static_cast<const char*>(in);
+  const size_t row = static_cast<size_t>(cfg_.head_dim * dtype_size(compute_)), n = static_cast<size_t>(to - from) * row;
+  for (model::LayerCache& c : caches_) {
+    if (c.k.empty()) continue;
+    for (Buffer* b : {&c.k, &c.v})
+      for (int64_t h = 0; h < cfg_.kv_heads; ++h) {
+        const size_t at = static_cast<size_t>((slot * cfg_.kv_heads + h) * capacity_ + from) * row;
+        std::memcpy(static_cast<char*>(b->data()) + at, p, n);
+        p += n;
+      }
+  }
+}
+
 void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
   const int64_t n = static_cast<int64_t>(ids.size());

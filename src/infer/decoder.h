@@ -51,6 +51,23 @@ class Decoder {
   void set_fused(bool on) { use_fused_ = on; }
   bool fused() const { return use_fused_ && (fused32_ || fused16_); }
 
+  // Snapshots of a slot's caches, for a prefix cache (src/serve/prefix_cache.h): the recurrent part (every Gated
+  // DeltaNet layer's conv window and delta-rule state, which sum up the whole sequence) and the attention layers'
+  // keys and values of a range of positions. A sequence prefilled to position p, saved, and restored into any slot
+  // (its keys and values of [0, p) and its recurrent part at p) continues exactly as the original would: the same
+  // bits, provided later prefills run in the same pieces.
+  size_t recurrent_bytes_per_slot() const;
+  size_t kv_bytes_per_position() const;
+  // Writes the slot's recurrent part (recurrent_bytes_per_slot() bytes) to out.
+  void save_recurrent(int64_t slot, void* out) const;
+  // Writes the keys and values of positions [from, to) (kv_bytes_per_position() per position) to out.
+  void save_kv(int64_t slot, int64_t from, int64_t to, void* out) const;
+  // Reads keys and values of positions [from, to) written by save_kv.
+  void load_kv(int64_t slot, int64_t from, int64_t to, const void* in);
+  // Reads a recurrent part written by save_recurrent and sets the slot's length to `length`, the position it was
+  // saved at (the slot's keys and values of [0, length) must have been loaded).
+  void load_recurrent(int64_t slot, const void* in, int64_t length);
+
  private:
   template <typename T>
   void run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits, bool all_logits);

@@ -43,10 +43,4 @@ int64_t new_token_budget(int64_t requested, int64_t context, int64_t longest_pro
   return std::min(requested, context - longest_prompt);
 }
 
-std::string chat_user_turn(const std::string& text, const tokenizer::Tokenizer* tok) {
-  if (!(tok && tok->token_to_id("<|im_start|>") && tok->token_to_id("<|im_end|>")))
-    throw std::invalid_argument("the chat format needs a tokenizer.json with <|im_start|> and <|im_end|>");
-  return "<|im_start|>user\n" + text + "<|im_end|>\n<|im_start|>assistant\n";
-}
-
 }  // namespace hs::infer

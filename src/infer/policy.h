@@ -1,5 +1,5 @@
-// Generation's policy, the same for every front end (`generate` today, a server later): what ends a sequence, how
-// many new tokens fit the model's context, and how a chat prompt is wrapped.
+// Generation's policy, the same for every front end (`generate` today, a server later): what ends a sequence and how
+// many new tokens fit the model's context. (Chat prompts: the checkpoint's template, src/chat.)
 #pragma once
 #include <cstdint>
 #include <string>
@@ -21,9 +21,5 @@ std::vector<int32_t> end_ids(const nlohmann::json& config, const tokenizer::Toke
 // The new tokens a request may have: `requested`, cut to what the model's context (0: unknown) leaves after the
 // longest prompt. Throws std::invalid_argument when that prompt alone fills the context.
 int64_t new_token_budget(int64_t requested, int64_t context, int64_t longest_prompt);
-
-// The Qwen chat format of one user turn, ending where the assistant's answer begins. Throws std::invalid_argument
-// when the tokenizer lacks <|im_start|> or <|im_end|> (or there is none).
-std::string chat_user_turn(const std::string& text, const tokenizer::Tokenizer* tok);
 
 }  // namespace hs::infer

@@ -15,6 +15,9 @@ namespace hs::kernels {
 
 struct AttentionShape {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
+  // Packed documents (kernels/common.h; null: one document a sequence): query t attends to the keys of its own
+  // document only, [t - positions[t], t].
+  const int32_t* positions = nullptr;
 };
 
 // What the forward keeps for backward (MemCategory::Activations).

@@ -70,6 +70,17 @@ template <typename E> struct ColumnBlocks {
   }
 };
 
+// Packed documents (docs/model.md, "Packed documents"): `positions` [batch, seq] (int32, row b * seq + t) holds
+// each token's position within its document: 0 where a document starts (always at t = 0), else the previous
+// token's plus one. Token t sees tokens [t - positions[row], t] of its sequence: the causal conv, the delta rule's
+// state and attention all restart at a document start. Null: each sequence is one document (0..seq-1).
+// The first token of token t's document (within its sequence).
+inline int64_t document_start(const int32_t* positions, int64_t row, int64_t t) {
+  return positions ? t - positions[row] : 0;
+}
+// Throws std::invalid_argument unless `positions` (when not null) follows the rule above.
+void check_positions(const int32_t* positions, int64_t batch, int64_t seq, const char* what);
+
 inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float siluf(float x) { return x * sigmoidf(x); }
 // softplus with the same threshold PyTorch uses (beta 1, threshold 20).

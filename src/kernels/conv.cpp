@@ -97,7 +97,7 @@ void check_channels(int64_t blocks, int64_t channels) {
 
 template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>& y, int64_t batch, int64_t seq,
-                              int64_t channels, int64_t width) {
+                              int64_t channels, int64_t width, const int32_t* positions) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_forward");
   check_width(width);
   check_channels(y.channels(), channels);
@@ -123,7 +123,9 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
                 prefetch_span(d, n * int64_t{sizeof(T)}, true);
               });
             }
-            const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - t));
+            // Taps before the document's first token (or the sequence's) read zeros: they are skipped.
+            const int64_t in_doc = t - document_start(positions, b * seq + t, t);
+            const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - in_doc));
             y.for_each_run(b * seq + t, c0, nc, [&](T* yt, int64_t off, int64_t n) {
               const T* xs[W];
               for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
@@ -137,9 +139,9 @@ void causal_conv_silu_forward(const T* x, const float* w, const ColumnBlocks<T>&
 
 template <typename T>
 void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, int64_t seq, int64_t channels,
-                              int64_t width) {
+                              int64_t width, const int32_t* positions) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_forward");
-  causal_conv_silu_forward(x, w, ColumnBlocks<T>(y, channels), batch, seq, channels, width);
+  causal_conv_silu_forward(x, w, ColumnBlocks<T>(y, channels), batch, seq, channels, width, positions);
 }
 
 // Per channel block, time runs backwards so that dx[t] = sum_j w[j] * dpre[t + width-1 - j] is complete
@@ -148,7 +150,8 @@ void causal_conv_silu_forward(const T* x, const float* w, T* y, int64_t batch, i
 // across threads.
 template <typename T, typename D>
 void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<const float>& dy, D* dx, float* dw,
-                               int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+                               int64_t batch, int64_t seq, int64_t channels, int64_t width, bool accumulate_dx,
+                               const int32_t* positions) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_backward");
   check_width(width);
   check_channels(dy.channels(), channels);
@@ -175,7 +178,8 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
             dy.for_each_run(b * seq + ta, c0, nc, [](const float* d, int64_t, int64_t n) { prefetch_span(d, n * 4, false); });
             prefetch_span(dx + (b * seq + ta) * channels + c0, nc * int64_t{sizeof(D)}, true);
           }
-          const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - t));
+          const int64_t in_doc = t - document_start(positions, b * seq + t, t);
+          const int first = static_cast<int>(std::max<int64_t>(0, W - 1 - in_doc));
           const float* later[W];  // later[j]: the gradient of step t + W-1-j (j < W-1), slots past the end zero
           for (int j = 0; j < W - 1; ++j) later[j] = ring[(t + W - 1 - j) % W];
           float* dpre = ring[t % W];
@@ -185,6 +189,9 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
             for (int j = 0; j < W; ++j) xs[j] = j < first ? nullptr : xb + (t - W + 1 + j) * channels + c0 + off;
             Body::backward(xs, first, wt, later, dpre, dwacc, d, off, n, dxt + off, accumulate_dx);
           });
+          // A document starts here: the steps from t on never reach the tokens before it.
+          if (in_doc == 0 && positions)
+            for (int j = 0; j < W; ++j) std::fill(ring[j], ring[j] + nc, 0.0f);
         }
       }
     });
@@ -196,24 +203,27 @@ void causal_conv_silu_backward(const T* x, const float* w, const ColumnBlocks<co
 
 template <typename T>
 void causal_conv_silu_backward(const T* x, const float* w, const float* dy, float* dx, float* dw, int64_t batch,
-                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx) {
+                               int64_t seq, int64_t channels, int64_t width, bool accumulate_dx,
+                               const int32_t* positions) {
   profile::Scope profile_scope(profile::Phase::Elementwise, "causal_conv_silu_backward");
   causal_conv_silu_backward(x, w, ColumnBlocks<const float>(dy, channels), dx, dw, batch, seq, channels, width,
-                            accumulate_dx);
+                            accumulate_dx, positions);
 }
 
 #define HS_CONV(T)                                                                                                   \
-  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t);         \
+  template void causal_conv_silu_forward<T>(const T*, const float*, T*, int64_t, int64_t, int64_t, int64_t,          \
+                                            const int32_t*);                                                         \
   template void causal_conv_silu_forward<T>(const T*, const float*, const ColumnBlocks<T>&, int64_t, int64_t,       \
-                                            int64_t, int64_t);                                                       \
+                                            int64_t, int64_t, const int32_t*);                                       \
   template void causal_conv_silu_backward<T>(const T*, const float*, const float*, float*, float*, int64_t, int64_t, \
-                                             int64_t, int64_t, bool);                                                \
+                                             int64_t, int64_t, bool, const int32_t*);                                \
   template void causal_conv_silu_backward<T, float>(const T*, const float*, const ColumnBlocks<const float>&,        \
-                                                    float*, float*, int64_t, int64_t, int64_t, int64_t, bool);
+                                                    float*, float*, int64_t, int64_t, int64_t, int64_t, bool,        \
+                                                    const int32_t*);
 HS_CONV(float)
 HS_CONV(bf16)
 #undef HS_CONV
 template void causal_conv_silu_backward<bf16, bf16>(const bf16*, const float*, const ColumnBlocks<const float>&, bf16*,
-                                                    float*, int64_t, int64_t, int64_t, int64_t, bool);
+                                                    float*, int64_t, int64_t, int64_t, int64_t, bool, const int32_t*);
 
 }  // namespace hs::kernels

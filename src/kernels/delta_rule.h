@@ -14,6 +14,9 @@ inline constexpr int64_t kDeltaRuleChunk = 64;
 
 struct DeltaRuleShape {
   int64_t batch, seq, k_heads, v_heads, dk, dv;  // r = v_heads / k_heads (integer)
+  // Packed documents (kernels/common.h; null: one document a sequence): the state restarts from zero at every
+  // document start, also in the middle of a chunk (the chunked form's "Packed documents" in docs/model.md).
+  const int32_t* positions = nullptr;
   int64_t ratio() const { return v_heads / k_heads; }
   int64_t chunks() const { return (seq + kDeltaRuleChunk - 1) / kDeltaRuleChunk; }
   int64_t padded_seq() const { return chunks() * kDeltaRuleChunk; }

@@ -8,6 +8,7 @@
 #include "kernels/delta_rule.h"
 #include "kernels/gemv.h"
 #include "kernels/matmul.h"
+#include "kernels/quant_gemv.h"
 
 namespace hs::kernels {
 
@@ -21,6 +22,8 @@ std::string kernel_paths_report() {
     << (bf16_on_onednn ? "on oneDNN's bf16 kernels" : "widened to fp32 (oneDNN makes no bf16 product here)") << "\n";
   o << "  skinny products: " << cpu::level_name(skinny_level()) << "\n";
   o << "  gemv (decode): " << cpu::level_name(gemv_level()) << "\n";
+  o << "  quantized gemv (decode, GGUF blocks): " << cpu::level_name(quant_gemv_level())
+    << (quant_gemv_uses_vnni() ? " + vnni" : "") << "\n";
   o << "  delta rule: fp32 products " << (allows(Level::Avx512) ? "avx512" : "avx2") << "; --delta-rule-products bf16 "
     << (delta_rule_bf16_products_available() ? "on avx512_bf16" : "falls back to fp32 (no AVX-512-BF16)") << "\n";
   o << "  attention: "

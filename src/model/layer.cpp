@@ -365,7 +365,8 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
       causal_conv_silu_cached(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ptr<T>(ctx.cache->conv), ctx.slots, ctx.batch,
                               ctx.seq, CD, c.conv_width);
     else
-      causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ctx.batch, ctx.seq, CD, c.conv_width);
+      causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ctx.batch, ctx.seq, CD, c.conv_width,
+                               ctx.document_positions());
   }
   s.qn = A.make<T>(N * KD, "gdn.qn");
   s.kn = A.make<T>(N * KD, "gdn.kn");
@@ -384,7 +385,7 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
                       ptr<float>(s.g), N, Hv);
   }
   s.o = A.make<T>(N * VD, "gdn.o");
-  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
+  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv, ctx.document_positions()};
   if (!ctx.cache) {
     delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
                        keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables, delta_rule_products(ctx));
@@ -427,7 +428,7 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer dv = scratch<float>(mem, N * VD, "gdn.dv");
   Buffer dbeta = scratch<float>(mem, N * Hv, "gdn.dbeta");
   Buffer dg = scratch<float>(mem, N * Hv, "gdn.dg");
-  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
+  DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv, ctx.document_positions()};
   delta_rule_backward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), s.delta,
                       ptr<float>(d_o), ptr<float>(dqn), ptr<float>(dkn), ptr<float>(dv), ptr<float>(dbeta),
                       ptr<float>(dg), mem, /*accumulate=*/false, delta_rule_products(ctx));
@@ -458,7 +459,8 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
     causal_conv_silu_backward<T, T>(
         ptr<T>(s.qkv), w.vec(p::kConv),
         ColumnBlocks<const float>().add(ptr<float>(dq), KD).add(ptr<float>(dk), KD).add(ptr<float>(dv), VD),
-        ptr<T>(dqkv), G(gr, p::kConv), ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false);
+        ptr<T>(dqkv), G(gr, p::kConv), ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false,
+        ctx.document_positions());
   dq.reset();
   dk.reset();
   dv.reset();
@@ -507,7 +509,7 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
     rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
   }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
-  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
+  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd, ctx.document_positions()};
   // Decoding writes the keys and values into the cache. Rows that all start their sequences (whole prompts) still
   // take the flash kernel over their own keys; later pieces and single tokens attend to the cache.
   auto starts_sequences = [&] {
@@ -547,7 +549,7 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   Buffer dk = scratch<float>(mem, N * nKV * hd, "attn.dk", true);
   Buffer dv = scratch<float>(mem, N * nKV * hd, "attn.dv", true);
   Buffer dgate = scratch<float>(mem, N * nH * hd, "attn.dgate", true);
-  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd};
+  AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd, ctx.document_positions()};
   gated_attention_backward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), s.attn, ptr<float>(dattn),
                            ptr<float>(dq), ptr<float>(dk), ptr<float>(dv), ptr<float>(dgate), mem);
   dattn.reset();

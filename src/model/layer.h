@@ -59,7 +59,13 @@ struct LayerContext {
   // Training: the delta rule's products take bf16 inputs (kernels::DeltaRuleProducts::Bf16, train
   // --delta-rule-products bf16) when the compute dtype is bf16 and the CPU has AVX-512-BF16; else fp32.
   bool delta_rule_bf16_products = false;
+  // Training on packed documents: `positions` restart at 0 at every document start (kernels/common.h) and the
+  // mixers restart with them (the conv's window, the delta rule's state, attention's keys); RoPE reads them either
+  // way. False: each sequence is one document (and in decoding positions are absolute).
+  bool documents = false;
   int64_t tokens() const { return batch * seq; }
+  // The positions the mixers restart at: null unless `documents`.
+  const int32_t* document_positions() const { return documents ? positions : nullptr; }
 };
 
 // A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts and

@@ -47,8 +47,9 @@ PlanResult plan(const PlanRequest& r) {
   // The training step itself, over shapes: this device's shards of the parameters and of both AdamW moments, its
   // micro-batches, each forward and backward, then the replicas' sum and the update (train::Step).
   train::Step step(r.model, r.weight_dtype, oc, schedule, r.update_in_backward, &replicas, mem);
-  const std::vector<train::Batch> micro(static_cast<size_t>(r.grad_accum),
-                                        train::Batch{nullptr, nullptr, r.batch_per_device, r.seq});
+  train::Batch shapes{nullptr, nullptr, r.batch_per_device, r.seq};
+  shapes.documents = r.step.packing == train::Packing::Documents;
+  const std::vector<train::Batch> micro(static_cast<size_t>(r.grad_accum), shapes);
   step.run(micro);
 
   PlanResult out;
@@ -100,6 +101,38 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   p.recurrent_state = dec.recurrent_state_bytes();
   p.total = mem.peak_total();
   p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state;
+  return p;
+}
+
+ServePlan plan_serve(const ServePlanRequest& r) {
+  if (r.context <= 0 || r.parallel <= 0)
+    throw std::invalid_argument("server plan: the context (" + std::to_string(r.context) + ") and the slots (" +
+                                std::to_string(r.parallel) + ") must be positive");
+  r.model.validate();
+  MemoryAccountant mem(/*planning=*/true);
+  model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
+  ServePlan p;
+  p.weights = mem.live_total();
+  // In the order serve::Engine allocates: the decoder (64-token pieces: serve::PrefixCache::kChunk), the logits, then
+  // the cache fills while prompts are prefilled and slots step.
+  const int64_t chunk = 64;
+  infer::Decoder dec(params, r.weight_dtype, r.parallel, r.context, mem, chunk);
+  Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.parallel * r.model.vocab), MemCategory::Workspace,
+                                        "serve.logits");
+  Buffer cache;
+  if (r.cache_bytes > 0) cache = mem.allocate(r.cache_bytes, MemCategory::Activations, "prefix_cache");
+  // (Room left for the step's position: a context of at most two pieces plans shorter ones.)
+  const std::vector<int32_t> piece(static_cast<size_t>(std::min(chunk, r.context - 1)), 0);
+  if (!piece.empty()) dec.prefill(0, piece, nullptr);
+  if (r.context > 2 * chunk) dec.prefill(0, piece, nullptr);
+  std::vector<int32_t> slots(static_cast<size_t>(r.parallel)), ids(slots.size(), 0);
+  std::iota(slots.begin(), slots.end(), 0);
+  dec.step(slots, ids, nullptr);
+  p.kv_cache = dec.kv_cache_bytes();
+  p.recurrent_state = dec.recurrent_state_bytes();
+  p.prefix_cache = r.cache_bytes;
+  p.total = mem.peak_total();
+  p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.prefix_cache;
   return p;
 }
 

@@ -63,6 +63,20 @@ struct GeneratePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
 };
 GeneratePlan plan_generate(const GeneratePlanRequest& r);
+// The server (hybridscan serve): `parallel` slots of `context` positions, prompts prefilled in the prefix cache's
+// 64-token pieces, a prefix cache of at most cache_bytes. What the server's scheduler allocates, over shapes: the
+// decoder's caches, the logits of every slot, two prefill pieces (the flash kernel's, then one against the cache), a
+// decode step of every slot, and the cache's budget, full. Weights count whole, as plan_generate counts them.
+struct ServePlanRequest {
+  model::ModelConfig model;
+  int64_t context = 4096, parallel = 4;
+  size_t cache_bytes = 0;
+  DType weight_dtype = DType::BF16;
+};
+struct ServePlan {
+  size_t weights = 0, kv_cache = 0, recurrent_state = 0, prefix_cache = 0, workspace = 0, total = 0;
+};
+ServePlan plan_serve(const ServePlanRequest& r);
 // plan --fit: every configuration of remat policy x AdamW moment dtype x update in backward for the request (its
 // other settings kept), cheapest first: least recomputation (none; then sublayer and block, one extra forward each),
 // then exact arithmetic (fp32 moments) before rounded (bf16), then the usual step (which can clip) before AdamW in

@@ -104,19 +104,53 @@ Corpus split_heldout(const TokenSource& all, double heldout_fraction, int64_t se
   return {all.slice(0, n - held), all.slice(n - held, n)};
 }
 
-TokenBatch sample_batch(const TokenSource& tokens, int64_t batch, int64_t seq, uint64_t seed, int64_t step) {
+bool packs_documents(const TokenSource& tokens, Packing packing) {
+  return packing == Packing::Documents || (packing == Packing::Auto && tokens.document_separator().has_value());
+}
+
+namespace {
+
+// Row r of a batch from its window of seq+1 tokens (`have` of them real: the rest are ignored targets). With a
+// separator: positions restart after each one, whose target (another document's first token) is ignored.
+// mask (empty: none): the window's loss mask; a target whose mask byte is 0 is ignored.
+void fill_row(TokenBatch& b, int64_t r, const std::vector<int32_t>& window, int64_t have,
+              std::optional<int32_t> separator, const std::vector<uint8_t>& mask) {
+  const int64_t seq = b.seq;
+  int32_t* in = b.inputs.data() + r * seq;
+  int32_t* tg = b.targets.data() + r * seq;
+  for (int64_t j = 0; j < seq; ++j) {
+    in[j] = j < have ? window[static_cast<size_t>(j)] : 0;
+    tg[j] = j + 1 < have && (mask.empty() || mask[static_cast<size_t>(j + 1)] != 0) ? window[static_cast<size_t>(j + 1)]
+                                                                                    : -1;
+  }
+  if (b.positions.empty()) return;
+  int32_t* pos = b.positions.data() + r * seq;
+  for (int64_t j = 0; j < seq; ++j) {
+    const bool after_separator = j > 0 && separator && in[j - 1] == *separator;
+    pos[j] = j == 0 || after_separator ? 0 : pos[j - 1] + 1;
+    if (separator && in[j] == *separator) tg[j] = -1;
+  }
+}
+
+}  // namespace
+
+TokenBatch sample_batch(const TokenSource& tokens, int64_t batch, int64_t seq, uint64_t seed, int64_t step,
+                        Packing packing) {
   TokenBatch b;
   b.batch = batch;
   b.seq = seq;
   b.inputs.resize(static_cast<size_t>(batch * seq));
   b.targets.resize(static_cast<size_t>(batch * seq));
+  const bool documents = packs_documents(tokens, packing);
+  if (documents) b.positions.resize(static_cast<size_t>(batch * seq));
   const uint64_t span = static_cast<uint64_t>(tokens.size() - seq);  // valid window starts
   std::vector<int32_t> window(static_cast<size_t>(seq + 1));
+  std::vector<uint8_t> mask(tokens.has_mask() ? static_cast<size_t>(seq + 1) : 0);
   for (int64_t r = 0; r < batch; ++r) {
     uint64_t start = mix(mix(seed) ^ mix(static_cast<uint64_t>(step) * 0x100000001b3ull + static_cast<uint64_t>(r))) % span;
     tokens.read(static_cast<int64_t>(start), seq + 1, window.data());
-    std::copy(window.begin(), window.end() - 1, b.inputs.begin() + r * seq);
-    std::copy(window.begin() + 1, window.end(), b.targets.begin() + r * seq);
+    if (!mask.empty()) tokens.read_mask(static_cast<int64_t>(start), seq + 1, mask.data());
+    fill_row(b, r, window, seq + 1, documents ? tokens.document_separator() : std::nullopt, mask);
   }
   return b;
 }
@@ -141,21 +175,24 @@ int64_t eval_batch_count(int64_t tokens, int64_t seq, int64_t batch) {
   return (windows + batch - 1) / batch;
 }
 
-TokenBatch eval_batch(const TokenSource& tokens, int64_t seq, int64_t batch, int64_t index) {
+TokenBatch eval_batch(const TokenSource& tokens, int64_t seq, int64_t batch, int64_t index, Packing packing) {
   const int64_t n = tokens.size();
   const int64_t windows = n < 2 ? 0 : (n - 1 + seq - 1) / seq;
+  const bool documents = packs_documents(tokens, packing);
   TokenBatch b;
   b.seq = seq;
+  b.batch = std::max<int64_t>(0, std::min(windows, (index + 1) * batch) - index * batch);
+  b.inputs.resize(static_cast<size_t>(b.batch * seq));
+  b.targets.resize(static_cast<size_t>(b.batch * seq));
+  if (documents) b.positions.resize(static_cast<size_t>(b.batch * seq));
   std::vector<int32_t> window(static_cast<size_t>(seq + 1));
+  std::vector<uint8_t> mask(tokens.has_mask() ? static_cast<size_t>(seq + 1) : 0);
   // Window w covers tokens [w*seq, w*seq + seq] (seq+1 tokens): inputs are the first seq, targets the last seq.
-  for (int64_t w = index * batch; w < std::min(windows, (index + 1) * batch); ++w) {
-    const int64_t start = w * seq, have = std::min(seq + 1, n - start);
+  for (int64_t r = 0; r < b.batch; ++r) {
+    const int64_t start = (index * batch + r) * seq, have = std::min(seq + 1, n - start);
     tokens.read(start, have, window.data());
-    for (int64_t j = 0; j < seq; ++j) {
-      b.inputs.push_back(j < have ? window[static_cast<size_t>(j)] : 0);
-      b.targets.push_back(j + 1 < have ? window[static_cast<size_t>(j + 1)] : -1);
-    }
-    ++b.batch;
+    if (!mask.empty()) tokens.read_mask(start, have, mask.data());
+    fill_row(b, r, window, have, documents ? tokens.document_separator() : std::nullopt, mask);
   }
   return b;
 }

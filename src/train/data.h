@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dataset/token_source.h"
+#include "train/schedule.h"
 
 namespace hs::train {
 
@@ -51,17 +52,30 @@ Corpus split_heldout(const TokenSource& all, double heldout_fraction, int64_t se
 
 struct TokenBatch {
   std::vector<int32_t> inputs, targets;  // [batch, seq]
+  // Packed documents: [batch, seq] positions within each document (train::Batch::positions); empty: stream.
+  std::vector<int32_t> positions;
   int64_t batch = 0, seq = 0;
+  const int32_t* positions_or_null() const { return positions.empty() ? nullptr : positions.data(); }
 };
 
-// Step t's batch: `batch` windows of seq+1 tokens at positions drawn from (seed, t, row).
-TokenBatch sample_batch(const TokenSource& tokens, int64_t batch, int64_t seq, uint64_t seed, int64_t step);
+// Whether batches of `tokens` pack documents: Documents and Stream as said; Auto when the tokens have a document
+// separator (a token file of several documents).
+bool packs_documents(const TokenSource& tokens, Packing packing);
+
+// Step t's batch: `batch` windows of seq+1 tokens at positions drawn from (seed, t, row). The windows and the ids
+// do not depend on the packing; with documents (packs_documents) each window also gets positions that start at 0 and
+// restart after every document separator (the separator is its document's last token, and is predicted), and the
+// target of a separator (the next document's first token) is -1.
+TokenBatch sample_batch(const TokenSource& tokens, int64_t batch, int64_t seq, uint64_t seed, int64_t step,
+                        Packing packing = Packing::Stream);
 // Random tokens in [0, vocab) (for --synthetic benchmarking).
 TokenBatch synthetic_batch(int64_t vocab, int64_t batch, int64_t seq, uint64_t seed, int64_t step);
 // Evaluation reads consecutive windows of seq+1 tokens overlapping by one token, so every token after the first is
 // predicted exactly once; the last window may be shorter (padded with ignored targets, -1). Batch `index` holds
 // windows [index * batch, (index + 1) * batch); batches are made one at a time so a large file is never copied whole.
 int64_t eval_batch_count(int64_t tokens, int64_t seq, int64_t batch);
-TokenBatch eval_batch(const TokenSource& tokens, int64_t seq, int64_t batch, int64_t index);
+// With documents, positions and targets as sample_batch's.
+TokenBatch eval_batch(const TokenSource& tokens, int64_t seq, int64_t batch, int64_t index,
+                      Packing packing = Packing::Stream);
 
 }  // namespace hs::train

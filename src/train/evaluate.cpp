@@ -15,14 +15,14 @@ namespace hs::train {
 
 EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
                            int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches,
-                           Collectives* shards) {
+                           Collectives* shards, Packing packing) {
   EvalResult r;
   double sum = 0;
   int64_t n = eval_batch_count(tokens.size(), seq, batch);
   if (max_batches >= 0) n = std::min(n, max_batches);
   for (int64_t i = 0; i < n; ++i) {
-    const TokenBatch tb = eval_batch(tokens, seq, batch, i);
-    Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq};
+    const TokenBatch tb = eval_batch(tokens, seq, batch, i, packing);
+    Batch b{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq, tb.positions_or_null()};
     StepResult s = forward_only(params, b, compute, mem, nullptr, shards);
     sum += s.ce_sum;
     r.count += s.count;

@@ -9,12 +9,14 @@
 #include "dataset/token_source.h"
 #include "model/params.h"
 #include "train/data.h"
+#include "train/schedule.h"
 
 namespace hs::train {
 
 // Cross-entropy over `tokens` cut into windows of seq+1 that overlap by one token: the mean in nats per predicted
 // token, their count, the bytes of original text they stand for, and bits per byte = total nats / ln 2 / those bytes.
-// Sharded parameters: `shards` is their group, whose ranks all evaluate the same windows.
+// Sharded parameters: `shards` is their group, whose ranks all evaluate the same windows. `packing`: the windows'
+// (train::eval_batch).
 struct EvalResult {
   double ce = 0;
   int64_t count = 0, text_bytes = 0;
@@ -22,7 +24,7 @@ struct EvalResult {
 };
 EvalResult evaluate_tokens(const model::ParamSet& params, const dataset::TokenSource& tokens, int64_t seq,
                            int64_t batch, DType compute, MemoryAccountant& mem, int64_t max_batches = -1,
-                           Collectives* shards = nullptr);
+                           Collectives* shards = nullptr, Packing packing = Packing::Stream);
 
 // The held-out tokens of `train --eval-data PATH`, evaluated instead of a split-off tail of the training data: a
 // token file (recognised by its HSTOKENS magic) or a text, in the ids of the training data. The training data is

@@ -14,7 +14,8 @@ nlohmann::json options_to_json(const TrainOptions& o) {
           {"weight_decay", o.opt.weight_decay}, {"clip", o.opt.clip}, {"remat", remat_name(o.step.remat)},
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
           {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
-          {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"}, {"mtp_weight", o.step.mtp_weight},
+          {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
+          {"packing", packing_name(o.step.packing)}, {"mtp_weight", o.step.mtp_weight},
           {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}, {"eval_data", o.eval_data}};
 }
 
@@ -45,6 +46,9 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
   o.eval_data = j.value("eval_data", o.eval_data);
   o.step.mtp_weight = j.value("mtp_weight", o.step.mtp_weight);  // the loss a resume continues (0 before the flag)
+  // How the run packed its windows (checkpoints from before --packing streamed, as auto still does on text); a
+  // command line that names a packing keeps it.
+  if (o.step.packing == Packing::Auto) o.step.packing = parse_packing(j.value("packing", std::string("auto")));
   // The step's arithmetic: a resume without them would silently compute another curve, so they come back too, and a
   // command line that names other ones is refused.
   if (j.contains("compute_dtype")) {

@@ -40,6 +40,22 @@ RematPolicy parse_remat(const std::string& s) {
   throw std::invalid_argument("unknown remat policy '" + s + "' (use none, block or sublayer)");
 }
 
+std::string packing_name(Packing p) {
+  switch (p) {
+    case Packing::Auto: return "auto";
+    case Packing::Stream: return "stream";
+    case Packing::Documents: return "documents";
+  }
+  return "?";
+}
+
+Packing parse_packing(const std::string& s) {
+  if (s == "auto") return Packing::Auto;
+  if (s == "stream") return Packing::Stream;
+  if (s == "documents") return Packing::Documents;
+  throw std::invalid_argument("unknown packing '" + s + "' (use documents, stream or auto)");
+}
+
 bool packed_weights_default() {
   const char* v = settings::value(settings::Setting::PackedWeights);
   const std::string e = v ? v : "";
@@ -135,13 +151,21 @@ struct Runner {
     if (comm->size() != p.shards())
       throw std::invalid_argument("parameters are sharded " + std::to_string(p.shards()) + " ways but the group has " +
                                   std::to_string(comm->size()) + " ranks");
+    // RoPE's positions: within each document with packed documents, else 0..seq-1 per sequence.
     positions = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "positions");
-    if (!P)
+    if (!P && b.positions) {
+      kernels::check_positions(b.positions, b.batch, b.seq, "the batch");
+      std::copy_n(b.positions, N, ptr<int32_t>(positions));
+    } else if (!P) {
       for (int64_t i = 0; i < N; ++i) ptr<int32_t>(positions)[i] = static_cast<int32_t>(i % b.seq);
+    }
   }
   model::LayerContext ctx() const {
-    return {c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables, /*cache=*/nullptr,
-            /*slots=*/nullptr, piece_bytes, ep_group, pack_weights, delta_rule_bf16_products};
+    model::LayerContext x{c, mem, b.batch, b.seq, ptr<int32_t>(positions), comm, ep, keep_recomputables,
+                          /*cache=*/nullptr, /*slots=*/nullptr, piece_bytes, ep_group, pack_weights,
+                          delta_rule_bf16_products};
+    x.documents = b.positions != nullptr;
+    return x;
   }
   bool sharded() const { return params.shards() > 1; }
   bool prefetching() const { return prefetch && sharded(); }

@@ -43,6 +43,15 @@ class GradientSink {
   virtual void global(model::g::Global which, float* grad) = 0;
 };
 
+// How training windows meet the documents of the data (train --packing; docs/model.md, "Packed documents"):
+// Documents: each window's positions restart after every document separator, and the model restarts with them (no
+// token sees another document, no loss across a boundary); Stream: a window is one sequence whatever it holds (the
+// behaviour before packing, bit for bit); Auto: Documents when the data has documents (a token file of several), else
+// Stream.
+enum class Packing { Auto, Stream, Documents };
+std::string packing_name(Packing p);
+Packing parse_packing(const std::string& s);  // throws std::invalid_argument
+
 struct StepOptions {
   RematPolicy remat = RematPolicy::Sublayer;
   DType compute = DType::BF16;
@@ -87,6 +96,9 @@ struct StepOptions {
   // Multi-token prediction (train --mtp-weight; docs/model.md): > 0 adds this weight times the MTP layer's mean
   // cross-entropy of x_{t+2} to the loss (the model must have an MTP layer). 0: the MTP layer is not run.
   double mtp_weight = 0;
+  // The batches' packing. Over shapes (the planner) Documents counts the batch's positions; Auto counts them not
+  // (a run resolves Auto before it plans: train's command line does).
+  Packing packing = Packing::Auto;
 };
 
 struct StepResult {
@@ -105,6 +117,14 @@ struct Batch {
   const int32_t* inputs;
   const int32_t* targets;
   int64_t batch, seq;
+  // Packed documents (docs/model.md, "Packed documents"): [batch, seq], each token's position within its document,
+  // 0 where one starts (always at a sequence's first token; kernels/common.h). The conv, the delta rule and attention
+  // restart at every start and RoPE counts from it. The targets must already ignore (-1) the next document's first
+  // token (train::sample_batch does). Null: each sequence is one document (stream).
+  const int32_t* positions = nullptr;
+  // Over shapes (inputs null): whether the run's batches carry positions (their buffer is part of the plan).
+  bool documents = false;
+  bool has_documents() const { return positions != nullptr || documents; }
 };
 
 // Forward and backward. The gradients (fp32, MemCategory::Gradients) are added to *grads when it already holds a

@@ -78,8 +78,10 @@ StepOutcome Step::run(std::span<const Batch> micro_batches) {
   check_grad_accum(n, update_in_backward_);
   StepOutcome out;
   out.lr = lr_at(adamw_.config(), adamw_.steps_taken());
+  // inputs, targets and, with packed documents, positions: [batch, seq] int32 each.
   auto batch_buffer = [&](const Batch& b) {
-    return mem_.allocate(2 * static_cast<size_t>(b.batch * b.seq) * sizeof(int32_t), MemCategory::Batch, "batch");
+    const size_t arrays = b.has_documents() ? 3 : 2;
+    return mem_.allocate(arrays * static_cast<size_t>(b.batch * b.seq) * sizeof(int32_t), MemCategory::Batch, "batch");
   };
   if (update_in_backward_) {
     Buffer batch = batch_buffer(micro_batches[0]);

@@ -42,6 +42,7 @@ TokenBatch rows_of(const TokenBatch& tb, int64_t first, int64_t count) {
   const auto from = static_cast<ptrdiff_t>(first * tb.seq), to = static_cast<ptrdiff_t>((first + count) * tb.seq);
   r.inputs.assign(tb.inputs.begin() + from, tb.inputs.begin() + to);
   r.targets.assign(tb.targets.begin() + from, tb.targets.begin() + to);
+  if (!tb.positions.empty()) r.positions.assign(tb.positions.begin() + from, tb.positions.begin() + to);
   return r;
 }
 
@@ -336,14 +337,14 @@ StepRecord Run::take_step(int64_t step) {
   // rank its share of those, so the update is that of one batch of all the rows.
   const int64_t rows = o_.batch * o_.grad_accum;
   TokenBatch all = o_.synthetic ? synthetic_batch(cfg_.vocab, rows, o_.seq, o_.seed, step)
-                                : sample_batch(corpus_.train, rows, o_.seq, o_.seed, step);
+                                : sample_batch(corpus_.train, rows, o_.seq, o_.seed, step, o_.step.packing);
   const int64_t mine = o_.batch / world_;
   std::vector<TokenBatch> micro;
   if (!dist_ && o_.grad_accum == 1) micro.push_back(std::move(all));
   else
     for (int64_t k = 0; k < o_.grad_accum; ++k) micro.push_back(rows_of(all, k * o_.batch + rank_ * mine, mine));
   std::vector<Batch> batches;
-  for (const TokenBatch& tb : micro) batches.push_back(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq});
+  for (const TokenBatch& tb : micro) batches.push_back(Batch{tb.inputs.data(), tb.targets.data(), tb.batch, tb.seq, tb.positions_or_null()});
   StepRecord s;
   std::optional<profile::Session> prof;
   if (profiling_) prof.emplace();
@@ -385,7 +386,7 @@ bool Run::record(int64_t step, const StepRecord& s) {
   const bool evaluate = (!o_.synthetic || !o_.eval_data.empty()) && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
   if (evaluate) {
     const EvalResult e = evaluate_tokens(step_->params(), corpus_.heldout, o_.seq, o_.batch, o_.step.compute, mem_,
-                                         o_.eval_batches, dist_ ? dist_->fsdp : nullptr);
+                                         o_.eval_batches, dist_ ? dist_->fsdp : nullptr, o_.step.packing);
     sum_.eval_ce = e.ce;
     sum_.eval_bits_per_byte = e.bits_per_byte;
     eval_curve_.points.emplace_back(double(step + 1), e.ce);

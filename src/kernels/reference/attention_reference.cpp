@@ -11,7 +11,7 @@
 namespace hs::kernels::reference {
 namespace {
 
-// Row-major [T, T] causal softmax probabilities of one (batch, head) and the scores' log-sum-exp.
+// Row-major [T, T] causal softmax probabilities (0 outside the query's document) of one (batch, head) and the scores' log-sum-exp.
 template <typename R>
 void causal_probs(const AttentionShape& s, const R* q, const R* k, int64_t b, int64_t h, std::vector<R>& P,
                   std::vector<R>& lse) {
@@ -23,7 +23,8 @@ void causal_probs(const AttentionShape& s, const R* q, const R* k, int64_t b, in
     const R* qi = q + ((b * T + i) * s.q_heads + h) * hd;
     R* row = P.data() + i * T;
     R mx = -std::numeric_limits<R>::infinity();
-    for (int64_t j = 0; j <= i; ++j) {
+    const int64_t lo = document_start(s.positions, b * T + i, i);  // keys of the query's own document only
+    for (int64_t j = lo; j <= i; ++j) {
       const R* kj = k + ((b * T + j) * s.kv_heads + kvh) * hd;
       R dot = 0;
       for (int64_t d = 0; d < hd; ++d) dot += qi[d] * kj[d];
@@ -31,8 +32,8 @@ void causal_probs(const AttentionShape& s, const R* q, const R* k, int64_t b, in
       mx = std::max(mx, row[j]);
     }
     R sum = 0;
-    for (int64_t j = 0; j <= i; ++j) sum += std::exp(row[j] - mx);
-    for (int64_t j = 0; j <= i; ++j) row[j] = std::exp(row[j] - mx) / sum;
+    for (int64_t j = lo; j <= i; ++j) sum += std::exp(row[j] - mx);
+    for (int64_t j = lo; j <= i; ++j) row[j] = std::exp(row[j] - mx) / sum;
     lse[static_cast<size_t>(i)] = mx + std::log(sum);
   }
 }

@@ -16,6 +16,10 @@ struct HeadIndex {
   int64_t qk(int64_t t) const { return ((b * s.seq + t) * s.k_heads + h / s.ratio()) * s.dk; }
   int64_t vo(int64_t t) const { return ((b * s.seq + t) * s.v_heads + h) * s.dv; }
   int64_t gate(int64_t t) const { return (b * s.seq + t) * s.v_heads + h; }
+  // exp(g_t), or 0 at a document start: the state restarts from zero there.
+  template <typename R> R decay(const R* g, int64_t t) const {
+    return s.positions && s.positions[b * s.seq + t] == 0 ? R(0) : std::exp(g[gate(t)]);
+  }
 };
 
 }  // namespace
@@ -33,7 +37,7 @@ void delta_rule_recurrent_forward(const DeltaRuleShape& s, const R* q, const R* 
         const R* qt = q + ix.qk(t);
         const R* kt = k + ix.qk(t);
         const R* vt = v + ix.vo(t);
-        const R decay = std::exp(g[ix.gate(t)]), bt = beta[ix.gate(t)];
+        const R decay = ix.decay(g, t), bt = beta[ix.gate(t)];
         for (auto& x : S) x *= decay;
         std::fill(kv.begin(), kv.end(), R(0));
         for (int64_t i = 0; i < dk; ++i)
@@ -67,7 +71,7 @@ void delta_rule_recurrent_backward(const DeltaRuleShape& s, const R* q, const R*
       for (int64_t t = 0; t < T; ++t) {
         const R* kt = k + ix.qk(t);
         const R* vt = v + ix.vo(t);
-        const R decay = std::exp(g[ix.gate(t)]), bt = beta[ix.gate(t)];
+        const R decay = ix.decay(g, t), bt = beta[ix.gate(t)];
         const R* prev = states.data() + t * n;
         R* cur = states.data() + (t + 1) * n;
         for (int64_t i = 0; i < n; ++i) cur[i] = decay * prev[i];
@@ -83,7 +87,7 @@ void delta_rule_recurrent_backward(const DeltaRuleShape& s, const R* q, const R*
         const R* kt = k + ix.qk(t);
         const R* vt = v + ix.vo(t);
         const R* dot = d_o + ix.vo(t);
-        const R decay = std::exp(g[ix.gate(t)]), bt = beta[ix.gate(t)];
+        const R decay = ix.decay(g, t), bt = beta[ix.gate(t)];
         const R* St = states.data() + (t + 1) * n;
         const R* Sprev = states.data() + t * n;
         for (int64_t i = 0; i < n; ++i) Sp[i] = decay * Sprev[i];

@@ -158,11 +158,13 @@ void l2norm_backward(const T* x, const P* rstd, const P* dy, P* dx, int64_t rows
 
 namespace {
 template <typename T, typename P>
-double conv_pre(const T* x, const P* w, int64_t b, int64_t t, int64_t c, int64_t seq, int64_t channels, int64_t width) {
+double conv_pre(const T* x, const P* w, int64_t b, int64_t t, int64_t c, int64_t seq, int64_t channels, int64_t width,
+                const int32_t* positions) {
   double acc = 0;
+  const int64_t start = document_start(positions, b * seq + t, t);
   for (int64_t j = 0; j < width; ++j) {
     const int64_t ts = t - width + 1 + j;
-    if (ts >= 0) acc += static_cast<double>(w[c * width + j]) * ld(x[(b * seq + ts) * channels + c]);
+    if (ts >= start) acc += static_cast<double>(w[c * width + j]) * ld(x[(b * seq + ts) * channels + c]);
   }
   return acc;
 }
@@ -170,26 +172,27 @@ double conv_pre(const T* x, const P* w, int64_t b, int64_t t, int64_t c, int64_t
 
 template <typename T, typename P>
 void causal_conv_silu_forward(const T* x, const P* w, T* y, int64_t batch, int64_t seq, int64_t channels,
-                              int64_t width) {
+                              int64_t width, const int32_t* positions) {
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t t = 0; t < seq; ++t)
       for (int64_t c = 0; c < channels; ++c)
-        y[(b * seq + t) * channels + c] = st<T>(silu(conv_pre(x, w, b, t, c, seq, channels, width)));
+        y[(b * seq + t) * channels + c] = st<T>(silu(conv_pre(x, w, b, t, c, seq, channels, width, positions)));
 }
 
 template <typename T, typename P>
 void causal_conv_silu_backward(const T* x, const P* w, const P* dy, P* dx, P* dw, int64_t batch, int64_t seq,
-                               int64_t channels, int64_t width) {
+                               int64_t channels, int64_t width, const int32_t* positions) {
   std::vector<double> dx_acc(static_cast<size_t>(batch * seq * channels)),
       dw_acc(static_cast<size_t>(channels * width));
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t t = 0; t < seq; ++t)
       for (int64_t c = 0; c < channels; ++c) {
         const int64_t o = (b * seq + t) * channels + c;
-        const double dpre = static_cast<double>(dy[o]) * dsilu(conv_pre(x, w, b, t, c, seq, channels, width));
+        const double dpre = static_cast<double>(dy[o]) * dsilu(conv_pre(x, w, b, t, c, seq, channels, width, positions));
+        const int64_t start = document_start(positions, b * seq + t, t);
         for (int64_t j = 0; j < width; ++j) {
           const int64_t ts = t - width + 1 + j;
-          if (ts < 0) continue;
+          if (ts < start) continue;
           const int64_t i = (b * seq + ts) * channels + c;
           dx_acc[i] += dpre * static_cast<double>(w[c * width + j]);
           dw_acc[c * width + j] += dpre * ld(x[i]);
@@ -269,9 +272,10 @@ template <typename P> double sum_squares(const P* x, int64_t n) {
                                              int64_t);                                                               \
   template void l2norm_forward<T, P>(const T*, T*, P*, int64_t, int64_t, double, double);                            \
   template void l2norm_backward<T, P>(const T*, const P*, const P*, P*, int64_t, int64_t, double);                   \
-  template void causal_conv_silu_forward<T, P>(const T*, const P*, T*, int64_t, int64_t, int64_t, int64_t);          \
+  template void causal_conv_silu_forward<T, P>(const T*, const P*, T*, int64_t, int64_t, int64_t, int64_t,          \
+                                               const int32_t*);                                                      \
   template void causal_conv_silu_backward<T, P>(const T*, const P*, const P*, P*, P*, int64_t, int64_t, int64_t,     \
-                                                int64_t);                                                            \
+                                                int64_t, const int32_t*);                                            \
   template void gdn_gates_forward<T, P>(const T*, const T*, const P*, const P*, P*, P*, int64_t, int64_t);           \
   template void gdn_gates_backward<T, P>(const T*, const T*, const P*, const P*, const P*, const P*, P*, P*, P*, P*, \
                                          int64_t, int64_t);                                                          \

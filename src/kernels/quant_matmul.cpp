@@ -1,0 +1,80 @@
+// Prefill products on quantized weights (kernels/quant_gemv.h, quant_matmul).
+#include <omp.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels/matmul.h"
+#include "kernels/quant_gemv.h"
+
+namespace hs::kernels {
+namespace {
+
+// Weight rows per tile of the int8 way: 64 rows of K = 2048 at Q8_0 are 139 KiB, within L2 while every activation
+// row group passes over them.
+constexpr int64_t kInt8TileRows = 64;
+// Weight rows per tile of the dequantized way: 256 rows of K = 2048 are 1 MiB of bf16, one oneDNN call each.
+constexpr int64_t kDequantTileRows = 256;
+
+template <typename T> void dequantize_tile(GgmlType t, const uint8_t* W, int64_t rows, int64_t K, T* out) {
+  const int64_t rb = ggml_row_bytes(t, K);
+#pragma omp parallel
+  {
+    std::vector<float> row(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < rows; ++n) {
+      if constexpr (std::is_same_v<T, float>) {
+        dequantize_row(t, W + n * rb, out + n * K, K);
+      } else {
+        dequantize_row(t, W + n * rb, row.data(), K);
+        for (int64_t k = 0; k < K; ++k) out[n * K + k] = from_f32<T>(row[static_cast<size_t>(k)]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, int64_t N, int64_t K, int64_t ldx,
+                  int64_t ldy, QuantMatmul how) {
+  if (!quant_gemv_supports(t))
+    throw std::invalid_argument(std::string("no quantized products for ") + ggml_type_info(t).name + " weights");
+  if (M <= 0 || N <= 0) return;
+  if (ldx == 0) ldx = K;
+  if (ldy == 0) ldy = N;
+  const auto* w = static_cast<const uint8_t*>(W);
+  const int64_t rb = ggml_row_bytes(t, K);
+  // Measured here (M = 512, N = K = 2048, bf16 x, 2 threads, medians of 5 alternated runs): Q8_0 244 GFLOP/s
+  // dequantized against 82 int8; Q4_K 59 dequantized (its dequantization is the slower part) against 83 int8.
+  if (how == QuantMatmul::Auto)
+    how = (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
+  if (how == QuantMatmul::Int8) {
+    QuantizedRows xq;
+    quantize_rows(t, x, M, K, ldx, xq);
+    const cpu::Level isa = quant_gemv_level();
+    const int64_t tiles = (N + kInt8TileRows - 1) / kInt8TileRows;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tiles; ++i)
+      quant_gemv_rows(xq, w, y, ldy, i * kInt8TileRows, std::min(N, (i + 1) * kInt8TileRows), isa);
+    return;
+  }
+  std::vector<T> tile(static_cast<size_t>(std::min(N, kDequantTileRows) * K));
+  for (int64_t n0 = 0; n0 < N; n0 += kDequantTileRows) {
+    const int64_t rows = std::min(kDequantTileRows, N - n0);
+    dequantize_tile(t, w + n0 * rb, rows, K, tile.data());
+    MatmulLayout ld;
+    ld.lda = ldx;
+    ld.ldc = ldy;
+    matmul(x, tile.data(), y + n0, M, rows, K, false, true, false, ld);
+  }
+}
+
+template void quant_matmul<float>(GgmlType, const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, QuantMatmul);
+template void quant_matmul<bf16>(GgmlType, const bf16*, const void*, float*, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, QuantMatmul);
+
+}  // namespace hs::kernels
