@@ -18,10 +18,11 @@ namespace {
 
 namespace fs = std::filesystem;
 
-model::ModelConfig config(model::Family f, int64_t L) {
+model::ModelConfig config(model::Family f, int64_t L, bool mtp = false) {
   model::ModelConfig c = model::preset("tiny");
   c.family = f;
   c.layers = L;
+  c.mtp_layers = mtp ? 1 : 0;
   return c;
 }
 
@@ -36,7 +37,8 @@ void write_hf(const fs::path& dir, const model::ModelConfig& c, ExpertLayout ex,
     decls.push_back({t.name, f32 ? FileDType::F32 : FileDType::BF16, t.shape});
   }
   if (extras) {
-    decls.push_back({"mtp.fc.weight", FileDType::BF16, {4, 4}});
+    // A config without an MTP layer skips mtp.*; with one, the real mtp.* tensors are in the layout above.
+    if (c.mtp_layers == 0) decls.push_back({"mtp.fc.weight", FileDType::BF16, {4, 4}});
     decls.push_back({"model.visual.patch_embed.weight", FileDType::BF16, {2, 3}});
   }
   sort_like_reference_writer(decls);
@@ -53,11 +55,14 @@ void write_hf(const fs::path& dir, const model::ModelConfig& c, ExpertLayout ex,
   std::ofstream(dir / "config.json") << model::config_to_hf_json(c).dump(2);
 }
 
-void expect_same_tensors(const fs::path& a, const fs::path& b, bool skip_extras) {
+// skip_extras: the tensors conversion skips (model.visual.*, and mtp.* when the model has no MTP layer) are not
+// compared; with `mtp` the mtp.* tensors are compared like the rest.
+void expect_same_tensors(const fs::path& a, const fs::path& b, bool skip_extras, bool mtp = false) {
+  auto skipped = [&](const std::string& n) { return is_skipped_hf_tensor(n) && !(mtp && n.rfind("mtp.", 0) == 0); };
   CheckpointReader ra(a), rb(b);
   size_t n = 0;
   for (const std::string& name : ra.tensor_names()) {
-    if (skip_extras && is_skipped_hf_tensor(name)) continue;
+    if (skip_extras && skipped(name)) continue;
     ASSERT_TRUE(rb.contains(name)) << name;
     const TensorInfo &x = ra.info(name), &y = rb.info(name);
     EXPECT_EQ(x.dtype, y.dtype) << name;
@@ -68,50 +73,79 @@ void expect_same_tensors(const fs::path& a, const fs::path& b, bool skip_extras)
     ++n;
   }
   size_t m = 0;
-  for (const std::string& name : rb.tensor_names()) m += !(skip_extras && is_skipped_hf_tensor(name));
+  for (const std::string& name : rb.tensor_names()) m += !(skip_extras && skipped(name));
   EXPECT_EQ(n, m);
 }
 
-class RoundTrip : public ::testing::TestWithParam<std::tuple<model::Family, int, ExpertLayout, bool>> {};
+class RoundTrip : public ::testing::TestWithParam<std::tuple<model::Family, int, ExpertLayout, bool, bool>> {};
 
 // HF -> native (scanned and unscanned) -> HF reproduces every tensor byte for byte: names, dtypes, shapes, bytes.
+// With an MTP layer (the last tuple member) its mtp.* tensors are carried and compared too.
 TEST_P(RoundTrip, HuggingFaceToNativeToHuggingFaceIsByteIdentical) {
-  auto [fam, L, ex, sharded] = GetParam();
+  auto [fam, L, ex, sharded, mtp] = GetParam();
   test::TempDir t;
-  model::ModelConfig c = config(fam, L);
+  model::ModelConfig c = config(fam, L, mtp);
   write_hf(t / "hf", c, ex, sharded ? 40000 : 1ull << 40, 7 + uint32_t(L), true);
   for (Layout layout : {Layout::Scanned, Layout::Unscanned}) {
     const std::string tag = layout == Layout::Scanned ? "scanned" : "unscanned";
     ConvertOptions to_native;
     to_native.layout = layout;
     ConvertReport r = convert_checkpoint(t / "hf", t / ("native_" + tag), to_native);
-    EXPECT_EQ(r.skipped, 2u);
+    EXPECT_EQ(r.skipped, mtp ? 1u : 2u);
     CheckpointDir n = open_checkpoint_dir(t / ("native_" + tag));
     EXPECT_EQ(n.format, Format::Native);
     EXPECT_EQ(n.layout, layout);
+    EXPECT_EQ(n.config.mtp_layers, mtp ? 1 : 0);
+    if (mtp) {  // the native checkpoint holds the MTP tensors under their own names
+      CheckpointReader nr(t / ("native_" + tag));
+      EXPECT_TRUE(nr.contains(layout == Layout::Scanned ? "mtp.layers.self_attn.q_proj.weight"
+                                                         : "mtp.layers.0.self_attn.q_proj.weight"));
+      EXPECT_TRUE(nr.contains("mtp.fc.weight"));
+    }
     ConvertOptions to_hf;
     to_hf.to = Format::HuggingFace;
     to_hf.max_shard_bytes = sharded ? 40000 : 1ull << 40;
     convert_checkpoint(t / ("native_" + tag), t / ("back_" + tag), to_hf);
-    expect_same_tensors(t / "hf", t / ("back_" + tag), /*skip_extras=*/true);
+    expect_same_tensors(t / "hf", t / ("back_" + tag), /*skip_extras=*/true, mtp);
     EXPECT_EQ(CheckpointReader(t / ("back_" + tag)).sharded(), sharded);
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, RoundTrip,
-    ::testing::Values(std::make_tuple(model::Family::Qwen3Next, 4, ExpertLayout::PerExpert, false),
-                      std::make_tuple(model::Family::Qwen3Next, 6, ExpertLayout::PerExpert, true),
-                      std::make_tuple(model::Family::Qwen3Next, 7, ExpertLayout::Fused, false),
-                      std::make_tuple(model::Family::Qwen3_5, 4, ExpertLayout::Fused, true),
-                      std::make_tuple(model::Family::Qwen3_5, 6, ExpertLayout::Fused, false),
-                      std::make_tuple(model::Family::Qwen3_5, 7, ExpertLayout::PerExpert, false)),
+    ::testing::Values(std::make_tuple(model::Family::Qwen3Next, 4, ExpertLayout::PerExpert, false, false),
+                      std::make_tuple(model::Family::Qwen3Next, 6, ExpertLayout::PerExpert, true, false),
+                      std::make_tuple(model::Family::Qwen3Next, 7, ExpertLayout::Fused, false, false),
+                      std::make_tuple(model::Family::Qwen3_5, 4, ExpertLayout::Fused, true, false),
+                      std::make_tuple(model::Family::Qwen3_5, 6, ExpertLayout::Fused, false, false),
+                      std::make_tuple(model::Family::Qwen3_5, 7, ExpertLayout::PerExpert, false, false),
+                      std::make_tuple(model::Family::Qwen3Next, 7, ExpertLayout::PerExpert, true, true),
+                      std::make_tuple(model::Family::Qwen3_5, 6, ExpertLayout::Fused, false, true)),
     [](const auto& param_info) {
       const auto& p = param_info.param;
       return std::string(std::get<0>(p) == model::Family::Qwen3Next ? "qwen3next" : "qwen35") + "_L" +
              std::to_string(std::get<1>(p)) + (std::get<2>(p) == ExpertLayout::Fused ? "_fused" : "_per_expert") +
-             (std::get<3>(p) ? "_sharded" : "");
+             (std::get<3>(p) ? "_sharded" : "") + (std::get<4>(p) ? "_mtp" : "");
     });
+
+// A config.json that announces an MTP layer over files without any mtp.* tensor (transformers' save_pretrained
+// drops them): read as the decoder alone, converted, and its config says so from then on.
+TEST(Convert, ConfigWithMtpOverFilesWithoutItReadsAsNoMtp) {
+  test::TempDir t;
+  const model::ModelConfig c = config(model::Family::Qwen3_5, 4);
+  write_hf(t / "hf", c, ExpertLayout::Fused, 1ull << 40, 3, /*extras=*/false);
+  model::ModelConfig announced = c;
+  announced.mtp_layers = 1;
+  std::ofstream(t / "hf" / "config.json") << model::config_to_hf_json(announced).dump(2);
+  CheckpointDir d = open_checkpoint_dir(t / "hf");
+  EXPECT_EQ(d.config.mtp_layers, 0);
+  convert_checkpoint(t / "hf", t / "native", {});
+  EXPECT_EQ(open_checkpoint_dir(t / "native").config.mtp_layers, 0);
+  ConvertOptions to_hf;
+  to_hf.to = Format::HuggingFace;
+  convert_checkpoint(t / "native", t / "back", to_hf);
+  expect_same_tensors(t / "hf", t / "back", /*skip_extras=*/false);
+}
 
 // The transformers-written fixtures: HF -> native -> HF gives back every decoder tensor byte for byte (Qwen3-Next's
 // whole file, which has no skipped tensors, is identical too), and the native copy gives the same logits.

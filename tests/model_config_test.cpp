@@ -17,7 +17,7 @@ TEST(ModelConfig, PresetsValidateAndCountParameters) {
 }
 
 TEST(ModelConfig, ParameterCountMatchesAllocatedParameters) {
-  for (const char* n : {"tiny", "small"}) {
+  for (const char* n : {"tiny", "small", "tiny+mtp", "small+mtp", "qwen3.5-tiny+mtp"}) {
     ModelConfig c = preset(n);
     for (int64_t L : {4, 5, 6, 7}) {
       c.layers = L;
@@ -42,6 +42,42 @@ TEST(ModelConfig, HuggingFaceJsonRoundTripBothFamilies) {
     EXPECT_DOUBLE_EQ(back.rope_theta, 1e7);
     EXPECT_EQ(back.parameter_count(), c.parameter_count());
   }
+}
+
+// The MTP layer: each family's field name (num_nextn_predict_layers, text_config.mtp_num_hidden_layers) read and
+// written, "+mtp" presets, its parameters counted (fc 2H^2, three norms, one full-attention layer with the FFN), and
+// the values the engine cannot run refused with the field's name.
+TEST(ModelConfig, MtpLayerFieldsOfBothFamilies) {
+  for (const char* n : {"qwen3-next-80b-a3b", "qwen3.5-397b-a17b"}) {
+    ModelConfig c = preset(n);
+    EXPECT_EQ(c.mtp_layers, 0) << n;
+    EXPECT_EQ(config_from_hf_json(config_to_hf_json(c)).mtp_layers, 0) << n;
+    c.mtp_layers = 1;
+    nlohmann::json j = config_to_hf_json(c);
+    const nlohmann::json& t = c.family == Family::Qwen3Next ? j : j.at("text_config");
+    EXPECT_EQ(t.at(c.family == Family::Qwen3Next ? "num_nextn_predict_layers" : "mtp_num_hidden_layers"), 1) << n;
+    ModelConfig back = config_from_hf_json(j);
+    EXPECT_EQ(back.mtp_layers, 1) << n;
+    EXPECT_EQ(back.parameter_count(), c.parameter_count()) << n;
+    EXPECT_GT(c.mtp_parameter_count(), 2 * c.hidden * c.hidden) << n;
+    nlohmann::json bad = j;
+    (c.family == Family::Qwen3Next ? bad : bad["text_config"])[c.family == Family::Qwen3Next ? "num_nextn_predict_layers"
+                                                                                              : "mtp_num_hidden_layers"] = 2;
+    EXPECT_THROW(config_from_hf_json(bad), std::invalid_argument) << n;
+  }
+  nlohmann::json dedicated = config_to_hf_json(preset("qwen3.5-tiny+mtp"));
+  dedicated["text_config"]["mtp_use_dedicated_embeddings"] = true;
+  EXPECT_THROW(config_from_hf_json(dedicated), std::invalid_argument);
+  const ModelConfig t = preset("tiny"), m = preset("tiny+mtp");
+  EXPECT_EQ(m.mtp_layers, 1);
+  EXPECT_EQ(load_config("small+mtp").mtp_layers, 1);
+  // tiny: H 64, attention 4q/2kv x 16 (q 8192, k 2048, v 2048, o 4096, q/k norms 32), MoE 4 x (3 x 32 x 64) + router
+  // 256 + shared 3 x 32 x 64 + gate 64, two layer norms 128; fc 8192 and three norms 192.
+  EXPECT_EQ(m.mtp_parameter_count(), 8192 + 192 + (8192 + 2048 + 2048 + 4096 + 32) + 128 +
+                                         (4 * 3 * 32 * 64 + 256 + 3 * 32 * 64 + 64));
+  EXPECT_EQ(m.parameter_count() - t.parameter_count(), m.mtp_parameter_count());
+  EXPECT_THROW(preset("tiny+mtp+mtp"), std::invalid_argument);
+  EXPECT_THROW(preset("nope+mtp"), std::invalid_argument);
 }
 
 // A config.json without partial_rotary_factor rotates what transformers rotates: a quarter of the head (its default

@@ -48,6 +48,7 @@ TOL = {"fp32": 1e-6, "bf16": 2e-3}
 TOL_L7 = 1e-4
 MODELS = {
     "tiny": ["--preset", "tiny"],                                    # qwen3-next, 4 layers: one block
+    "tiny+mtp": ["--preset", "tiny+mtp"],                            # the same with a multi-token-prediction layer
     "qwen3.5-L5": ["--config", str(FIXTURES / "qwen3_5_L5")],         # one block + 1 remainder layer
     "qwen3-next-L7": ["--config", str(FIXTURES / "qwen3_next_L7")],   # one block + 3 remainder layers
 }
@@ -235,6 +236,29 @@ def case_fsdp(binary):
     failures = [] if w <= TOL["fp32"] else [f"fsdp 2 x 2: {w:.2e}"]
     if bad.returncode == 0 or "an FSDP group of 3 ranks must divide the number of ranks (4)" not in bad.stderr:
         failures.append(f"--fsdp 3 on 4 ranks: no clear error ({bad.returncode}): {bad.stderr[-400:]}")
+    return failures
+
+
+def case_mtp(binary):
+    """--mtp-weight 0.3 on tiny+mtp: 2 ranks (one FSDP group) and 4 ranks (2 FSDP groups of 2) train one process's
+    losses within fp32's tolerance, and each rank's measured peak is the plan's."""
+    failures = []
+    common = ["--steps", "8", "--batch", "4", "--compute-dtype", "fp32", "--mtp-weight", "0.3"]
+    one = train(binary, 1, "tiny+mtp", common)["losses"]
+    for n, extra in [(2, []), (4, ["--fsdp", "2"])]:
+        r = train(binary, n, "tiny+mtp", [*common, *extra])
+        w = worst_rel(r["losses"], one)
+        print(f"tiny+mtp --mtp-weight 0.3 N={n} {' '.join(extra) or '-'}: worst relative loss difference {w:.2e}")
+        if w > TOL["fp32"]:
+            failures.append(f"mtp N={n}: {w:.2e} > {TOL['fp32']}")
+        p = json.loads(run([binary, "plan", "--model", "tiny+mtp", "--devices", str(n), "--batch-per-device",
+                            str(4 // n) if n <= 4 else "1", "--seq", "16", "--compute-dtype", "fp32", "--mtp-weight",
+                            "0.3", "--json", *extra]).stdout)
+        for rank, peak in enumerate(r["rank_peak_bytes"]):
+            rel = abs(peak - p["total_bytes"]) / p["total_bytes"]
+            print(f"  rank {rank}: measured {peak} B, planned {p['total_bytes']} B ({rel:.2e})")
+            if rel > 0.01:
+                failures.append(f"mtp N={n} rank {rank}: {peak} vs plan {p['total_bytes']}")
     return failures
 
 

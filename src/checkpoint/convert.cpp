@@ -210,6 +210,16 @@ CheckpointDir open_checkpoint_dir(const fs::path& path) {
       throw std::runtime_error(d.path.string() + ": " + e.what());
     }
     if (!r.files().empty()) d.hf_metadata = r.files().front().metadata();
+    // A config that announces an MTP layer over files without one (a copy whose mtp.* tensors were dropped, as
+    // transformers' save_pretrained does): the decoder alone, and config.json says so from here on.
+    if (d.config.mtp_layers > 0) {
+      const auto names = r.tensor_names();
+      if (std::none_of(names.begin(), names.end(), [](const std::string& n) { return n.rfind("mtp.", 0) == 0; })) {
+        d.config.mtp_layers = 0;
+        nlohmann::json& t = d.config_json.contains("text_config") ? d.config_json["text_config"] : d.config_json;
+        t[d.config.family == model::Family::Qwen3Next ? "num_nextn_predict_layers" : "mtp_num_hidden_layers"] = 0;
+      }
+    }
   }
   d.tensors = layout_of(d);
   return d;

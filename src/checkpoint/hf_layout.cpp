@@ -60,11 +60,10 @@ HfLayout hf_layout(const ModelConfig& c, ExpertLayout experts, const std::string
   add_plain(out.prefix + "norm.weight", {H}, "norm.weight", 0);
   add_plain("lm_head.weight", {c.vocab, H}, "lm_head.weight", 0);
 
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const model::LayerSlot slot = model::slot_of_layer(c, i);
+  // One decoder layer's tensors, named lp + <per-layer name> (HF splits and fusions applied).
+  auto add_layer = [&](const model::LayerSlot& slot, const std::string& lp) {
     const LayerKind kind = slot.kind();
     const std::string group = model::group_name(slot.group) + ".";
-    const std::string lp = out.prefix + "layers." + std::to_string(i) + ".";
     for (const model::ParamSpec& s : model::layer_specs(c, kind)) {
       const int64_t per_layer = hs::numel(s.shape);
       const int64_t at = b.slot_offset(slot, per_layer);
@@ -117,7 +116,14 @@ HfLayout hf_layout(const ModelConfig& c, ExpertLayout experts, const std::string
         add_plain(lp + s.name, s.shape, group + s.name, at);
       }
     }
-  }
+  };
+  for (int64_t i = 0; i < c.layers; ++i)
+    add_layer(model::slot_of_layer(c, i), out.prefix + "layers." + std::to_string(i) + ".");
+  // The multi-token-prediction layer: "mtp.*" at the top level in both families (no "model." prefix), its decoder
+  // layer stored like a full-attention layer of the decoder (experts in the same layout).
+  for (int64_t i = 0; i < c.mtp_layers; ++i)
+    add_layer({model::StackGroup::Mtp, i, 0}, "mtp.layers." + std::to_string(i) + ".");
+  for (const model::ParamSpec& s : model::mtp_specs(c)) add_plain(s.name, s.shape, s.name, 0);
   return out;
 }
 
@@ -135,6 +141,7 @@ DetectedHfLayout detect_hf_layout(const std::vector<std::string>& names, const M
 }
 
 bool is_skipped_hf_tensor(const std::string& name) {
+  // mtp.* is only skipped when the config has no MTP layer: with one, its names are among the layout's.
   return name.rfind("mtp.", 0) == 0 || name.rfind("model.visual.", 0) == 0 || name.rfind("visual.", 0) == 0;
 }
 
@@ -143,15 +150,18 @@ HfLayout unscanned_layout(const ModelConfig& c) {
   HfLayout& out = b.out;
   for (const char* g : {"embed_tokens.weight", "norm.weight", "lm_head.weight"})
     out.hf.push_back({g, b.out.stacked[b.stacked(g)].shape, {{b.stacked(g), 0, 0, hs::numel(b.out.stacked[b.stacked(g)].shape)}}});
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const model::LayerSlot slot = model::slot_of_layer(c, i);
+  auto add_layer = [&](const model::LayerSlot& slot, const std::string& lp) {
     const std::string group = model::group_name(slot.group) + ".";
     for (const model::ParamSpec& s : model::layer_specs(c, slot.kind())) {
       const int64_t n = hs::numel(s.shape);
-      out.hf.push_back({"layers." + std::to_string(i) + "." + s.name, s.shape,
-                        {{b.stacked(group + s.name), b.slot_offset(slot, n), 0, n}}});
+      out.hf.push_back({lp + s.name, s.shape, {{b.stacked(group + s.name), b.slot_offset(slot, n), 0, n}}});
     }
-  }
+  };
+  for (int64_t i = 0; i < c.layers; ++i) add_layer(model::slot_of_layer(c, i), "layers." + std::to_string(i) + ".");
+  for (int64_t i = 0; i < c.mtp_layers; ++i)
+    add_layer({model::StackGroup::Mtp, i, 0}, "mtp.layers." + std::to_string(i) + ".");
+  for (const model::ParamSpec& s : model::mtp_specs(c))
+    out.hf.push_back({s.name, s.shape, {{b.stacked(s.name), 0, 0, hs::numel(s.shape)}}});
   return out;
 }
 

@@ -57,8 +57,9 @@ struct DetectedHfLayout {
   ExpertLayout experts;
 };
 DetectedHfLayout detect_hf_layout(const std::vector<std::string>& names, const model::ModelConfig& c);
-// Tensors of a real checkpoint that are not part of the text decoder and are skipped with a note: the
-// multi-token-prediction head (mtp.*) and the vision tower (model.visual.*).
+// Tensors of a real checkpoint that are not part of the text decoder and are skipped with a note: the vision tower
+// (model.visual.*), and the multi-token-prediction layer (mtp.*) when the config has none (num_nextn_predict_layers /
+// mtp_num_hidden_layers 0); with one, hf_layout names the mtp.* tensors and they are read like the rest.
 bool is_skipped_hf_tensor(const std::string& name);
 
 // Per-layer ("unscanned") native names: "layers.{i}.<per-layer name>" with per-layer shapes, plus the globals,

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
@@ -76,16 +77,19 @@ void register_inspect(CLI::App& app) {
     checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     checkpoint::CheckpointReader r(d.path);
     nlohmann::json tensors = nlohmann::json::array();
-    uint64_t elems = 0, bytes = 0, skipped = 0;
+    uint64_t elems = 0, bytes = 0, skipped = 0, mtp_elems = 0;
+    std::set<std::string> known;  // the names the layout reads (mtp.* among them when the model has an MTP layer)
+    for (const auto& t : d.tensors.hf) known.insert(t.name);
     for (const auto& n : r.tensor_names()) {
       const auto& t = r.info(n);
       tensors.push_back({{"name", n}, {"dtype", std::string(checkpoint::file_dtype_name(t.dtype))}, {"shape", t.shape}, {"bytes", t.nbytes()}});
-      if (d.format == checkpoint::Format::HuggingFace && checkpoint::is_skipped_hf_tensor(n)) {
+      if (d.format == checkpoint::Format::HuggingFace && !known.count(n) && checkpoint::is_skipped_hf_tensor(n)) {
         ++skipped;
         continue;
       }
       elems += t.numel();
       bytes += t.nbytes();
+      if (n.rfind("mtp.", 0) == 0) mtp_elems += t.numel();
     }
     const std::string layout = d.format == checkpoint::Format::Native
                                    ? (d.layout == checkpoint::Layout::Scanned ? "scanned" : "unscanned")
@@ -94,6 +98,7 @@ void register_inspect(CLI::App& app) {
     if (a->json) {
       std::printf("%s\n", nlohmann::json({{"format", checkpoint::format_name(d.format)}, {"layout", layout},
                                           {"family", model::family_name(d.config.family)}, {"parameters", elems},
+                                          {"mtp_layers", d.config.mtp_layers}, {"mtp_parameters", mtp_elems},
                                           {"bytes", bytes}, {"skipped_tensors", skipped}, {"tensors", tensors}})
                               .dump()
                               .c_str());
@@ -107,6 +112,9 @@ void register_inspect(CLI::App& app) {
                 layout.c_str(), model::describe(d.config).c_str(), (unsigned long long)elems,
                 format_bytes(double(bytes)).c_str(),
                 skipped ? (", plus " + std::to_string(skipped) + " tensors outside the text decoder (mtp/visual)").c_str() : "");
+    if (d.config.mtp_layers)
+      std::printf("multi-token prediction: %lld layer, %llu parameters (mtp.*)\n", (long long)d.config.mtp_layers,
+                  (unsigned long long)mtp_elems);
     if (d.format == checkpoint::Format::Native && d.native.contains("state"))
       std::printf("training state: step %lld\n", (long long)d.native["state"].value("step", int64_t(0)));
   });

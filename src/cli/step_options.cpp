@@ -16,7 +16,8 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
   a.seq = d.seq;
   c->add_option("--model,--preset,--config", a.model,
                 "Model: a preset (tiny, small, qwen3.5-tiny with the Qwen3.5 vocabulary, qwen3-next-80b-a3b, "
-                "qwen3.5-35b-a3b, qwen3.5-397b-a17b) or a Hugging Face config.json (or a directory holding one)")
+                "qwen3.5-35b-a3b, qwen3.5-397b-a17b; any of them + \"+mtp\" for a multi-token-prediction layer, e.g. "
+                "small+mtp) or a Hugging Face config.json (or a directory holding one)")
       ->capture_default_str();
   a.batch_option = c->add_option("--batch", a.batch, "Sequences per step, over all devices (ranks) together")
                        ->capture_default_str();
@@ -67,6 +68,12 @@ void add_step_options(CLI::App* c, StepArgs& a, const StepDefaults& d) {
                                  "sums (vdpbf16ps; bf16 compute on a CPU with AVX-512-BF16, else fp32)")
                        ->check(CLI::IsMember({"fp32", "bf16"}))
                        ->capture_default_str();
+  c->add_option("--mtp-weight", a.mtp_weight,
+                "Multi-token prediction: loss = main + this weight x the MTP layer's mean cross-entropy of the token "
+                "after next (DeepSeek-V3 uses 0.3, then 0.1); needs a model with an MTP layer (e.g. small+mtp). 0: "
+                "the MTP layer is not run")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   c->add_option("--packing", a.packing,
                 "documents | stream | auto: documents restarts the model at every document start of the data (no "
                 "token sees another document, no loss across one); stream reads the data as one sequence; auto: "
@@ -87,6 +94,7 @@ train::StepOptions schedule_options(const StepArgs& a, bool for_this_machine) {
   s.pack_weights =
       a.packed_weights.empty() ? for_this_machine && train::packed_weights_default() : a.packed_weights == "on";
   s.delta_rule_bf16_products = a.delta_rule_products == "bf16";
+  s.mtp_weight = a.mtp_weight;
   s.packing = train::parse_packing(a.packing);
   return s;
 }

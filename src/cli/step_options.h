@@ -36,6 +36,7 @@ struct StepArgs {
   std::string vocab_piece_bytes = std::to_string(train::StepOptions{}.vocab_piece_bytes);
   std::string packed_weights;   // on | off; empty: the subcommand's default (HS_PACKED_WEIGHTS, else off)
   std::string delta_rule_products = train::StepOptions{}.delta_rule_bf16_products ? "bf16" : "fp32";
+  double mtp_weight = train::StepOptions{}.mtp_weight;  // --mtp-weight: the MTP layer's loss weight (0: not run)
   std::string packing = train::packing_name(train::StepOptions{}.packing);  // --packing documents | stream | auto
   int threads = 0;
   // Set by add_step_options: whether the command line named them (a resume refuses other values than its own).

@@ -27,7 +27,18 @@ int64_t ModelConfig::parameter_count() const {
   int64_t n_full = 0;
   for (int64_t i = 0; i < layers; ++i) n_full += is_full_attention(i);
   int64_t per_layer_common = 2 * H + ffn;
-  return n_full * (attn + per_layer_common) + (layers - n_full) * (gdn + per_layer_common) + 2 * vocab * H + H;
+  return n_full * (attn + per_layer_common) + (layers - n_full) * (gdn + per_layer_common) + 2 * vocab * H + H +
+         mtp_parameter_count();
+}
+
+int64_t ModelConfig::mtp_parameter_count() const {
+  if (mtp_layers == 0) return 0;
+  const int64_t H = hidden;
+  int64_t ffn = moe() ? experts * H + experts * 3 * expert_inter * H + 3 * shared_inter * H + H
+                      : 3 * intermediate * H;
+  int64_t attn = H * q_heads * 2 * head_dim + 2 * H * kv_heads * head_dim + q_heads * head_dim * H + 2 * head_dim;
+  // fc [H, 2H], pre_fc_norm_embedding, pre_fc_norm_hidden and norm [H]; per layer the full-attention layer.
+  return 2 * H * H + 3 * H + mtp_layers * (attn + 2 * H + ffn);
 }
 
 void ModelConfig::validate() const {
@@ -60,6 +71,9 @@ void ModelConfig::validate() const {
     need(intermediate > 0, "a dense model needs intermediate_size > 0 (or set num_experts for MoE)");
   }
   need(rms_eps > 0, "rms_norm_eps must be positive");
+  need(mtp_layers == 0 || mtp_layers == 1,
+       "num_nextn_predict_layers / mtp_num_hidden_layers must be 0 or 1 (got " + std::to_string(mtp_layers) +
+           "; the released Qwen3-Next and Qwen3.5 checkpoints carry one multi-token-prediction layer)");
 }
 
 namespace {
@@ -151,6 +165,17 @@ std::vector<std::string> preset_names() {
 }
 
 ModelConfig preset(const std::string& name) {
+  const std::string suffix = "+mtp";
+  if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0) {
+    const std::string base = name.substr(0, name.size() - suffix.size());
+    if (base.find(suffix) != std::string::npos)
+      throw std::invalid_argument("preset '" + name + "': '+mtp' adds the one MTP layer a model can have; give it once");
+    ModelConfig c = preset(base);
+    c.name = name;
+    c.mtp_layers = 1;
+    c.validate();
+    return c;
+  }
   ModelConfig c;
   if (name == "tiny") c = make_tiny();
   else if (name == "small") c = make_small();
@@ -161,7 +186,8 @@ ModelConfig preset(const std::string& name) {
   else {
     std::string known;
     for (const auto& n : preset_names()) known += (known.empty() ? "" : ", ") + n;
-    throw std::invalid_argument("unknown preset '" + name + "' (known: " + known + "; or pass a config.json path)");
+    throw std::invalid_argument("unknown preset '" + name + "' (known: " + known +
+                                ", each also with '+mtp' for a multi-token-prediction layer; or pass a config.json path)");
   }
   c.validate();
   return c;
@@ -243,6 +269,12 @@ ModelConfig config_from_hf_json(const json& root, const std::string& src) {
   c.router_aux_coef = get_or<double>(j, "router_aux_loss_coef", 0.001);
   c.rms_eps = get_or<double>(j, "rms_norm_eps", 1e-6);
   c.vocab = get<int64_t>(j, "vocab_size", src);
+  // Qwen3-Next names the MTP depth num_nextn_predict_layers, Qwen3.5 mtp_num_hidden_layers (in text_config).
+  c.mtp_layers = c.family == Family::Qwen3Next ? get_or<int64_t>(j, "num_nextn_predict_layers", 0)
+                                               : get_or<int64_t>(j, "mtp_num_hidden_layers", 0);
+  if (c.mtp_layers > 0 && get_or<bool>(j, "mtp_use_dedicated_embeddings", false))
+    throw std::invalid_argument(src + ": mtp_use_dedicated_embeddings is true: an MTP layer with its own embedding "
+                                      "is not supported (the MTP layer shares embed_tokens and lm_head)");
   if (get_or<bool>(root, "tie_word_embeddings", get_or<bool>(j, "tie_word_embeddings", false)))
     throw std::invalid_argument(src + ": tied word embeddings are not part of the Qwen3-Next / Qwen3.5 family");
   if (j.contains("layer_types") && j.at("layer_types").is_array()) {
@@ -267,7 +299,7 @@ ModelConfig config_from_hf_json(const json& root, const std::string& src) {
 
 ModelConfig load_config(const std::string& preset_or_path) {
   for (const auto& n : preset_names())
-    if (n == preset_or_path) return preset(n);
+    if (n == preset_or_path || n + "+mtp" == preset_or_path) return preset(preset_or_path);
   std::string path = preset_or_path;
   if (std::filesystem::is_directory(path)) path += "/config.json";
   std::ifstream f(path);
@@ -313,6 +345,14 @@ json config_to_hf_json(const ModelConfig& c) {
   t["vocab_size"] = c.vocab;
   t["hidden_act"] = "silu";
   t["tie_word_embeddings"] = false;
+  // Written only when there is an MTP layer, so a config without one reads as before.
+  if (c.mtp_layers > 0) {
+    if (c.family == Family::Qwen3Next) t["num_nextn_predict_layers"] = c.mtp_layers;
+    else {
+      t["mtp_num_hidden_layers"] = c.mtp_layers;
+      t["mtp_use_dedicated_embeddings"] = false;
+    }
+  }
   if (c.family == Family::Qwen3Next) {
     t["model_type"] = "qwen3_next";
     t["architectures"] = {"Qwen3NextForCausalLM"};
@@ -343,6 +383,7 @@ std::string describe(const ModelConfig& c) {
     << c.v_heads << "v x " << c.dk << "/" << c.dv;
   if (c.moe()) s << ", MoE " << c.experts << " experts top-" << c.top_k << " x " << c.expert_inter << " + shared " << c.shared_inter;
   else s << ", dense MLP " << c.intermediate;
+  if (c.mtp_layers) s << ", MTP " << c.mtp_layers << " layer";
   s << ", vocab " << c.vocab << ", " << static_cast<double>(c.parameter_count()) / 1e9 << "B params";
   return s.str();
 }

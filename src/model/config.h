@@ -29,6 +29,9 @@ struct ModelConfig {
   double router_aux_coef = 0.001;
   double rms_eps = 1e-6;
   int64_t vocab = 0;
+  // Multi-token-prediction layers (docs/model.md, "Multi-token prediction"): Qwen3-Next's num_nextn_predict_layers,
+  // Qwen3.5's mtp_num_hidden_layers. 0 (the presets' default) or 1.
+  int64_t mtp_layers = 0;
 
   bool moe() const { return experts > 0; }
   int64_t key_dim() const { return k_heads * dk; }
@@ -41,14 +44,17 @@ struct ModelConfig {
   int64_t blocks() const { return layers / cycle; }
   int64_t local_per_block() const { return cycle - 1; }
   int64_t remainder() const { return layers % cycle; }
-  // Total parameter count (embedding and LM head included).
+  // Total parameter count (embedding and LM head included, the MTP layer too when there is one).
   int64_t parameter_count() const;
+  // Parameters of the MTP layers alone (fc, its three norms, the full-attention decoder layer): 0 without one.
+  int64_t mtp_parameter_count() const;
   // Throws std::invalid_argument naming the field and the fix when the configuration is unusable.
   void validate() const;
 };
 
 std::vector<std::string> preset_names();
-// Throws std::invalid_argument listing the known presets when `name` is unknown.
+// Throws std::invalid_argument listing the known presets when `name` is unknown. Any preset name followed by
+// "+mtp" ("tiny+mtp", "small+mtp", "qwen3.5-tiny+mtp") is that preset with one multi-token-prediction layer.
 ModelConfig preset(const std::string& name);
 // Reads a Hugging Face config.json (Qwen3-Next, Qwen3.5 MoE or dense; Qwen3.5 nests the text model under
 // text_config). Throws std::invalid_argument naming the file and the problem.

@@ -15,6 +15,7 @@ std::string group_name(StackGroup g) {
     case StackGroup::Local: return "local";
     case StackGroup::Global: return "global";
     case StackGroup::Remainder: return "remainder";
+    case StackGroup::Mtp: return "mtp.layers";
   }
   return "?";
 }
@@ -78,6 +79,13 @@ std::vector<ParamSpec> global_specs(const ModelConfig& c) {
           matrix("lm_head.weight", {c.vocab, c.hidden})};
 }
 
+std::vector<ParamSpec> mtp_specs(const ModelConfig& c) {
+  if (c.mtp_layers == 0) return {};
+  const int64_t H = c.hidden;
+  return {matrix("mtp.fc.weight", {H, 2 * H}), vec("mtp.pre_fc_norm_embedding.weight", {H}),
+          vec("mtp.pre_fc_norm_hidden.weight", {H}), vec("mtp.norm.weight", {H})};
+}
+
 LayerSlot slot_of_layer(const ModelConfig& c, int64_t layer) {
   if (layer < 0 || layer >= c.layers) throw std::out_of_range("layer " + std::to_string(layer) + " out of range");
   int64_t b = layer / c.cycle, pos = layer % c.cycle;
@@ -91,6 +99,7 @@ int64_t layer_of_slot(const ModelConfig& c, const LayerSlot& s) {
     case StackGroup::Local: return s.block * c.cycle + s.local;
     case StackGroup::Global: return s.block * c.cycle + c.cycle - 1;
     case StackGroup::Remainder: return c.blocks() * c.cycle + s.block;
+    case StackGroup::Mtp: return c.layers + s.block;  // as vLLM numbers them: after the decoder's layers
   }
   return -1;
 }
@@ -125,14 +134,17 @@ ParamSet::ParamSet(const ModelConfig& c, DType weight_dtype, MemoryAccountant& m
   };
   for (const auto& s : global_specs(c)) add("", s, {});
   struct G { StackGroup g; Shape lead; LayerKind kind; };
-  const G groups[3] = {{StackGroup::Local, {c.blocks(), c.local_per_block()}, LayerKind::LinearAttention},
+  const G groups[4] = {{StackGroup::Local, {c.blocks(), c.local_per_block()}, LayerKind::LinearAttention},
                        {StackGroup::Global, {c.blocks()}, LayerKind::FullAttention},
-                       {StackGroup::Remainder, {c.remainder()}, LayerKind::LinearAttention}};
+                       {StackGroup::Remainder, {c.remainder()}, LayerKind::LinearAttention},
+                       {StackGroup::Mtp, {c.mtp_layers}, LayerKind::FullAttention}};
   for (const G& grp : groups) {
     first_[static_cast<int>(grp.g)] = params_.size();
     if (hs::numel(grp.lead) == 0) continue;
     for (const auto& s : layer_specs(c, grp.kind)) add(group_name(grp.g) + ".", s, grp.lead);
   }
+  mtp_first_ = params_.size();
+  for (const auto& s : mtp_specs(c)) add("", s, {});
 }
 
 const StackedParam* ParamSet::find(const std::string& name) const {

@@ -2,7 +2,9 @@
 // ("local") layers carries two leading axes [block, local]; every tensor of the full-attention ("global") layer one
 // leading axis [block]; when L is not a multiple of the cycle the trailing linear-attention layers form a
 // remainder stack [remainder]. Routed-expert tensors keep the expert axis right after the stacking axes:
-// local.mlp.experts.gate_up is [block, local, expert, 2I, H].
+// local.mlp.experts.gate_up is [block, local, expert, 2I, H]. A model with a multi-token-prediction layer adds, after
+// the remainder, the MTP decoder layers (full attention) as the stack [mtp_layers] named "mtp.layers.<per-layer
+// name>" and its four tensors of its own, "mtp.fc.weight" [H, 2H] and three norms (docs/model.md).
 // A layer sees its weights as a LayerWeights: views into the stacks, in the order of its ParamSpecs.
 #pragma once
 #include <functional>
@@ -16,7 +18,7 @@
 namespace hs::model {
 
 enum class LayerKind { LinearAttention, FullAttention };
-enum class StackGroup { Local, Global, Remainder };
+enum class StackGroup { Local, Global, Remainder, Mtp };
 std::string group_name(StackGroup g);
 
 struct ParamSpec {
@@ -43,7 +45,12 @@ int ffn_offset(LayerKind kind);
 std::vector<ParamSpec> global_specs(const ModelConfig& c);
 namespace g {
 enum Global { kEmbed = 0, kFinalNorm, kLmHead };
+// The MTP layer's tensors other than its decoder layer, in this order after the MTP stack.
+enum Mtp { kMtpFc = 0, kMtpNormEmbedding, kMtpNormHidden, kMtpNorm };
 }
+// fc [H, 2H] (input [norm(embed(x_{t+1})) ; norm(h_t)]), pre_fc_norm_embedding, pre_fc_norm_hidden, norm [H]:
+// named "mtp.<name>". Empty without an MTP layer.
+std::vector<ParamSpec> mtp_specs(const ModelConfig& c);
 
 // Routed-expert tensors (the ones expert parallelism splits and pieces are cut from), [experts, ...] per layer.
 bool is_routed_expert(const ParamSpec& s);
@@ -80,7 +87,10 @@ struct LayerSlot {
   StackGroup group;
   int64_t block;  // block index (or remainder index)
   int64_t local;  // position among the local layers (0 for global / remainder)
-  LayerKind kind() const { return group == StackGroup::Global ? LayerKind::FullAttention : LayerKind::LinearAttention; }
+  LayerKind kind() const {
+    return group == StackGroup::Global || group == StackGroup::Mtp ? LayerKind::FullAttention
+                                                                   : LayerKind::LinearAttention;
+  }
 };
 // Hugging Face layer index <-> slot: layer i = block*cycle + position, remainder layers follow the blocks.
 LayerSlot slot_of_layer(const ModelConfig& c, int64_t layer);
@@ -104,6 +114,9 @@ class ParamSet {
   LayerWeights layer(const LayerSlot& s) const;
   const TensorView& global(g::Global which) const { return params_[static_cast<size_t>(which)].tensor.view(); }
   const StackedParam& global_param(g::Global which) const { return params_[static_cast<size_t>(which)]; }
+  // The MTP layer's own tensors (config().mtp_layers > 0 only); its decoder layer is layer({StackGroup::Mtp, i, 0}).
+  const StackedParam& mtp_param(g::Mtp which) const { return params_.at(mtp_index(which)); }
+  size_t mtp_index(g::Mtp which) const { return mtp_first_ + static_cast<size_t>(which); }  // into all()
   int64_t numel() const;
   size_t nbytes() const;
   void zero();
@@ -111,8 +124,10 @@ class ParamSet {
  private:
   ModelConfig cfg_;
   int64_t shards_ = 1;
-  std::vector<StackedParam> params_;  // globals first, then local, global, remainder stacks in spec order
-  size_t first_[3] = {0, 0, 0};       // index of each group's first tensor
+  std::vector<StackedParam> params_;  // globals first, then local, global, remainder, mtp stacks in spec order, then
+                                      // the MTP layer's own tensors
+  size_t first_[4] = {0, 0, 0, 0};    // index of each group's first tensor
+  size_t mtp_first_ = 0;              // index of mtp.fc.weight
 };
 
 // Deterministic initialisation from a seed: each tensor's values depend only on (seed, tensor name, index), so

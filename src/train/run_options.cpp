@@ -16,7 +16,7 @@ nlohmann::json options_to_json(const TrainOptions& o) {
           {"compute_dtype", std::string(dtype_name(o.step.compute))}, {"weight_dtype", std::string(dtype_name(o.weight_dtype))},
           {"moment_dtype", std::string(dtype_name(o.opt.moment_dtype))},
           {"delta_rule_products", o.step.delta_rule_bf16_products ? "bf16" : "fp32"},
-          {"packing", packing_name(o.step.packing)},
+          {"packing", packing_name(o.step.packing)}, {"mtp_weight", o.step.mtp_weight},
           {"eval_every", o.eval_every}, {"eval_batches", o.eval_batches}, {"heldout_fraction", o.heldout_fraction}, {"eval_data", o.eval_data}};
 }
 
@@ -51,6 +51,7 @@ void options_from_json(const nlohmann::json& j, TrainOptions& o) {
   o.opt.moment_dtype = parse_dtype(j.value("moment_dtype", std::string(dtype_name(o.opt.moment_dtype))));
   o.heldout_fraction = j.value("heldout_fraction", o.heldout_fraction);
   o.eval_data = j.value("eval_data", o.eval_data);
+  o.step.mtp_weight = j.value("mtp_weight", o.step.mtp_weight);  // the loss a resume continues (0 before the flag)
   // How the run packed its windows (checkpoints from before --packing streamed, as auto still does on text); a
   // command line that names a packing keeps it.
   if (o.step.packing == Packing::Auto) o.step.packing = parse_packing(j.value("packing", std::string("auto")));

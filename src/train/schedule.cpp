@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <sstream>
 #include <stdexcept>
 
 #include "core/profile.h"
@@ -13,6 +14,7 @@
 #include "kernels/norms.h"
 #include "model/layer.h"
 #include "model/linear.h"
+#include "model/mtp.h"
 
 namespace hs::train {
 
@@ -123,6 +125,7 @@ struct Runner {
   size_t piece_bytes = 0;
   size_t vocab_piece_bytes = 0;  // StepOptions::vocab_piece_bytes
   GradientSink* sink = nullptr;  // StepOptions::update
+  double mtp_weight = 0;         // StepOptions::mtp_weight
 
   // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
   // call k takes its weights, call k+1's gathers are started and run while k computes.
@@ -203,8 +206,9 @@ struct Runner {
 
   // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
   // the storage dtype differs, else used in place.
-  template <typename E> model::Converted<E> global_weight(model::g::Global which) {
-    const model::StackedParam& sp = params.global_param(which);
+  // `which`: an index into params.all(): a g::Global, or (the MTP layer's own tensors) ParamSet::mtp_index.
+  template <typename E> model::Converted<E> global_weight(size_t which) {
+    const model::StackedParam& sp = params.all().at(which);
     if (!sharded()) {
       profile::Scope profile_scope(profile::Phase::Elementwise, "global_weight_cast");  // a cast, when the dtypes differ
       return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
@@ -278,11 +282,11 @@ struct Runner {
     float* ptr;
     float* shard;
   };
-  GlobalGrad global_grad(ParamSet* grads, model::g::Global which, bool full = true) {
-    const model::StackedParam& sp = params.global_param(which);
+  GlobalGrad global_grad(ParamSet* grads, size_t which, bool full = true) {
+    const model::StackedParam& sp = params.all().at(which);
     GlobalGrad g;
     if (grads) {
-      g.shard = static_cast<float*>(grads->global_param(which).tensor.data());
+      g.shard = static_cast<float*>(grads->all().at(which).tensor.data());
     } else {
       g.own = mem.allocate_n<float>(static_cast<size_t>(sp.tensor.numel()), MemCategory::Gradients, "global_grad_shard",
                                     true);
@@ -295,17 +299,17 @@ struct Runner {
     g.ptr = ptr<float>(g.full);
     return g;
   }
-  void reduce_scatter(GlobalGrad& g, model::g::Global which) {
+  void reduce_scatter(GlobalGrad& g, size_t which) {
     if (!sharded() && !sink) return;
     InFlight f;
     if (sharded()) {
-      const model::StackedParam& sp = params.global_param(which);
+      const model::StackedParam& sp = params.all().at(which);
       f.requests.push_back(comm->start_reduce_scatter(ptr<float>(g.full), hs::numel(sp.full_shape), g.shard));
       f.full.push_back(std::move(g.full));
     }
     if (sink) {
       f.shards.push_back(std::move(g.own));
-      f.done = [this, which, p = g.shard] { sink->global(which, p); };
+      f.done = [this, which, p = g.shard] { sink->global(static_cast<model::g::Global>(which), p); };
     }
     submit(std::move(f));
   }
@@ -435,7 +439,8 @@ struct Runner {
     void grad_done(int64_t k) override { p.grad_rows_done(k); }
   };
 
-  Buffer embed(MemCategory cat) {
+  Buffer embed(MemCategory cat, const int32_t* ids = nullptr) {
+    if (!ids) ids = b.inputs;
     Buffer h = mem.allocate_n<T>(static_cast<size_t>(N * H), cat, "h.embed");
     if (sharded() && in_pieces<T>(model::g::kEmbed)) {
       const int64_t pieces = (c.vocab + piece_rows<T>() - 1) / piece_rows<T>();
@@ -445,31 +450,33 @@ struct Runner {
       for (int64_t k = 0; k < pieces; ++k) {
         const T* rows = table.weights(k);
         if (!P)
-          kernels::embedding_forward_rows(b.inputs, N, rows, table.first(k), table.count(k), c.vocab, H, ptr<T>(h));
+          kernels::embedding_forward_rows(ids, N, rows, table.first(k), table.count(k), c.vocab, H, ptr<T>(h));
       }
       return h;
     }
     if (sharded()) {
       model::Converted<T> table = global_weight<T>(model::g::kEmbed);
-      if (!P) kernels::embedding_forward(b.inputs, N, table.ptr, c.vocab, H, ptr<T>(h));
+      if (!P) kernels::embedding_forward(ids, N, table.ptr, c.vocab, H, ptr<T>(h));
       return h;
     }
     if (P) return h;
     const TensorView& e = params.global(model::g::kEmbed);
     if (e.dtype == DType::F32)
-      kernels::embedding_forward(b.inputs, N, static_cast<const float*>(e.data), c.vocab, H, ptr<T>(h));
+      kernels::embedding_forward(ids, N, static_cast<const float*>(e.data), c.vocab, H, ptr<T>(h));
     else
-      kernels::embedding_forward(b.inputs, N, static_cast<const bf16*>(e.data), c.vocab, H, ptr<T>(h));
+      kernels::embedding_forward(ids, N, static_cast<const bf16*>(e.data), c.vocab, H, ptr<T>(h));
     return h;
   }
 
   // Final norm + LM head + cross-entropy. With grads: dh_last receives d loss / d h_last (fp32).
   // backward false: the loss only. grads: the gradient set, or null with a sink.
+  // norm / targets: the MTP layer's head passes mtp.norm and its targets (x_{t+2}).
   kernels::XentResult head(const T* h_last, float grad_scale, bool backward, ParamSet* grads, float* dh_last,
-                           float* logits) {
+                           float* logits, size_t norm = model::g::kFinalNorm, const int32_t* targets = nullptr) {
+    if (!targets) targets = b.targets;
     Buffer xf = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.out");
     Buffer rstd = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
-    model::Converted<float> wn = global_weight<float>(model::g::kFinalNorm);
+    model::Converted<float> wn = global_weight<float>(norm);
     if (!P) kernels::rmsnorm_forward(h_last, wn.ptr, ptr<T>(xf), ptr<float>(rstd), N, H, float(c.rms_eps));
     if (!logits && in_pieces<T>(model::g::kLmHead)) {
       // Vocabulary pieces: the forward visits 0..P-1, the backward P-1..0 (the forward's last piece kept).
@@ -481,7 +488,7 @@ struct Runner {
       if (!backward) {
         RowPieces<T> wl(*this, model::g::kLmHead, order, nullptr);
         HeadPieces src(wl);
-        return kernels::lm_head_xent_pieced(ptr<T>(xf), b.targets, N, H, c.vocab, rows, src, 0.f, nullptr, mem);
+        return kernels::lm_head_xent_pieced(ptr<T>(xf), targets, N, H, c.vocab, rows, src, 0.f, nullptr, mem);
       }
       Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
       GlobalGrad dW = global_grad(grads, model::g::kLmHead, /*full=*/false);
@@ -489,32 +496,32 @@ struct Runner {
       {
         RowPieces<T> wl(*this, model::g::kLmHead, order, &dW);
         HeadPieces src(wl);
-        r = kernels::lm_head_xent_pieced(ptr<T>(xf), b.targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
+        r = kernels::lm_head_xent_pieced(ptr<T>(xf), targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
                                          mem, 0, /*plan_backward=*/true);
       }
-      final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
+      final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last, norm);
       return r;
     }
     model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
     if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
-    if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
+    if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
     Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
     GlobalGrad dW = global_grad(grads, model::g::kLmHead);
     kernels::XentResult r =
-        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, b.targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
+        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
                               /*plan_backward=*/true);
     reduce_scatter(dW, model::g::kLmHead);
-    final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last);
+    final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last, norm);
     return r;
   }
   void final_norm_backward(const T* h_last, const model::Converted<float>& wn, const Buffer& rstd, const Buffer& dxf,
-                           ParamSet* grads, float* dh_last) {
-    GlobalGrad dn = global_grad(grads, model::g::kFinalNorm);
+                           ParamSet* grads, float* dh_last, size_t norm) {
+    GlobalGrad dn = global_grad(grads, norm);
     if (!P) {
       kernels::rmsnorm_backward(h_last, wn.ptr, ptr<float>(rstd), ptr<float>(dxf), dh_last, dn.ptr, N, H,
                                 /*accumulate=*/false);
     }
-    reduce_scatter(dn, model::g::kFinalNorm);
+    reduce_scatter(dn, norm);
   }
 
   // Router statistics of every layer summed over the batch group, in one call: [counts, prob sums, rows] per layer.
@@ -546,6 +553,59 @@ struct Runner {
     r.loss = r.ce + c.router_aux_coef * r.aux;
     if (dprob)
       for (float& v : *dprob) v *= static_cast<float>(c.router_aux_coef);
+  }
+
+  // The multi-token-prediction layer at depth 1 (docs/model.md), forward and backward at once, run right after the
+  // decoder's head while the last hidden state h_last is still held: whatever the remat policy, its intermediates
+  // live only while it runs (it is computed once and never recomputed). Adds weight / (its counted targets) times
+  // its cross-entropy's gradient: into dh (d loss / d h_last, accumulated), into the gradients of its own tensors
+  // and of the LM head, and, for the embedding's backward at the end of the step, into d_next [N, H] (written) at the
+  // ids next_ids. Its router's statistics are not part of the load-balance loss.
+  kernels::XentResult mtp(const T* h_last, double weight, ParamSet* grads, float* dh, Buffer& next_ids, Buffer& d_next,
+                          int64_t& count) {
+    const model::LayerSlot slot{StackGroup::Mtp, 0, 0};
+    next_ids = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "mtp.next_ids");
+    Buffer targets = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "mtp.targets");
+    const int64_t local =
+        P ? N : model::mtp_shift(b.inputs, b.targets, b.batch, b.seq, ptr<int32_t>(next_ids), ptr<int32_t>(targets));
+    count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(local)));
+    const size_t i_fc = params.mtp_index(model::g::kMtpFc), i_ne = params.mtp_index(model::g::kMtpNormEmbedding),
+                 i_nh = params.mtp_index(model::g::kMtpNormHidden), i_n = params.mtp_index(model::g::kMtpNorm);
+    Buffer e = embed(MemCategory::Workspace, ptr<int32_t>(next_ids));
+    Buffer m = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.in");
+    model::MtpInputSaved in_saved;
+    {
+      model::Converted<T> fc = global_weight<T>(i_fc);
+      model::Converted<float> we = global_weight<float>(i_ne), wh = global_weight<float>(i_nh);
+      model::mtp_input_forward<T>(mem, ptr<T>(e), h_last, we.ptr, wh.ptr, fc.ptr, ptr<T>(m), N, H,
+                                  static_cast<float>(c.rms_eps), in_saved);
+    }
+    Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.out");
+    auto st = std::make_unique<model::LayerSaved<T>>();
+    model::layer_forward<T>(ctx(), params.layer(slot), ptr<T>(m), ptr<T>(out), st.get());
+    Buffer dout = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.dout");
+    const kernels::XentResult x = head(ptr<T>(out), count ? static_cast<float>(weight / static_cast<double>(count)) : 0.f,
+                                       true, grads, ptr<float>(dout), nullptr, i_n, ptr<int32_t>(targets));
+    out.reset();
+    Buffer dm = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.dm");
+    {
+      GradTarget gt = layer_grads(grads, slot);
+      model::layer_backward<T>(ctx(), params.layer(slot), gt.view, ptr<T>(m), *st, ptr<float>(dout), ptr<float>(dm),
+                               nullptr);
+      reduce_scatter(gt);
+    }
+    st.reset();
+    dout.reset();
+    d_next = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.d_next");
+    model::Converted<T> fc = global_weight<T>(i_fc);
+    model::Converted<float> we = global_weight<float>(i_ne), wh = global_weight<float>(i_nh);
+    GlobalGrad dfc = global_grad(grads, i_fc), dwe = global_grad(grads, i_ne), dwh = global_grad(grads, i_nh);
+    model::mtp_input_backward<T>(mem, ptr<T>(e), h_last, we.ptr, wh.ptr, fc.ptr, in_saved, ptr<float>(dm),
+                                 ptr<float>(d_next), dh, dwe.ptr, dwh.ptr, dfc.ptr, N, H);
+    reduce_scatter(dfc, i_fc);
+    reduce_scatter(dwe, i_ne);
+    reduce_scatter(dwh, i_nh);
+    return x;
   }
 
   StepResult forward_only(float* logits) {
@@ -604,6 +664,14 @@ struct Runner {
     std::vector<float> dprob;
     finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, true, grads, ptr<float>(dh), nullptr),
            c.moe() ? &dprob : nullptr);
+    Buffer mtp_ids, mtp_dnext;  // the MTP layer's next-token ids and their embedding gradient
+    if (mtp_weight > 0) {
+      int64_t n = 0;
+      const kernels::XentResult x = mtp(ptr<T>(kept[L]), mtp_weight, grads, ptr<float>(dh), mtp_ids, mtp_dnext, n);
+      r.mtp_count = n;
+      r.mtp_ce = n ? batch_comm->all_reduce_sum(x.loss_sum) / static_cast<double>(n) : 0.0;
+      r.loss += mtp_weight * r.mtp_ce;
+    }
     kept[L].reset();
     const float* aux_dprob = c.moe() ? dprob.data() : nullptr;
 
@@ -665,11 +733,15 @@ struct Runner {
         if (!P)
           kernels::embedding_backward_rows(b.inputs, N, ptr<float>(dh), table.first(k), table.count(k), c.vocab, H,
                                            rows);
+        if (!P && mtp_weight > 0)
+          kernels::embedding_backward_rows(ptr<int32_t>(mtp_ids), N, ptr<float>(mtp_dnext), table.first(k),
+                                           table.count(k), c.vocab, H, rows);
         table.grad_rows_done(k);
       }
     } else {
       GlobalGrad de = global_grad(grads, model::g::kEmbed);
       if (!P) kernels::embedding_backward(b.inputs, N, ptr<float>(dh), c.vocab, H, de.ptr);
+      if (!P && mtp_weight > 0) kernels::embedding_backward(ptr<int32_t>(mtp_ids), N, ptr<float>(mtp_dnext), c.vocab, H, de.ptr);
       reduce_scatter(de, model::g::kEmbed);
     }
     finish_in_flight();
@@ -707,6 +779,15 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
     throw std::invalid_argument("the gradients go to the optimizer as the backward completes them (update in backward): "
                                 "there is no gradient set to accumulate into");
   if (!opt.update && !grads) throw std::invalid_argument("forward_backward: no gradient set to fill");
+  if (opt.mtp_weight < 0) throw std::invalid_argument("--mtp-weight must be >= 0");
+  if (opt.mtp_weight > 0 && params.config().mtp_layers == 0)
+    throw std::invalid_argument("--mtp-weight " + (std::ostringstream() << opt.mtp_weight).str() + ": the model '" +
+                                params.config().name + "' has no multi-token-prediction layer (use a preset with "
+                                "'+mtp', e.g. small+mtp, or a config.json with num_nextn_predict_layers / "
+                                "mtp_num_hidden_layers 1)");
+  if (opt.mtp_weight > 0 && opt.update)
+    throw std::invalid_argument("--mtp-weight with --update-in-backward is not supported yet (the MTP layer's and the "
+                                "LM head's gradients are completed twice in a step): drop one of them");
   Collectives* batch_group = opt.batch_group ? opt.batch_group : opt.comm;
   auto run = [&](auto& r) {
     r.ep = ep;
@@ -717,6 +798,7 @@ StepResult forward_backward(const ParamSet& params, const Batch& b, const StepOp
     r.piece_bytes = opt.gather_piece_bytes;
     r.vocab_piece_bytes = opt.vocab_piece_bytes;
     r.sink = opt.update;
+    r.mtp_weight = opt.mtp_weight;
     return r.forward_backward(opt.remat, grads);
   };
   if (opt.compute == DType::F32) {

@@ -93,6 +93,9 @@ struct StepOptions {
   // The delta rule's products with bf16 inputs and fp32 sums (model::LayerContext::delta_rule_bf16_products, train
   // --delta-rule-products bf16): bf16 compute on a CPU with AVX-512-BF16 only, else fp32.
   bool delta_rule_bf16_products = false;
+  // Multi-token prediction (train --mtp-weight; docs/model.md): > 0 adds this weight times the MTP layer's mean
+  // cross-entropy of x_{t+2} to the loss (the model must have an MTP layer). 0: the MTP layer is not run.
+  double mtp_weight = 0;
   // The batches' packing. Over shapes (the planner) Documents counts the batch's positions; Auto counts them not
   // (a run resolves Auto before it plans: train's command line does).
   Packing packing = Packing::Auto;
@@ -104,6 +107,8 @@ struct StepResult {
   double aux = 0;   // load-balance loss (0 for dense models)
   double ce_sum = 0;
   int64_t count = 0;  // counted targets
+  double mtp_ce = 0;       // with StepOptions::mtp_weight > 0: the MTP layer's mean cross-entropy (in loss, weighted)
+  int64_t mtp_count = 0;   // its counted targets
   std::vector<kernels::RouterStats> router;  // per layer, in scan order
 };
 

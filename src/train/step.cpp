@@ -34,6 +34,8 @@ double local_targets(const Batch& b, bool planning) {
 void add_result(StepResult& total, const StepResult& r, double weight) {
   total.ce_sum += r.ce_sum;
   total.count += r.count;
+  total.mtp_ce += r.mtp_ce * static_cast<double>(r.mtp_count);  // a sum until run() divides it
+  total.mtp_count += r.mtp_count;
   total.aux += weight * r.aux;
   if (total.router.empty()) {
     total.router = r.router;
@@ -121,6 +123,8 @@ StepOutcome Step::run(std::span<const Batch> micro_batches) {
   StepResult& r = out.result;
   r.ce = r.count ? r.ce_sum / static_cast<double>(r.count) : 0.0;
   r.loss = r.ce + params_.config().router_aux_coef * r.aux;
+  r.mtp_ce = r.mtp_count ? r.mtp_ce / static_cast<double>(r.mtp_count) : 0.0;
+  r.loss += schedule_.mtp_weight * r.mtp_ce;
   if (replicas_) sum_over_replicas(*grads_, *replicas_, mem_);
   // AdamW updates in place and allocates nothing: over shapes there is nothing to plan and nothing to compute.
   if (!planning) out.grad_norm = adamw_.step(params_, *grads_, schedule_.comm);  // leaves grads_ zeroed

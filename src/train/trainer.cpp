@@ -428,6 +428,7 @@ bool Run::record(int64_t step, const StepRecord& s) {
                       {"grad_norm", s.outcome.grad_norm}, {"tokens_per_s", double(tokens_per_step()) / s.seconds},
                       {"peak_bytes", s.peak.total()}};
   if (dist_) m["comm_exposed_s"] = s.comm_seconds;
+  if (o_.step.mtp_weight > 0) m["mtp_ce"] = r.mtp_ce;
   if (profiling_) m["profile"] = profile_json(s.profile, s.seconds, false);
   const bool evaluate = (!o_.synthetic || !o_.eval_data.empty()) && o_.eval_every > 0 && ((step + 1) % o_.eval_every == 0 || step + 1 == o_.steps);
   if (evaluate) {
