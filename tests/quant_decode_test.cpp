@@ -22,6 +22,8 @@
 #include "gguf/gguf_file.h"
 #include "gguf/import.h"
 #include "infer/decoder.h"
+#include "infer/generate.h"
+#include "planner/plan.h"
 #include "infer/weights.h"
 #include "kernels/quant_gemv.h"
 #include "model/params.h"
@@ -220,6 +222,32 @@ TEST(QuantDecode, LogitsNearTheDequantizedPath) {
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q8_0),
                                small_gguf(t, gguf::QuantScheme::Q4_K)})
     compare_logits(f, 8, QuantReference::Off, QuantReference::Off, 0);
+}
+
+TEST(QuantDecode, PlanEqualsWhatGenerateMeasures) {
+  // plan_generate_gguf (planning accountant) against infer::generate on the same file: the accountant's peak (the
+  // converted tensors, caches, logits, step workspace) to the byte, and the quantized blocks the decoder reads.
+  // Allocating anything in the quantized path that planning skips (or the reverse) breaks the equality.
+  TempDir t("plan");
+  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K)}) {
+    planner::GeneratePlanRequest req;
+    req.context = 16 + 6 - 1;  // generate's capacity: the longest prompt + new tokens - 1
+    req.batch = 2;
+    const planner::QuantizedGeneratePlan plan = planner::plan_generate_gguf(f, req);
+    MemoryAccountant mem;
+    auto w = load_gguf_weights(f, mem);
+    GenerateOptions opt;
+    opt.max_new_tokens = 6;
+    opt.quant = w->quant.get();
+    const GenerateResult res = generate(*w->params, {std::vector<int32_t>(16, 3), {5, 6, 7}}, opt, mem);
+    EXPECT_EQ(res.peak_bytes + w->quant->bytes, plan.plan.total) << f;
+    EXPECT_EQ(w->copied_bytes, plan.converted_bytes) << f;
+    EXPECT_EQ(w->quant->bytes, plan.quantized_bytes) << f;
+    EXPECT_EQ(res.kv_cache_bytes, plan.plan.kv_cache) << f;
+    std::printf("%s: plan total %zu = measured peak %zu + quantized blocks %llu (converted %zu)\n",
+                fs::path(f).filename().c_str(), plan.plan.total, res.peak_bytes,
+                static_cast<unsigned long long>(w->quant->bytes), plan.converted_bytes);
+  }
 }
 
 }  // namespace
