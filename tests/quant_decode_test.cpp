@@ -59,6 +59,12 @@ std::string small_gguf(const TempDir& t, gguf::QuantScheme scheme) {
 }
 
 std::string fixture(const std::string& name) { return test::source_dir() + "/tests/fixtures/gguf/" + name + ".gguf"; }
+// Qwen3.5 (k_heads 2, v_heads 4: the V-head reorder) at Q8_0, from the parity fixture.
+std::string qwen35_q8(const TempDir& t) {
+  const fs::path out = t.path / "qwen3_5_L5.q8_0.gguf";
+  gguf::export_gguf(test::source_dir() + "/tests/fixtures/parity/qwen3_5_L5", out, gguf::QuantScheme::Q8_0);
+  return out.string();
+}
 
 void check_matrices(const std::string& file, int64_t& checked) {
   MemoryAccountant mem;
@@ -69,8 +75,16 @@ void check_matrices(const std::string& file, int64_t& checked) {
   std::mt19937 rng(3);
   std::normal_distribution<float> nd(0.0f, 1.0f);
   auto check = [&](const std::string& native, const std::vector<QuantMatrix>& parts, int64_t per_expert) {
-    const std::vector<float> ref = gguf::read_model_tensor(r, c, native);
+    std::vector<float> ref = gguf::read_model_tensor(r, c, native);
     const int64_t K = parts[0].cols, N = static_cast<int64_t>(ref.size()) / K;
+    if (const QuantMatrix& q0 = parts[0]; q0.col_hk > 0) {  // the file's column order (QuantMatrix::col_hk)
+      const std::vector<float> nat = ref;
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t g = 0; g < q0.col_hk; ++g)
+          for (int64_t j = 0; j < q0.col_r; ++j)
+            std::copy_n(nat.data() + n * K + (g * q0.col_r + j) * q0.col_block, q0.col_block,
+                        ref.data() + n * K + (j * q0.col_hk + g) * q0.col_block);
+    }
     const int64_t M = 3;
     std::vector<float> x(static_cast<size_t>(M * K));
     for (float& v : x) v = nd(rng);
@@ -121,7 +135,7 @@ void check_matrices(const std::string& file, int64_t& checked) {
 TEST(QuantDecode, EveryQuantizedMatrixIsTheImportedOne) {
   TempDir t("matrices");
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K),
-                               small_gguf(t, gguf::QuantScheme::Q8_0)}) {
+                               small_gguf(t, gguf::QuantScheme::Q8_0), qwen35_q8(t)}) {
     int64_t checked = 0;
     check_matrices(f, checked);
     std::printf("%s: %lld quantized matrices checked\n", fs::path(f).filename().c_str(), static_cast<long long>(checked));
@@ -202,7 +216,7 @@ TEST(QuantDecode, ExactActivationsGiveTheDequantizedPathsLogits) {
   // The quantized storage and the step's plumbing (rows, parts, the routed experts' offsets, the embedding's lookup,
   // the head, the token-at-a-time prefill) against the file dequantized at load: only fp32 rounding differs.
   TempDir t("exact");
-  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K)})
+  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 4, QuantReference::Off, QuantReference::Exact, fp32_bound(f));
 }
 
@@ -210,7 +224,7 @@ TEST(QuantDecode, QuantGemvStepsEqualTheirQ8Reference) {
   // The quantized decode as it runs (quant_gemv) against the same decode with each product recomputed in double from
   // the dequantized weights and the Q8 activations quant_gemv multiplies: only quant_gemv's fp32 sums differ.
   TempDir t("q8ref");
-  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K)})
+  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 4, QuantReference::RoundedActivations, QuantReference::Off, fp32_bound(f));
 }
 
@@ -220,7 +234,7 @@ TEST(QuantDecode, LogitsNearTheDequantizedPath) {
   // whether the greedy tokens agree. The two tests above bound each part of the difference.
   TempDir t("logits");
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q8_0),
-                               small_gguf(t, gguf::QuantScheme::Q4_K)})
+                               small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 8, QuantReference::Off, QuantReference::Off, 0);
 }
 
@@ -229,7 +243,7 @@ TEST(QuantDecode, PlanEqualsWhatGenerateMeasures) {
   // converted tensors, caches, logits, step workspace) to the byte, and the quantized blocks the decoder reads.
   // Allocating anything in the quantized path that planning skips (or the reverse) breaks the equality.
   TempDir t("plan");
-  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K)}) {
+  for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)}) {
     planner::GeneratePlanRequest req;
     req.context = 16 + 6 - 1;  // generate's capacity: the longest prompt + new tokens - 1
     req.batch = 2;

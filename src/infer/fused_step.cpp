@@ -370,7 +370,19 @@ struct FusedStep<T>::Impl {
       kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
                                      w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
     });
-    Job<T> out = mj(w.y, li, p::kOut, w.mix, B, H, VD);
+    const QuantMatrix* qo = qmat(li, p::kOut);
+    const T* yin = w.y;
+    if (qo && qo->col_hk > 0) {  // the activations in the file's column order (QuantMatrix::col_hk)
+      tm.serial("gdn.out_permute", [&] {
+        for (int64_t row = 0; row < B; ++row)
+          for (int64_t g = 0; g < qo->col_hk; ++g)
+            for (int64_t j = 0; j < qo->col_r; ++j)
+              std::copy_n(w.y + row * VD + (g * qo->col_r + j) * qo->col_block, qo->col_block,
+                          w.o + row * VD + (j * qo->col_hk + g) * qo->col_block);
+      });
+      yin = w.o;  // free after the gated norm
+    }
+    Job<T> out = mj(yin, li, p::kOut, w.mix, B, H, VD);
     tm.products("gdn.out_proj", &out, 1);
   }
 

@@ -303,6 +303,41 @@ std::unique_ptr<InferenceWeights> load_gguf_weights(const std::string& path, Mem
       const bool router = model::ffn_offset(s.kind()) + model::p::kRouter == static_cast<int>(j) && c.moe();
       std::optional<std::vector<QuantMatrix>> qm;
       if (spec.is_matrix && !router) qm = quant_parts(r, gguf::verbatim_sources(r, c, native), spec.shape);
+      // Qwen3.5's V-head order (gguf/import.cpp, ungroup_v_heads): native head h = g * r + j is the file's j * hk + g.
+      const bool reorder = c.family == model::Family::Qwen3_5 && c.k_heads != c.v_heads;
+      const std::string b = "blk." + std::to_string(i) + ".";
+      const int64_t hk = c.k_heads, rr = reorder ? c.v_heads / c.k_heads : 1, dv = c.dv;
+      if (!qm && reorder && s.kind() == model::LayerKind::LinearAttention &&
+          (j == model::p::kQkv || j == model::p::kZ)) {
+        const int64_t first = j == model::p::kQkv ? 2 * c.key_dim() : 0;  // the rows before the value heads
+        qm = quant_parts(r, {b + (j == model::p::kQkv ? "attn_qkv.weight" : "attn_gate.weight")}, spec.shape);
+        if (qm) {  // rows copied into native order, still quantized
+          QuantMatrix& m = (*qm)[0];
+          Buffer buf = mem.allocate(static_cast<size_t>(m.rows * m.row_bytes), MemCategory::Parameters,
+                                    native + " (quantized, V heads reordered)");
+          if (!mem.planning()) {
+            auto* dst = static_cast<uint8_t*>(buf.data());
+            std::memcpy(dst, m.data, static_cast<size_t>(first * m.row_bytes));
+            for (int64_t g = 0; g < hk; ++g)
+              for (int64_t jj = 0; jj < rr; ++jj)
+                std::memcpy(dst + (first + (g * rr + jj) * dv) * m.row_bytes,
+                            m.data + (first + (jj * hk + g) * dv) * m.row_bytes, static_cast<size_t>(dv * m.row_bytes));
+          }
+          m.data = static_cast<const uint8_t*>(buf.data());
+          w->copied_bytes += buf.bytes();
+          w->owned.push_back(std::move(buf));
+          ql.parts[j] = std::move(*qm);
+          continue;
+        }
+      }
+      if (!qm && reorder && s.kind() == model::LayerKind::LinearAttention && j == model::p::kOut) {
+        qm = quant_parts(r, {b + "ssm_out.weight"}, spec.shape);
+        if (qm) {
+          (*qm)[0].col_hk = hk;
+          (*qm)[0].col_r = rr;
+          (*qm)[0].col_block = dv;
+        }
+      }
       if (qm) {
         count(*qm);
         ql.parts[j] = std::move(*qm);

@@ -54,6 +54,10 @@ struct QuantMatrix {
   const uint8_t* data = nullptr;
   int64_t rows = 0, cols = 0, row_bytes = 0;
   std::string name;  // the GGUF tensor
+  // Columns stored in another order (Qwen3.5's V heads in the GDN's out projection): when col_hk > 0, native column
+  // group h (col_block columns each; h = g * col_r + j) is the file's group j * col_hk + g, so the product takes its
+  // activations permuted into the file's order.
+  int64_t col_hk = 0, col_r = 0, col_block = 0;
   const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
 };
 // The decoder's matrices that stay quantized (the rest of the model is in the ParamSet, converted to fp32; a
@@ -99,9 +103,10 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
 // quantized type the products take (kernels::quant_gemv_supports) -- attention q/k/v/o, the Gated DeltaNet
 // projections, the dense or shared MLP, the routed experts, the LM head -- and the embedding stays in the mapped
 // file's blocks (QuantWeights); the rest (norms, A_log, dt_bias, conv taps, the router, the shared expert's gate, and
-// matrices stored as F32/F16/BF16 or that the converter's transforms rearrange within rows or across tensors:
-// Qwen3.5's V-head order when k_heads != v_heads, Qwen3-Next's ssm_ba) is converted to fp32 into memory
-// (MemCategory::Parameters; notes name them). Decode with compute fp32 through Decoder(..., quant).
+// matrices stored as F32/F16/BF16, Qwen3-Next's ssm_ba) is converted to fp32 into memory (MemCategory::Parameters;
+// notes name them). Qwen3.5's V-head order (k_heads != v_heads): the qkv and z projections' rows are copied, still
+// quantized, into native order (MemCategory::Parameters); the out projection stays in place and its activations are
+// permuted instead (QuantMatrix::col_hk). Decode with compute fp32 through Decoder(..., quant).
 std::unique_ptr<InferenceWeights> load_gguf_weights(const std::string& path, MemoryAccountant& mem);
 
 }  // namespace hs::infer
