@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
     MemoryAccountant mem;
     auto w = infer::load_gguf_weights(argv[2], mem);
     const model::ModelConfig& c = w->params->config();
+    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %.600s\n", n.c_str());
     infer::Decoder dec(*w->params, DType::F32, 1, depth + n_new + 1, mem, 512, w->quant.get());
     std::vector<float> logits(static_cast<size_t>(c.vocab));
     std::vector<int32_t> prompt(static_cast<size_t>(depth));
