@@ -2,7 +2,8 @@
 // quant_gemv), at batch 1, for bench/qdecode_bench.sh (which runs llama-bench on the same file beside it).
 //   qdecode_bench make-small q8_0|q4_k OUT.gguf   a random `small` model (seed 7) exported as GGUF of that type
 //   qdecode_bench run FILE.gguf NEW [DEPTH]        DEPTH prompt tokens (default 1) then NEW timed decode steps;
-//                                                  prints one JSON line (tokens/s, the quantized bytes read per token)
+//                                                  prints one JSON line: tokens/s, the quantized blocks used in place,
+//                                                  the bytes copied (fp32 conversions + V-head-reordered quantized rows)
 #include <omp.h>
 
 #include <chrono>
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
     MemoryAccountant mem;
     auto w = infer::load_gguf_weights(argv[2], mem);
     const model::ModelConfig& c = w->params->config();
-    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %.600s\n", n.c_str());
+    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
     infer::Decoder dec(*w->params, DType::F32, 1, depth + n_new + 1, mem, 512, w->quant.get());
     std::vector<float> logits(static_cast<size_t>(c.vocab));
     std::vector<int32_t> prompt(static_cast<size_t>(depth));
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("{\"file\": \"%s\", \"threads\": %d, \"new\": %lld, \"depth\": %lld, \"decode_tokens_per_s\": %.3f, "
-                "\"quantized_bytes\": %llu, \"converted_bytes\": %llu}\n",
+                "\"quantized_bytes\": %llu, \"copied_bytes\": %llu}\n",
                 std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n_new),
                 static_cast<long long>(depth), double(n_new) / s, static_cast<unsigned long long>(w->quant->bytes),
                 static_cast<unsigned long long>(w->copied_bytes));
