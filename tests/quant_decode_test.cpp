@@ -6,10 +6,14 @@
 //    dequantized tensor with the same quantized activations, within quant_gemv's own fp32 bound
 //    ((nb + 8) 2^-24 sum |w x|). Reading the gate and up experts' parts swapped, or an expert's rows off by one
 //    expert, moves results by O(|w||x|) and fails it.
-//  * QuantDecode.LogitsNearTheDequantizedPath: prefill + greedy decode on both paths, the quantized path fed the
-//    reference's tokens; every logit within (2 L + 1) / 254 max |logit| of the reference (first order: each of the
-//    ~2 L + 1 products on the longest path rounds its input to 1/254 of its block's largest value at most, and the
-//    relative errors add). Greedy tokens are printed.
+//  * QuantDecode.ExactActivationsGiveTheDequantizedPathsLogits: the step with each quantized product recomputed from
+//    the dequantized weight rows and the unrounded activations equals the dequantize-at-load decoder within fp32
+//    rounding ((2 L + 1) 2 Kmax 2^-24 of the largest logit): storage and plumbing right, activations aside.
+//  * QuantDecode.QuantGemvStepsEqualTheirQ8Reference: the step as it runs (quant_gemv) equals the same step with each
+//    product recomputed in double from the dequantized weights and the Q8 activations: the same bound.
+//  * QuantDecode.LogitsNearTheDequantizedPath: quant_gemv against dequantize-at-load, reported (largest difference,
+//    relative L2, greedy tokens), not bounded: the two tests above bound each part of that difference.
+//  * QuantDecode.PlanEqualsWhatGenerateMeasures: planner::plan_generate_gguf against infer::generate, to the byte.
 #include <gtest/gtest.h>
 
 #include <algorithm>
