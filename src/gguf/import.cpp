@@ -5,6 +5,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "checkpoint/hf_layout.h"
@@ -270,6 +271,39 @@ std::vector<float> read_model_tensor(const GgufReader& r, const ModelConfig& c, 
   if (s == "mlp.up_proj.weight") return load(r, b + "ffn_up.weight", {c.intermediate, H}, kind);
   if (s == "mlp.down_proj.weight") return load(r, b + "ffn_down.weight", {H, c.intermediate}, kind);
   throw std::logic_error("read_model_tensor: no GGUF source for " + name);
+}
+
+std::vector<std::string> verbatim_sources(const GgufReader& r, const ModelConfig& c, const std::string& name) {
+  if (name == "embed_tokens.weight") return {"token_embd.weight"};
+  if (name == "lm_head.weight") return {r.find_tensor("output.weight") ? "output.weight" : "token_embd.weight"};
+  if (name.rfind("layers.", 0) != 0) return {};
+  const size_t dot = name.find('.', 7);
+  const std::string i = name.substr(7, dot - 7), s = name.substr(dot + 1), b = "blk." + i + ".";
+  const bool reorder = c.family == Family::Qwen3_5 && c.k_heads != c.v_heads;
+  static const std::map<std::string, std::string> plain{
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"mlp.experts.down_proj", "ffn_down_exps.weight"},
+      {"mlp.shared_expert.gate_proj.weight", "ffn_gate_shexp.weight"},
+      {"mlp.shared_expert.up_proj.weight", "ffn_up_shexp.weight"},
+      {"mlp.shared_expert.down_proj.weight", "ffn_down_shexp.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"}};
+  static const std::map<std::string, std::string> unless_reordered{
+      {"linear_attn.in_proj_qkv.weight", "attn_qkv.weight"},
+      {"linear_attn.in_proj_z.weight", "attn_gate.weight"},
+      {"linear_attn.out_proj.weight", "ssm_out.weight"}};
+  if (auto it = plain.find(s); it != plain.end()) return {b + it->second};
+  if (auto it = unless_reordered.find(s); it != unless_reordered.end())
+    return reorder ? std::vector<std::string>{} : std::vector<std::string>{b + it->second};
+  if (s == "mlp.experts.gate_up_proj") {
+    if (r.find_tensor(b + "ffn_gate_up_exps.weight")) return {b + "ffn_gate_up_exps.weight"};
+    return {b + "ffn_gate_exps.weight", b + "ffn_up_exps.weight"};
+  }
+  return {};
 }
 
 std::optional<json> tokenizer_json_from_gguf(const GgufReader& r) {

@@ -36,6 +36,13 @@ std::vector<float> dequantize_tensor(const GgufReader& r, const TensorInfo& t);
 // shape. FormatError naming the GGUF tensor when it is missing or its shape disagrees with the metadata.
 std::vector<float> read_model_tensor(const GgufReader& r, const model::ModelConfig& c, const std::string& name);
 
+// The GGUF tensors that hold a native tensor as it is, rows in the native order, with no transform: one name, or for
+// the routed experts' gate_up the gate and up tensors when the file stores them apart (their rows concatenated per
+// expert). Empty when the native tensor is rebuilt (Qwen3.5's V-head reorder when k_heads != v_heads, Qwen3-Next's
+// ssm_ba, +1 norms, A_log) and must go through read_model_tensor. Decoding reads the matrices named here in their
+// quantized blocks (infer::load_gguf_weights).
+std::vector<std::string> verbatim_sources(const GgufReader& r, const model::ModelConfig& c, const std::string& name);
+
 // tokenizer.json equivalent to tokenizer.ggml.* (byte-level BPE: model "gpt2", pre-tokenizers "qwen2", "qwen35" and
 // the others whose split regex is Qwen's); nullopt when the file has no tokenizer. FormatError for another kind.
 std::optional<nlohmann::json> tokenizer_json_from_gguf(const GgufReader& r);

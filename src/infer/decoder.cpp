@@ -17,9 +17,9 @@ namespace hs::infer {
 using model::LayerKind;
 
 Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
-                 int64_t piece)
+                 int64_t piece, const QuantWeights* quant)
     : params_(params), cfg_(params.config()), compute_(compute), slots_(slots), capacity_(capacity), piece_(piece),
-      mem_(mem) {
+      mem_(mem), quant_(quant) {
   if (slots <= 0 || capacity <= 0 || piece <= 0)
     throw std::invalid_argument("decoder: slots, capacity and piece must be positive");
   if (params.shards() != 1) throw std::invalid_argument("decoder: the parameters must not be sharded");
@@ -45,7 +45,12 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
   positions_.resize(static_cast<size_t>(std::max(piece, slots)));
   row_slots_.resize(1);
   if (const char* f = settings::value(settings::Setting::DecodeFused); f && std::strcmp(f, "0") == 0) use_fused_ = false;
-  if (compute == DType::F32 && FusedStep<float>::supported(params, compute))
+  if (quant) {
+    if (compute != DType::F32) throw std::invalid_argument("decoder: quantized weights decode with compute fp32");
+    if (!FusedStep<float>::supported(params, compute))
+      throw std::invalid_argument("decoder: quantized weights need the fused step, which these weights do not allow");
+    fused32_ = std::make_unique<FusedStep<float>>(params, order_, caches_, mem, quant);
+  } else if (compute == DType::F32 && FusedStep<float>::supported(params, compute))
     fused32_ = std::make_unique<FusedStep<float>>(params, order_, caches_, mem);
   if (compute == DType::BF16 && FusedStep<bf16>::supported(params, compute))
     fused16_ = std::make_unique<FusedStep<bf16>>(params, order_, caches_, mem);
@@ -158,6 +163,21 @@ void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits,
     throw std::out_of_range("decoder: " + std::to_string(len + n) + " positions exceed the capacity " +
                             std::to_string(capacity_));
   row_slots_[0] = static_cast<int32_t>(slot);
+  if (quant_) {  // one token at a time through the fused step (decoder.h)
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t id = ids[static_cast<size_t>(i)];
+      if (id < 0 || id >= cfg_.vocab)
+        throw std::out_of_range("decoder: token id " + std::to_string(id) + " is outside the vocabulary of " +
+                                std::to_string(cfg_.vocab));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t pos = static_cast<int32_t>(len);
+      float* out = all_logits ? (logits ? logits + i * cfg_.vocab : nullptr) : i + 1 == n ? logits : nullptr;
+      fused32_->run(1, row_slots_.data(), &pos, ids.data() + i, out);
+      ++len;
+    }
+    return;
+  }
   for (int64_t off = 0; off < n; off += piece_) {
     const int64_t m = std::min(piece_, n - off);
     for (int64_t i = 0; i < m; ++i) positions_[static_cast<size_t>(i)] = static_cast<int32_t>(len + i);

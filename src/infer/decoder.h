@@ -23,8 +23,12 @@ class Decoder {
   // compute: the activation dtype (F32 or BF16); weights stored in another dtype are cast per layer call, so decoding
   // reads only the routed experts' weights when the weights are stored in the compute dtype. piece: prefill tokens per
   // layer pass (longer prompts are fed in pieces).
+  //
+  // quant: the matrices kept in a GGUF file's blocks (load_gguf_weights; their ParamSet views hold no data). Compute
+  // must be fp32; every step runs fused (the layered path cannot read them), and a prefill runs its tokens one at a
+  // time through the same fused step (not the chunked kernels: correct, but a prompt costs a step per token).
   Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
-          int64_t piece = 512);
+          int64_t piece = 512, const QuantWeights* quant = nullptr);
   // The fused step keeps references into the caches: a Decoder stays where it was made.
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -49,7 +53,8 @@ class Decoder {
   // Whether step() runs fused (when the weights allow it; default on unless HS_DECODE_FUSED=0). Tests and the
   // bench compare both paths.
   void set_fused(bool on) { use_fused_ = on; }
-  bool fused() const { return use_fused_ && (fused32_ || fused16_); }
+  bool fused() const { return (use_fused_ || quant_) && (fused32_ || fused16_); }
+  bool quantized() const { return quant_ != nullptr; }
 
   // Snapshots of a slot's caches, for a prefix cache (src/serve/prefix_cache.h): the recurrent part (every Gated
   // DeltaNet layer's conv window and delta-rule state, which sum up the whole sequence) and the attention layers'
@@ -84,6 +89,7 @@ class Decoder {
   std::unique_ptr<FusedStep<float>> fused32_;
   std::unique_ptr<FusedStep<bf16>> fused16_;
   bool use_fused_ = true;
+  const QuantWeights* quant_ = nullptr;
 };
 
 }  // namespace hs::infer

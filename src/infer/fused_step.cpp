@@ -25,6 +25,7 @@
 #include "kernels/mlp.h"
 #include "kernels/moe.h"
 #include "kernels/norms.h"
+#include "kernels/quant_gemv.h"
 #include "kernels/rope.h"
 #include "model/linear.h"
 
@@ -82,6 +83,7 @@ struct PhaseClock {
 };
 
 std::atomic<bool> g_timing{false};
+std::atomic<QuantReference> g_quant_ref{QuantReference::Off};
 std::mutex g_times_mu;
 std::vector<FusedPhaseTime> g_times;
 
@@ -93,6 +95,11 @@ template <typename T> struct Job {
   bool y_f32;
   int64_t M, N, K, ldy;
   int64_t chunk_rows = 0, chunks = 0;
+  // A quantized weight (infer::QuantMatrix): W unused, the rows' blocks at Wq, y fp32; x is quantized into xq (the
+  // step's shared rows for this job) by the phase's first part.
+  const uint8_t* Wq = nullptr;
+  kernels::GgmlType qt = kernels::GgmlType::Q8_0;
+  kernels::QuantizedRows* xq = nullptr;
 };
 
 // A thread's view of the step: its id and the phases (every thread runs the same sequence of phases).
@@ -102,6 +109,7 @@ template <typename T> struct Team {
   int64_t nphases;
   std::atomic<int>& sleepers;
   kernels::cpu::Level isa;
+  std::vector<kernels::QuantizedRows>* qpool = nullptr;  // activation rows quantized for a phase's quantized jobs
   PhaseClock* clock = nullptr;  // thread 0's, when timing is on (fused_step_timing)
   int64_t phase = 0;
 
@@ -145,16 +153,31 @@ template <typename T> struct Team {
   }
   // The products of one phase, in chunks of ~kFusedChunkBytes of weight rows.
   void products(const char* name, Job<T>* jobs, int n) {
+    // Quantized weights: the activation rows of each such job quantized first, by one thread, into shared rows.
+    bool any_quant = false;
+    for (int j = 0; j < n; ++j)
+      if (jobs[j].Wq) {
+        jobs[j].xq = &(*qpool)[static_cast<size_t>(j)];
+        any_quant = true;
+      }
+    if (any_quant)
+      serial("quantize_rows", [&] {
+        for (int j = 0; j < n; ++j)
+          if (jobs[j].Wq && jobs[j].M > 0) kernels::quantize_rows(jobs[j].qt, jobs[j].x, jobs[j].M, jobs[j].K, 0, *jobs[j].xq);
+      });
     // Chunks of ~1/(8 threads) of the phase's weights, between kFusedChunkBytes and 32x that: small enough that the
     // threads finish together, large enough that taking one (two atomics) costs nothing next to streaming it.
     int64_t bytes = 0;
-    for (int j = 0; j < n; ++j) bytes += jobs[j].N * jobs[j].K * static_cast<int64_t>(sizeof(T));
+    auto row_bytes_of = [](const Job<T>& b) {
+      return b.Wq ? kernels::ggml_row_bytes(b.qt, b.K) : b.K * static_cast<int64_t>(sizeof(T));
+    };
+    for (int j = 0; j < n; ++j) bytes += jobs[j].N * row_bytes_of(jobs[j]);
     const int64_t chunk_bytes = std::clamp<int64_t>(bytes / (8 * nt), kFusedChunkBytes, 32 * kFusedChunkBytes);
     int64_t total = 0;
     for (int j = 0; j < n; ++j) {
       Job<T>& b = jobs[j];
-      const int64_t align = kernels::gemv_row_align(b.M, isa);
-      const int64_t row_bytes = b.K * static_cast<int64_t>(sizeof(T));
+      const int64_t align = b.Wq ? 8 : kernels::gemv_row_align(b.M, isa);  // quantized: any split, the same bits
+      const int64_t row_bytes = row_bytes_of(b);
       b.chunk_rows = std::max<int64_t>(align, chunk_bytes / std::max<int64_t>(row_bytes, 1) / align * align);
       b.chunks = b.M > 0 && b.N > 0 ? (b.N + b.chunk_rows - 1) / b.chunk_rows : 0;
       total += b.chunks;
@@ -165,7 +188,26 @@ template <typename T> struct Team {
       while (c >= base + jobs[j].chunks) base += jobs[j++].chunks;  // a thread's chunks come in ascending order
       const Job<T>& b = jobs[j];
       const int64_t n0 = (c - base) * b.chunk_rows, n1 = std::min(b.N, n0 + b.chunk_rows);
-      if (b.y_f32)
+      if (b.Wq && g_quant_ref.load(std::memory_order_relaxed) != QuantReference::Off) {
+        // Test aid: each weight row dequantized, the activations unrounded or their Q8 values (dot in double).
+        const bool rounded = g_quant_ref.load(std::memory_order_relaxed) == QuantReference::RoundedActivations;
+        thread_local std::vector<float> wrow, xrow;
+        wrow.resize(static_cast<size_t>(b.K));
+        xrow.resize(static_cast<size_t>(b.K));
+        const int64_t rb = kernels::ggml_row_bytes(b.qt, b.K);
+        for (int64_t r = n0; r < n1; ++r) {
+          kernels::dequantize_row(b.qt, b.Wq + r * rb, wrow.data(), b.K);
+          for (int64_t m = 0; m < b.M; ++m) {
+            if (rounded) kernels::dequantize_quantized_row(*b.xq, m, xrow.data());
+            else for (int64_t k = 0; k < b.K; ++k) xrow[static_cast<size_t>(k)] = float(b.x[m * b.K + k]);
+            double acc = 0;
+            for (int64_t k = 0; k < b.K; ++k) acc += double(wrow[static_cast<size_t>(k)]) * xrow[static_cast<size_t>(k)];
+            static_cast<float*>(b.y)[m * b.ldy + r] = static_cast<float>(acc);
+          }
+        }
+      } else if (b.Wq)
+        kernels::quant_gemv_rows(*b.xq, b.Wq, static_cast<float*>(b.y), b.ldy, n0, n1, kernels::quant_gemv_level());
+      else if (b.y_f32)
         kernels::gemv_rows(b.x, b.W, static_cast<float*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
       else
         kernels::gemv_rows(b.x, b.W, static_cast<T*>(b.y), b.M, b.N, b.K, 0, b.ldy, n0, n1, isa);
@@ -189,6 +231,8 @@ struct FusedStep<T>::Impl {
   std::vector<model::LayerSlot> order;
   std::vector<model::LayerCache>& caches;
   MemoryAccountant& mem;
+  const QuantWeights* quant;  // null: every matrix in the ParamSet
+  std::vector<kernels::QuantizedRows> qpool;
   std::vector<model::LayerWeights> lw;
   std::vector<model::ComputeWeights<T>> cw;  // matrices in place, small vectors in fp32
   model::Converted<float> final_norm;
@@ -196,15 +240,34 @@ struct FusedStep<T>::Impl {
   std::atomic<int> sleepers{0};
 
   Impl(const model::ParamSet& ps, const std::vector<model::LayerSlot>& o, std::vector<model::LayerCache>& c,
-       MemoryAccountant& m)
-      : params(ps), cfg(ps.config()), order(o), caches(c), mem(m),
-        phases(static_cast<size_t>(12 * ps.config().layers + 4)) {
+       MemoryAccountant& m, const QuantWeights* q)
+      : params(ps), cfg(ps.config()), order(o), caches(c), mem(m), quant(q),
+        phases(static_cast<size_t>((q ? 20 : 12) * ps.config().layers + 6)) {
+    if (q && !std::is_same_v<T, float>) throw std::invalid_argument("fused step: quantized weights decode in fp32");
     for (const model::LayerSlot& s : order) {
       lw.push_back(params.layer(s));
       cw.push_back(model::compute_weights<T>(cfg, lw.back(), mem, nullptr));
     }
     final_norm = model::as_type<float>(params.global(model::g::kFinalNorm), mem, MemCategory::WeightCasts,
                                        "weight_cast");
+  }
+
+  // The product of layer li's matrix `spec` (part `part`, rows from `row0`): on its quantized blocks when it has them.
+  const QuantMatrix* qmat(size_t li, size_t spec, size_t part = 0) const {
+    if (!quant) return nullptr;
+    const QuantLayer& ql = quant->layers[static_cast<size_t>(model::layer_of_slot(cfg, order[li]))];
+    return part < ql.parts.at(spec).size() ? &ql.parts[spec][part] : nullptr;
+  }
+  static Job<T> qjob(const T* x, const QuantMatrix& m, int64_t row0, float* y, int64_t M, int64_t N, int64_t K,
+                     int64_t ldy = 0) {
+    Job<T> j{x, nullptr, y, true, M, N, K, ldy ? ldy : N};
+    j.Wq = m.row(row0);
+    j.qt = m.type;
+    return j;
+  }
+  Job<T> mj(const T* x, size_t li, size_t spec, T* y, int64_t M, int64_t N, int64_t K, int64_t ldy = 0) const {
+    if (const QuantMatrix* m = qmat(li, spec)) return qjob(x, *m, 0, reinterpret_cast<float*>(y), M, N, K, ldy);
+    return job(x, cw[li].mat(spec), y, M, N, K, ldy);
   }
 
   // The buffers of one step of B rows, carved from one workspace allocation.
@@ -287,8 +350,8 @@ struct FusedStep<T>::Impl {
     model::LayerCache& cache = caches[li];
     const int64_t H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hk = c.k_heads,
                   Hv = c.v_heads;
-    Job<T> jobs[4] = {job(w.xn, W.mat(p::kQkv), w.qkv, B, CD, H), job(w.xn, W.mat(p::kZ), w.z, B, VD, H),
-                      job(w.xn, W.mat(p::kB), w.b, B, Hv, H), job(w.xn, W.mat(p::kA), w.a, B, Hv, H)};
+    Job<T> jobs[4] = {mj(w.xn, li, p::kQkv, w.qkv, B, CD, H), mj(w.xn, li, p::kZ, w.z, B, VD, H),
+                      mj(w.xn, li, p::kB, w.b, B, Hv, H), mj(w.xn, li, p::kA, w.a, B, Hv, H)};
     tm.products("gdn.in_proj", jobs, 4);
     // The conv over each row's window, the q/k norms and the gates (thread 0: a few thousand values per row).
     tm.serial("gdn.conv_norms_gates", [&] {
@@ -307,7 +370,19 @@ struct FusedStep<T>::Impl {
       kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
                                      w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
     });
-    Job<T> out = job(w.y, W.mat(p::kOut), w.mix, B, H, VD);
+    const QuantMatrix* qo = qmat(li, p::kOut);
+    const T* yin = w.y;
+    if (qo && qo->col_hk > 0) {  // the activations in the file's column order (QuantMatrix::col_hk)
+      tm.serial("gdn.out_permute", [&] {
+        for (int64_t row = 0; row < B; ++row)
+          for (int64_t g = 0; g < qo->col_hk; ++g)
+            for (int64_t j = 0; j < qo->col_r; ++j)
+              std::copy_n(w.y + row * VD + (g * qo->col_r + j) * qo->col_block, qo->col_block,
+                          w.o + row * VD + (j * qo->col_hk + g) * qo->col_block);
+      });
+      yin = w.o;  // free after the gated norm
+    }
+    Job<T> out = mj(yin, li, p::kOut, w.mix, B, H, VD);
     tm.products("gdn.out_proj", &out, 1);
   }
 
@@ -317,8 +392,8 @@ struct FusedStep<T>::Impl {
     const model::ComputeWeights<T>& W = cw[li];
     model::LayerCache& cache = caches[li];
     const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
-    Job<T> jobs[3] = {job(w.xn, W.mat(p::kQ), w.qg, B, nH * 2 * hd, H), job(w.xn, W.mat(p::kK), w.kraw, B, nKV * hd, H),
-                      job(w.xn, W.mat(p::kV), w.vv, B, nKV * hd, H)};
+    Job<T> jobs[3] = {mj(w.xn, li, p::kQ, w.qg, B, nH * 2 * hd, H), mj(w.xn, li, p::kK, w.kraw, B, nKV * hd, H),
+                      mj(w.xn, li, p::kV, w.vv, B, nKV * hd, H)};
     tm.products("attn.qkv_proj", jobs, 3);
     const kernels::KvCacheShape kc{nKV, hd, cache.capacity};
     tm.serial("attn.norms_rope_cache", [&] {
@@ -337,7 +412,7 @@ struct FusedStep<T>::Impl {
       kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
                                       positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
     });
-    Job<T> out = job(w.attn, W.mat(p::kO), w.mix, B, H, nH * hd);
+    Job<T> out = mj(w.attn, li, p::kO, w.mix, B, H, nH * hd);
     tm.products("attn.o_proj", &out, 1);
   }
 
@@ -375,13 +450,13 @@ struct FusedStep<T>::Impl {
     });
     if (!c.moe()) {
       const int64_t I = c.intermediate;
-      Job<T> gu[2] = {job(w.xn, W.mat(f + p::kMlpGate), w.gu, B, I, H, 2 * I),
-                      job(w.xn, W.mat(f + p::kMlpUp), w.gu + I, B, I, H, 2 * I)};
+      Job<T> gu[2] = {mj(w.xn, li, f + p::kMlpGate, w.gu, B, I, H, 2 * I),
+                      mj(w.xn, li, f + p::kMlpUp, w.gu + I, B, I, H, 2 * I)};
       tm.products("mlp.gate_up", gu, 2);
       tm.units("mlp.swiglu", B, 4, [&](int64_t r0, int64_t r1) {
         kernels::pieces::swiglu_act_rows(r1 - r0, I, w.gu + r0 * 2 * I, nullptr, w.act + r0 * I);
       });
-      Job<T> down = job(w.act, W.mat(f + p::kMlpDown), w.ffn, B, H, I);
+      Job<T> down = mj(w.act, li, f + p::kMlpDown, w.ffn, B, H, I);
       tm.products("mlp.down", &down, 1);
     } else {
       const int64_t E = c.experts, k = c.top_k, I = c.expert_inter, Is = c.shared_inter;
@@ -394,15 +469,25 @@ struct FusedStep<T>::Impl {
       const T* down = static_cast<const T*>(lw[li][static_cast<size_t>(f + p::kDown)].data);
       // The experts with rows (at most B * k of them) and the shared expert's gate and up.
       thread_local std::vector<Job<T>> jobs;  // at most min(E, B k) + 2; grows once per thread
-      jobs.resize(static_cast<size_t>(std::min(E, B * k) + 2));
+      jobs.resize(static_cast<size_t>(2 * std::min(E, B * k) + 2));
       int n = 0;
       auto add = [&](const Job<T>& j) { jobs[static_cast<size_t>(n++)] = j; };
       for (int64_t e = 0; e < E; ++e) {
         const int64_t a = off[e], m = off[e + 1] - a;
-        if (m > 0) add(job(w.xg + a * H, gate_up + e * 2 * I * H, w.gu + a * 2 * I, m, 2 * I, H));
+        if (m <= 0) continue;
+        const QuantMatrix* g0 = qmat(li, f + p::kGateUp, 0);
+        const QuantMatrix* g1 = qmat(li, f + p::kGateUp, 1);
+        if (g1) {  // gate [E, I, H] and up [E, I, H] apart: each expert's rows of both
+          add(qjob(w.xg + a * H, *g0, e * I, reinterpret_cast<float*>(w.gu + a * 2 * I), m, I, H, 2 * I));
+          add(qjob(w.xg + a * H, *g1, e * I, reinterpret_cast<float*>(w.gu + a * 2 * I + I), m, I, H, 2 * I));
+        } else if (g0) {
+          add(qjob(w.xg + a * H, *g0, e * 2 * I, reinterpret_cast<float*>(w.gu + a * 2 * I), m, 2 * I, H));
+        } else {
+          add(job(w.xg + a * H, gate_up + e * 2 * I * H, w.gu + a * 2 * I, m, 2 * I, H));
+        }
       }
-      add(job(w.xn, W.mat(f + p::kSharedGate), w.sgu, B, Is, H, 2 * Is));
-      add(job(w.xn, W.mat(f + p::kSharedUp), w.sgu + Is, B, Is, H, 2 * Is));
+      add(mj(w.xn, li, f + p::kSharedGate, w.sgu, B, Is, H, 2 * Is));
+      add(mj(w.xn, li, f + p::kSharedUp, w.sgu + Is, B, Is, H, 2 * Is));
       tm.products("moe.gate_up", jobs.data(), n);
       tm.units("moe.swiglu", B * k + B, 4, [&](int64_t a0, int64_t a1) {  // the routed rows, then the shared expert's
         const int64_t e0 = std::min(a0, B * k), e1 = std::min(a1, B * k);
@@ -413,9 +498,11 @@ struct FusedStep<T>::Impl {
       n = 0;
       for (int64_t e = 0; e < E; ++e) {
         const int64_t a = off[e], m = off[e + 1] - a;
-        if (m > 0) add(job_f32(w.act + a * I, down + e * H * I, w.ye + a * H, m, H, I));
+        if (m <= 0) continue;
+        if (const QuantMatrix* d = qmat(li, f + p::kDown)) add(qjob(w.act + a * I, *d, e * H, w.ye + a * H, m, H, I));
+        else add(job_f32(w.act + a * I, down + e * H * I, w.ye + a * H, m, H, I));
       }
-      add(job(w.sact, W.mat(f + p::kSharedDown), w.sout, B, H, Is));
+      add(mj(w.sact, li, f + p::kSharedDown, w.sout, B, H, Is));
       tm.products("moe.down", jobs.data(), n);
     }
     tm.serial("ffn.combine_add_norm", [&] {
@@ -432,6 +519,8 @@ struct FusedStep<T>::Impl {
     });
   }
 
+  int64_t c_experts() const { return std::max<int64_t>(cfg.experts, 1); }
+
   void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
     if (B <= 0 || B > kernels::kGemvMaxRows)
       throw std::invalid_argument("fused step: " + std::to_string(B) + " rows (1 to " +
@@ -442,6 +531,7 @@ struct FusedStep<T>::Impl {
     carve(sizing, B, threads, capacity);
     Buffer ws = mem.allocate(sizing.bytes(), MemCategory::Workspace, "fused_step.workspace");
     if (mem.planning()) return;
+    if (quant && qpool.empty()) qpool.resize(static_cast<size_t>(2 * std::max<int64_t>(std::min(c_experts(), kernels::kGemvMaxRows * std::max<int64_t>(cfg.top_k, 1)), 1) + 4));
     Carve cv(ws.data());
     const Work w = carve(cv, B, threads, capacity);
     for (Phase& ph : phases) {
@@ -457,11 +547,16 @@ struct FusedStep<T>::Impl {
     if (g_timing.load(std::memory_order_relaxed)) clock.emplace().spans.reserve(phases.size());
 #pragma omp parallel num_threads(threads)
     {
-      Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa};
+      Team<T> tm{omp_get_thread_num(), omp_get_num_threads(), phases.data(), static_cast<int64_t>(phases.size()), sleepers, isa,
+                 &qpool};
       if (clock && tm.tid == 0) tm.clock = &*clock;
       // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
       tm.serial("embedding_norm", [&] {
-        if (embed.dtype == DType::F32)
+        if (quant && quant->embed) {  // rows dequantized on lookup
+          if constexpr (std::is_same_v<T, float>)
+            for (int64_t b = 0; b < B; ++b)
+              kernels::dequantize_row(quant->embed->type, quant->embed->row(ids[b]), w.h + b * H, H);
+        } else if (embed.dtype == DType::F32)
           kernels::embedding_forward(ids, B, static_cast<const float*>(embed.data), V, H, w.h);
         else kernels::embedding_forward(ids, B, static_cast<const bf16*>(embed.data), V, H, w.h);
         if (!order.empty()) input_norm(w, 0, B);
@@ -473,7 +568,8 @@ struct FusedStep<T>::Impl {
         ffn(tm, w, i, B);
       }
       if (logits) {
-        Job<T> lm = job_f32(w.xf, head, logits, B, V, H);
+        Job<T> lm = quant && quant->lm_head ? qjob(w.xf, *quant->lm_head, 0, logits, B, V, H)
+                                            : job_f32(w.xf, head, logits, B, V, H);
         tm.products("lm_head", &lm, 1);
       }
     }
@@ -488,6 +584,8 @@ struct FusedStep<T>::Impl {
     }
   }
 };
+
+void fused_step_quant_reference(QuantReference r) { g_quant_ref.store(r); }
 
 void fused_step_timing(bool on) {
   std::lock_guard<std::mutex> lock(g_times_mu);
@@ -518,8 +616,8 @@ bool FusedStep<T>::supported(const model::ParamSet& params, DType compute) {
 
 template <typename T>
 FusedStep<T>::FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
-                        std::vector<model::LayerCache>& caches, MemoryAccountant& mem)
-    : impl_(std::make_unique<Impl>(params, order, caches, mem)) {}
+                        std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant)
+    : impl_(std::make_unique<Impl>(params, order, caches, mem, quant)) {}
 
 template <typename T> FusedStep<T>::~FusedStep() = default;
 

@@ -16,6 +16,11 @@
 // Eligible (FusedStep::supported): unsharded weights whose matrices (routed experts included) and LM head are stored
 // in the compute dtype, so every product reads the weights where they lie. The decoder takes the layered path
 // otherwise.
+//
+// Quantized weights (a GGUF model read by load_gguf_weights, fp32 compute): the matrices that QuantWeights holds run
+// on their blocks (kernels::quant_gemv_rows; each product's activation rows are quantized first by one thread, a
+// phase of its own), the routed experts' rows of the routed experts only, the embedding's rows dequantized on
+// lookup; the other matrices (converted to fp32) on gemv as before.
 #pragma once
 #include <atomic>
 #include <cstdint>
@@ -25,6 +30,7 @@
 
 #include "core/memory.h"
 #include "model/layer.h"
+#include "infer/weights.h"
 #include "model/params.h"
 
 namespace hs::infer {
@@ -45,6 +51,13 @@ struct FusedPhaseTime {
 void fused_step_timing(bool on);
 std::vector<FusedPhaseTime> fused_step_phase_times();  // in the order first seen
 
+// Test aid: the quantized weights' products computed instead of quant_gemv from each weight row dequantized to fp32
+// (dequantize_row) times the activations, in double: Exact, the activations as they are (isolates the storage and
+// its plumbing from the activations' Q8 rounding); RoundedActivations, their Q8 values (dequantize_quantized_row:
+// what quant_gemv multiplies, so only its fp32 sums differ). Off by default; slow; not while a step runs.
+enum class QuantReference { Off, Exact, RoundedActivations };
+void fused_step_quant_reference(QuantReference r);
+
 template <typename T>
 class FusedStep {
  public:
@@ -52,7 +65,7 @@ class FusedStep {
   // The small vectors (norm weights, conv taps, gates) are cast to fp32 once here when they are stored in bf16
   // (MemCategory::WeightCasts, live as long as this object).
   FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
-            std::vector<model::LayerCache>& caches, MemoryAccountant& mem);
+            std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant = nullptr);
   ~FusedStep();
   // rows: B sequences in slots[b] at positions[b] with input ids[b]; logits fp32 [B, V] (null: none). In planning
   // mode only the per-step workspace is allocated.

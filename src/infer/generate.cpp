@@ -127,7 +127,7 @@ GenerateResult generate(const model::ParamSet& params, const std::vector<std::ve
   const int64_t B = static_cast<int64_t>(prompts.size()), V = params.config().vocab;
   // A finished sequence's last token is never fed back, so max_new_tokens - 1 positions follow the prompt.
   mem.reset_peak();
-  Decoder dec(params, opt.compute, B, longest + opt.max_new_tokens - 1, mem, opt.piece);
+  Decoder dec(params, opt.compute, B, longest + opt.max_new_tokens - 1, mem, opt.piece, opt.quant);
   GenerateResult r;
   r.kv_cache_bytes = dec.kv_cache_bytes();
   r.recurrent_state_bytes = dec.recurrent_state_bytes();

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/memory.h"
+#include "infer/weights.h"
 #include "model/params.h"
 
 namespace hs::infer {
@@ -30,6 +31,7 @@ struct GenerateOptions {
   std::vector<int32_t> stop_ids;  // a sequence ends after emitting one of these (it is kept in its tokens)
   DType compute = DType::F32;
   int64_t piece = 512;            // prefill tokens per pass
+  const QuantWeights* quant = nullptr;  // a GGUF model's quantized matrices (load_gguf_weights; compute fp32)
 };
 
 struct GenerateResult {

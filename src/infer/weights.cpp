@@ -1,5 +1,9 @@
 #include "infer/weights.h"
 
+#include "gguf/gguf_file.h"
+#include "gguf/import.h"
+#include "kernels/quant_gemv.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -180,6 +184,176 @@ std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& 
   w->mapped = w->copied_bytes == 0;
   if (w->mapped_bytes == 0) reader.reset();  // nothing points into the files: unmap them
   w->reader = std::move(reader);
+  w->params = std::move(params);
+  return w;
+}
+
+}  // namespace hs::infer
+
+namespace hs::infer {
+
+InferenceWeights::~InferenceWeights() = default;
+
+namespace {
+
+bool quantized_type(uint32_t t) {
+  const kernels::GgmlTypeInfo* info = kernels::ggml_type_info(t);
+  return info && info->block_elems > 1 && kernels::quant_gemv_supports(info->type);
+}
+
+// The GGUF tensors `names` as one quantized [rows, cols] matrix each (rows: the tensor's outer elements), when every
+// one is stored in a type the products take; nullopt otherwise. FormatError when the shapes disagree with `shape`.
+std::optional<std::vector<QuantMatrix>> quant_parts(const gguf::GgufReader& r, const std::vector<std::string>& names,
+                                                    const Shape& shape) {
+  if (names.empty()) return std::nullopt;
+  std::vector<QuantMatrix> out;
+  int64_t rows = 0;
+  const int64_t cols = shape.back();
+  for (const std::string& n : names) {
+    const gguf::TensorInfo* t = r.find_tensor(n);
+    if (!t) throw gguf::FormatError("GGUF model " + r.label() + ": tensor '" + n + "' is missing");
+    if (!quantized_type(t->type)) return std::nullopt;
+    if (t->ne.empty() || t->ne[0] != cols)
+      throw gguf::FormatError("GGUF model " + r.label() + ": tensor '" + n + "' has rows of " +
+                              std::to_string(t->ne.empty() ? 0 : t->ne[0]) + " elements, the model's " +
+                              std::to_string(cols));
+    QuantMatrix m;
+    m.type = static_cast<kernels::GgmlType>(t->type);
+    m.cols = cols;
+    m.rows = t->numel() / cols;
+    m.row_bytes = kernels::ggml_row_bytes(m.type, cols);
+    const std::span<const std::byte> b = r.bytes(*t);
+    if (static_cast<int64_t>(b.size()) != m.rows * m.row_bytes)
+      throw gguf::FormatError("GGUF model " + r.label() + ": tensor '" + n + "' holds " + std::to_string(b.size()) +
+                              " bytes, its shape " + std::to_string(m.rows * m.row_bytes));
+    m.data = reinterpret_cast<const uint8_t*>(b.data());
+    m.name = n;
+    rows += m.rows;
+    out.push_back(std::move(m));
+  }
+  if (rows != numel(shape) / cols)
+    throw gguf::FormatError("GGUF model " + r.label() + ": tensor '" + names[0] + "' has " + std::to_string(rows) +
+                            " rows, the model " + std::to_string(numel(shape) / cols));
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<InferenceWeights> load_gguf_weights(const std::string& path, MemoryAccountant& mem) {
+  auto w = std::make_unique<InferenceWeights>();
+  w->gguf = std::make_unique<gguf::GgufReader>(path);
+  const gguf::GgufReader& r = *w->gguf;
+  const model::ModelConfig c = gguf::config_from_gguf(r);
+  auto params = std::make_unique<model::ParamSet>(c, DType::F32, w->shapes, MemCategory::Parameters, false);
+  auto q = std::make_unique<QuantWeights>();
+  q->layers.resize(static_cast<size_t>(c.layers));
+  std::vector<std::string> converted;
+  std::map<const uint8_t*, bool> counted;  // a tied head shares the embedding's blocks
+  auto count = [&](const std::vector<QuantMatrix>& parts) {
+    for (const QuantMatrix& m : parts)
+      if (!counted[m.data]) {
+        counted[m.data] = true;
+        q->bytes += static_cast<uint64_t>(m.rows * m.row_bytes);
+      }
+  };
+  // fp32 copy of native tensor `name` ([shape]) into memory of the engine's own.
+  auto convert = [&](const std::string& name, const Shape& shape) -> void* {
+    const std::vector<float> x = gguf::read_model_tensor(r, c, name);
+    if (static_cast<int64_t>(x.size()) != numel(shape))
+      throw gguf::FormatError("GGUF model " + r.label() + ": " + name + " has " + std::to_string(x.size()) +
+                              " elements, the model " + std::to_string(numel(shape)));
+    Buffer b = mem.allocate(x.size() * sizeof(float), MemCategory::Parameters, name);
+    if (!mem.planning()) std::memcpy(b.data(), x.data(), x.size() * sizeof(float));
+    void* p = b.data();
+    w->copied_bytes += b.bytes();
+    w->owned.push_back(std::move(b));
+    converted.push_back(name);
+    return p;
+  };
+  // Globals: the embedding and the head quantized where their file tensors are; the final norm converted.
+  for (const model::g::Global g : {model::g::kEmbed, model::g::kFinalNorm, model::g::kLmHead}) {
+    model::StackedParam& sp = params->all()[static_cast<size_t>(g)];
+    const std::string name = g == model::g::kEmbed ? "embed_tokens.weight"
+                             : g == model::g::kLmHead ? "lm_head.weight" : "norm.weight";
+    std::optional<std::vector<QuantMatrix>> qm;
+    if (g != model::g::kFinalNorm) qm = quant_parts(r, gguf::verbatim_sources(r, c, name), sp.spec.shape);
+    if (qm) {
+      count(*qm);
+      (g == model::g::kEmbed ? q->embed : q->lm_head) = (*qm)[0];
+      sp.tensor = Tensor::borrowed(TensorView(nullptr, DType::F32, sp.full_shape));
+    } else {
+      sp.tensor = Tensor::borrowed(TensorView(convert(name, sp.spec.shape), DType::F32, sp.full_shape));
+    }
+  }
+  // Layers: each stacked tensor's layers point at converted memory, or at nothing for a quantized matrix.
+  for (int64_t i = 0; i < c.layers; ++i) {
+    const model::LayerSlot s = model::slot_of_layer(c, i);
+    const auto specs = model::layer_specs(c, s.kind());
+    QuantLayer& ql = q->layers[static_cast<size_t>(i)];
+    ql.parts.resize(specs.size());
+    for (size_t j = 0; j < specs.size(); ++j) {
+      const model::ParamSpec& spec = specs[j];
+      const std::string native = "layers." + std::to_string(i) + "." + spec.name;
+      const model::StackedParam* csp = params->find(model::group_name(s.group) + "." + spec.name);
+      if (!csp) throw std::logic_error("load_gguf_weights: no stack for " + native);
+      auto& sp = const_cast<model::StackedParam&>(*csp);
+      const int64_t per_block = sp.lead.size() > 1 ? sp.lead[1] : 1;
+      const size_t at = static_cast<size_t>(s.block * per_block + s.local);
+      if (sp.layers.empty()) sp.layers.assign(static_cast<size_t>(numel(sp.lead)), nullptr);
+      const bool router = model::ffn_offset(s.kind()) + model::p::kRouter == static_cast<int>(j) && c.moe();
+      std::optional<std::vector<QuantMatrix>> qm;
+      if (spec.is_matrix && !router) qm = quant_parts(r, gguf::verbatim_sources(r, c, native), spec.shape);
+      // Qwen3.5's V-head order (gguf/import.cpp, ungroup_v_heads): native head h = g * r + j is the file's j * hk + g.
+      const bool reorder = c.family == model::Family::Qwen3_5 && c.k_heads != c.v_heads;
+      const std::string b = "blk." + std::to_string(i) + ".";
+      const int64_t hk = c.k_heads, rr = reorder ? c.v_heads / c.k_heads : 1, dv = c.dv;
+      if (!qm && reorder && s.kind() == model::LayerKind::LinearAttention &&
+          (j == model::p::kQkv || j == model::p::kZ)) {
+        const int64_t first = j == model::p::kQkv ? 2 * c.key_dim() : 0;  // the rows before the value heads
+        qm = quant_parts(r, {b + (j == model::p::kQkv ? "attn_qkv.weight" : "attn_gate.weight")}, spec.shape);
+        if (qm) {  // rows copied into native order, still quantized
+          QuantMatrix& m = (*qm)[0];
+          Buffer buf = mem.allocate(static_cast<size_t>(m.rows * m.row_bytes), MemCategory::Parameters,
+                                    native + " (quantized, V heads reordered)");
+          if (!mem.planning()) {
+            auto* dst = static_cast<uint8_t*>(buf.data());
+            std::memcpy(dst, m.data, static_cast<size_t>(first * m.row_bytes));
+            for (int64_t g = 0; g < hk; ++g)
+              for (int64_t jj = 0; jj < rr; ++jj)
+                std::memcpy(dst + (first + (g * rr + jj) * dv) * m.row_bytes,
+                            m.data + (first + (jj * hk + g) * dv) * m.row_bytes, static_cast<size_t>(dv * m.row_bytes));
+          }
+          m.data = static_cast<const uint8_t*>(buf.data());
+          w->copied_bytes += buf.bytes();
+          w->owned.push_back(std::move(buf));
+          ql.parts[j] = std::move(*qm);
+          continue;
+        }
+      }
+      if (!qm && reorder && s.kind() == model::LayerKind::LinearAttention && j == model::p::kOut) {
+        qm = quant_parts(r, {b + "ssm_out.weight"}, spec.shape);
+        if (qm) {
+          (*qm)[0].col_hk = hk;
+          (*qm)[0].col_r = rr;
+          (*qm)[0].col_block = dv;
+        }
+      }
+      if (qm) {
+        count(*qm);
+        ql.parts[j] = std::move(*qm);
+      } else {
+        sp.layers[at] = convert(native, spec.shape);
+      }
+    }
+  }
+  w->quant = std::move(q);
+  w->mapped_bytes = w->quant->bytes;
+  w->mapped = w->copied_bytes == 0;
+  if (!converted.empty()) {
+    std::string list;
+    for (const std::string& n : converted) list += (list.empty() ? "" : ", ") + n;
+    w->notes.push_back("converted to fp32 (small, or not stored verbatim in a quantized type): " + list);
+  }
   w->params = std::move(params);
   return w;
 }

@@ -26,7 +26,12 @@
 
 #include "checkpoint/convert.h"
 #include "core/memory.h"
+#include "kernels/quant.h"
 #include "model/params.h"
+
+namespace hs::gguf {
+class GgufReader;
+}
 
 namespace hs::infer {
 
@@ -41,6 +46,34 @@ uint64_t available_memory_bytes();
 // for the caches, the workspace, the page cache and other processes); map when the available memory is unknown.
 bool auto_copies(uint64_t weight_bytes, uint64_t available_bytes);
 
+// A matrix kept in a GGUF file's quantized blocks, used where it lies in the mapped file: `rows` rows of `cols`
+// elements, each row_bytes = ggml_row_bytes(type, cols) bytes, row r at data + r * row_bytes ([rows, cols] as the
+// engine's [out, in] matrices are; a stacked expert tensor [E, F, cols] is E * F rows).
+struct QuantMatrix {
+  kernels::GgmlType type = kernels::GgmlType::Q8_0;
+  const uint8_t* data = nullptr;
+  int64_t rows = 0, cols = 0, row_bytes = 0;
+  std::string name;  // the GGUF tensor
+  // Columns stored in another order (Qwen3.5's V heads in the GDN's out projection): when col_hk > 0, native column
+  // group h (col_block columns each; h = g * col_r + j) is the file's group j * col_hk + g, so the product takes its
+  // activations permuted into the file's order.
+  int64_t col_hk = 0, col_r = 0, col_block = 0;
+  const uint8_t* row(int64_t r) const { return data + r * row_bytes; }
+};
+// The decoder's matrices that stay quantized (the rest of the model is in the ParamSet, converted to fp32; a
+// quantized matrix's ParamSet view has no data). parts[i] of a layer is spec i's (layer_specs order): empty when the
+// spec is not quantized, one matrix, or for the routed experts' gate_up two ([E, I, H] gate then up, when the file
+// stores them apart; one [E, 2I, H] when fused).
+struct QuantLayer {
+  std::vector<std::vector<QuantMatrix>> parts;
+  const QuantMatrix* one(size_t spec) const { return parts.at(spec).empty() ? nullptr : &parts[spec][0]; }
+};
+struct QuantWeights {
+  std::vector<QuantLayer> layers;           // by decoder layer index (Hugging Face order)
+  std::optional<QuantMatrix> embed, lm_head;  // rows dequantized on lookup; the head's product on the blocks
+  uint64_t bytes = 0;                        // the quantized blocks used (file pages, outside the accountant)
+};
+
 struct InferenceWeights {
   MemoryAccountant shapes{/*planning=*/true};  // the ParamSet's bookkeeping for the mapped tensors (no memory)
   std::unique_ptr<checkpoint::CheckpointReader> reader;  // keeps the mapping alive
@@ -50,6 +83,12 @@ struct InferenceWeights {
   uint64_t copied_bytes = 0;     // bytes loaded into memory (in the accountant, MemCategory::Parameters)
   WeightsMemory memory = WeightsMemory::Map;  // as resolved: Map (in place where possible) or Copy (all copied)
   std::vector<std::string> notes;  // why tensors were copied, skipped tensors
+  // A GGUF model read quantized (load_gguf_weights): the mapped file, the matrices used in its blocks, and the
+  // converted tensors' memory (MemCategory::Parameters).
+  std::unique_ptr<gguf::GgufReader> gguf;
+  std::unique_ptr<QuantWeights> quant;
+  std::vector<Buffer> owned;
+  ~InferenceWeights();
 };
 
 // The dtype of the checkpoint's matrices as stored (the embedding's): F32 or BF16.
@@ -59,5 +98,15 @@ DType stored_weight_dtype(const checkpoint::CheckpointDir& d);
 // all in memory, Auto: auto_copies). Throws what open/load throw for a corrupt checkpoint.
 std::unique_ptr<InferenceWeights> load_weights(const checkpoint::CheckpointDir& d, std::optional<DType> dtype,
                                                MemoryAccountant& mem, WeightsMemory how = WeightsMemory::Map);
+
+// A .gguf model for decoding without dequantizing its matrices: every linear weight of the decoder stored in a
+// quantized type the products take (kernels::quant_gemv_supports) -- attention q/k/v/o, the Gated DeltaNet
+// projections, the dense or shared MLP, the routed experts, the LM head -- and the embedding stays in the mapped
+// file's blocks (QuantWeights); the rest (norms, A_log, dt_bias, conv taps, the router, the shared expert's gate, and
+// matrices stored as F32/F16/BF16, Qwen3-Next's ssm_ba) is converted to fp32 into memory (MemCategory::Parameters;
+// notes name them). Qwen3.5's V-head order (k_heads != v_heads): the qkv and z projections' rows are copied, still
+// quantized, into native order (MemCategory::Parameters); the out projection stays in place and its activations are
+// permuted instead (QuantMatrix::col_hk). Decode with compute fp32 through Decoder(..., quant).
+std::unique_ptr<InferenceWeights> load_gguf_weights(const std::string& path, MemoryAccountant& mem);
 
 }  // namespace hs::infer

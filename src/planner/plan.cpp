@@ -104,6 +104,32 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   return p;
 }
 
+QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const GeneratePlanRequest& r) {
+  if (r.context <= 0 || r.batch <= 0) throw std::invalid_argument("generation plan: the context (" + std::to_string(r.context) + ") and the batch (" + std::to_string(r.batch) + ") must be positive");
+  MemoryAccountant mem(/*planning=*/true);
+  const auto w = infer::load_gguf_weights(gguf_path, mem);
+  const model::ModelConfig& c = w->params->config();
+  QuantizedGeneratePlan q;
+  q.converted_bytes = mem.live_total();
+  q.quantized_bytes = w->quant->bytes;
+  // As plan_generate, through the quantized decoder (its prefill is a step per token).
+  infer::Decoder dec(*w->params, DType::F32, r.batch, r.context, mem, r.piece, w->quant.get());
+  Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * c.vocab), MemCategory::Workspace,
+                                        "generate.logits");
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::min<int64_t>(2, r.context)), 0);
+  dec.prefill(0, prompt, nullptr);
+  std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
+  std::iota(slots.begin(), slots.end(), 0);
+  dec.step(slots, ids, nullptr);
+  GeneratePlan& p = q.plan;
+  p.weights = q.converted_bytes + q.quantized_bytes;
+  p.kv_cache = dec.kv_cache_bytes();
+  p.recurrent_state = dec.recurrent_state_bytes();
+  p.total = mem.peak_total() + q.quantized_bytes;
+  p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state;
+  return q;
+}
+
 ServePlan plan_serve(const ServePlanRequest& r) {
   if (r.context <= 0 || r.parallel <= 0)
     throw std::invalid_argument("server plan: the context (" + std::to_string(r.context) + ") and the slots (" +

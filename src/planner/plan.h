@@ -63,6 +63,15 @@ struct GeneratePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
 };
 GeneratePlan plan_generate(const GeneratePlanRequest& r);
+// The same for a .gguf model decoded from its quantized blocks (infer::load_gguf_weights): weights = the tensors
+// converted to fp32 (in the accountant) + the quantized blocks used in place from the mapped file (quantized_bytes,
+// file pages); total = what the accountant holds at its peak + quantized_bytes. r.model and r.weight_dtype are
+// ignored (the file's configuration; compute fp32).
+struct QuantizedGeneratePlan {
+  GeneratePlan plan;
+  size_t converted_bytes = 0, quantized_bytes = 0;
+};
+QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const GeneratePlanRequest& r);
 // The server (hybridscan serve): `parallel` slots of `context` positions, prompts prefilled in the prefix cache's
 // 64-token pieces, a prefix cache of at most cache_bytes. What the server's scheduler allocates, over shapes: the
 // decoder's caches, the logits of every slot, two prefill pieces (the flash kernel's, then one against the cache), a

@@ -1,0 +1,67 @@
+// Decode tokens/s of a GGUF model run from its quantized blocks (infer::load_gguf_weights + the fused step on
+// quant_gemv), at batch 1, for bench/qdecode_bench.sh (which runs llama-bench on the same file beside it).
+//   qdecode_bench make-small q8_0|q4_k OUT.gguf   a random `small` model (seed 7) exported as GGUF of that type
+//   qdecode_bench run FILE.gguf NEW [DEPTH]        DEPTH prompt tokens (default 1) then NEW timed decode steps;
+//                                                  prints one JSON line: tokens/s, the quantized blocks used in place,
+//                                                  the bytes copied (fp32 conversions + V-head-reordered quantized rows)
+#include <omp.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "checkpoint/convert.h"
+#include "gguf/export.h"
+#include "infer/decoder.h"
+#include "infer/weights.h"
+#include "model/params.h"
+
+using namespace hs;
+
+int main(int argc, char** argv) {
+  const std::string cmd = argc > 1 ? argv[1] : "";
+  if (cmd == "make-small" && argc == 4) {
+    MemoryAccountant mem;
+    model::ParamSet ps(model::preset("small"), DType::F32, mem, MemCategory::Parameters, false);
+    model::init_params(ps, 7);
+    checkpoint::TrainingState st;
+    st.params = &ps;
+    st.state = nlohmann::json::object();
+    const std::filesystem::path native = std::string(argv[3]) + ".native";
+    checkpoint::save_native(native, st);
+    gguf::export_gguf(native, argv[3], gguf::parse_quant_scheme(argv[2]));
+    std::filesystem::remove_all(native);
+    return 0;
+  }
+  if (cmd == "run" && (argc == 4 || argc == 5)) {
+    const int64_t n_new = std::atoll(argv[3]), depth = argc == 5 ? std::atoll(argv[4]) : 1;
+    MemoryAccountant mem;
+    auto w = infer::load_gguf_weights(argv[2], mem);
+    const model::ModelConfig& c = w->params->config();
+    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
+    infer::Decoder dec(*w->params, DType::F32, 1, depth + n_new + 1, mem, 512, w->quant.get());
+    std::vector<float> logits(static_cast<size_t>(c.vocab));
+    std::vector<int32_t> prompt(static_cast<size_t>(depth));
+    for (int64_t i = 0; i < depth; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 1) % c.vocab);
+    dec.prefill(0, prompt, logits.data());
+    const int32_t slot = 0;
+    int32_t id = 1;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < n_new; ++i) {
+      dec.step({&slot, 1}, {&id, 1}, logits.data());
+      id = static_cast<int32_t>((id * 31 + 7) % c.vocab);  // fixed ids: the speed does not depend on them
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("{\"file\": \"%s\", \"threads\": %d, \"new\": %lld, \"depth\": %lld, \"decode_tokens_per_s\": %.3f, "
+                "\"quantized_bytes\": %llu, \"copied_bytes\": %llu}\n",
+                std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n_new),
+                static_cast<long long>(depth), double(n_new) / s, static_cast<unsigned long long>(w->quant->bytes),
+                static_cast<unsigned long long>(w->copied_bytes));
+    return 0;
+  }
+  std::fprintf(stderr, "usage: qdecode_bench make-small q8_0|q4_k OUT.gguf | run FILE.gguf NEW [DEPTH]\n");
+  return 2;
+}
