@@ -191,6 +191,28 @@ TEST(GgufImportCli, GenerateFromGgufEqualsTheHuggingFaceCheckpoint) {
   }
 }
 
+// generate --gguf-blocks decodes a Q8_0 file from its blocks and refuses what it cannot do. Its tokens are not compared
+// with the dequantized run's: with Q8 activations this random-weight fixture's greedy tokens differ from the first one
+// (QuantDecode.* proves the products with exact activations equal the dequantized path's to ~1e-6 and reports the
+// activation rounding's effect).
+TEST(GgufImportCli, GenerateFromTheQuantizedBlocks) {
+  const std::string args = " --prompt-ids 104,101,108,108,111 --max-new-tokens 8 --temperature 0 --json --threads 1";
+  const std::string f = fixture("qwen3_next_L5.q8_0");
+  const auto blocks = test::run_command(test::binary() + " generate --gguf-blocks --checkpoint " + f + args);
+  const auto dequantized = test::run_command(test::binary() + " generate --checkpoint " + f + args);
+  ASSERT_EQ(blocks.rc, 0) << blocks.out;
+  ASSERT_EQ(dequantized.rc, 0) << dequantized.out;
+  auto tokens = [](const std::string& out) { return nlohmann::json::parse(out.substr(out.rfind("\n{") + 1)).at("tokens"); };
+  EXPECT_EQ(tokens(blocks.out)[0].size(), tokens(dequantized.out)[0].size());
+  EXPECT_NE(blocks.out.find("converted to fp32"), std::string::npos) << blocks.out;  // the small tensors, named
+  const auto not_gguf = test::run_command(test::binary() + " generate --gguf-blocks --checkpoint " + parity("qwen3_next_L5") + args);
+  EXPECT_NE(not_gguf.rc, 0);
+  EXPECT_NE(not_gguf.out.find("is not one"), std::string::npos) << not_gguf.out;
+  const auto dtype = test::run_command(test::binary() + " generate --gguf-blocks --weight-dtype bf16 --checkpoint " + f + args);
+  EXPECT_NE(dtype.rc, 0);
+  EXPECT_NE(dtype.out.find("leave --weight-dtype unset"), std::string::npos) << dtype.out;
+}
+
 // ---- bad files: the fixture rewritten by our writer with one thing wrong ----
 
 using Edit = std::function<void(const std::string& name, std::vector<int64_t>& ne, uint32_t& type, bool& keep)>;

@@ -45,7 +45,7 @@ struct GenerateArgs {
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
   std::vector<std::string> stop;
-  bool chat = false, json = false, ignore_eos = false;
+  bool chat = false, json = false, ignore_eos = false, gguf_blocks = false;
 };
 
 std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
@@ -157,15 +157,23 @@ void run_generate(const GenerateArgs& a) {
   // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
   // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
-  std::unique_ptr<infer::InferenceWeights> weights = infer::load_weights(
-      d, a.weight_dtype.empty() ? std::nullopt : std::optional<DType>(parse_dtype(a.weight_dtype)), mem,
-      infer::parse_weights_memory(a.weights_memory));
+  if (a.gguf_blocks && !gguf::is_gguf_path(a.checkpoint))
+    throw std::invalid_argument("--gguf-blocks decodes a .gguf file from its quantized blocks; " + a.checkpoint +
+                                " is not one");
+  if (a.gguf_blocks && !a.weight_dtype.empty())
+    throw std::invalid_argument("--gguf-blocks keeps the file's own types: leave --weight-dtype unset");
+  std::unique_ptr<infer::InferenceWeights> weights =
+      a.gguf_blocks ? infer::load_gguf_weights(a.checkpoint, mem)
+                    : infer::load_weights(d, a.weight_dtype.empty() ? std::nullopt
+                                                                    : std::optional<DType>(parse_dtype(a.weight_dtype)),
+                                          mem, infer::parse_weights_memory(a.weights_memory));
+  if (weights->quant) opt.quant = weights->quant.get();
   for (const auto& n : weights->notes) std::fprintf(stderr, "generate: %s\n", n.c_str());
   if (weights->memory == infer::WeightsMemory::Copy)
     std::fprintf(stderr, "generate: weights copied into memory (--weights-memory %s): %s\n", a.weights_memory.c_str(),
                  format_bytes(double(weights->copied_bytes)).c_str());
   const model::ParamSet& params = *weights->params;
-  const DType wdt = params.global(model::g::kLmHead).dtype;
+  const DType wdt = opt.quant ? DType::F32 : params.global(model::g::kLmHead).dtype;  // (quantized: fp32 compute)
   opt.compute = wdt;
   if (wdt == DType::BF16) note_bf16_widening("generate");
 
@@ -250,6 +258,10 @@ void register_generate(CLI::App& app) {
   c->add_option("--seed", a->seed, "Sampling seed (prompt i uses seed + i)")->capture_default_str();
   c->add_option("--stop", a->stop, "End a sequence when its text holds this string (repeatable)");
   add_dtype_option(c, "--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
+  c->add_flag("--gguf-blocks", a->gguf_blocks,
+              "With a .gguf file: decode from its quantized blocks (the products on Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K "
+              "blocks, activations quantized per row as llama.cpp does; prompts prefill one token at a time) instead "
+              "of dequantizing every tensor at load (docs/gguf.md)");
   c->add_option("--weights-memory", a->weights_memory,
                 "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
                 "cache, 4 KiB pages, outside the accountant), copy (all but the embedding table read once into "
