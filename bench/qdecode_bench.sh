@@ -4,7 +4,8 @@
 # NEW steps), alternating the two engines within each round; medians and the spread (min..max) of the rounds.
 #   bench/qdecode_bench.sh [--rounds N] [--new N] [--threads T] [--types "q8_0 q4_k"] [FILE.gguf ...]
 # Without files: hybridscan's random `small` model (seed 7) exported by qdecode_bench make-small at each type.
-# LLAMA_BIN: llama.cpp's build/bin (default: the prebuilt tree at /work/llama/...; never rebuilt here).
+# LLAMA_CPP_DIR: a llama.cpp tree built as bench/generate_bench.sh builds it (its build/bin has llama-bench); or
+# LLAMA_BIN: that build/bin itself. Never rebuilt here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=5 NEW=64 THREADS=2 TYPES="q8_0 q4_k" FILES=()
@@ -14,11 +15,16 @@ while [[ $# -gt 0 ]]; do
     --new) NEW=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --types) TYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) FILES+=("$1"); shift ;;
   esac
 done
-LLAMA_BIN=${LLAMA_BIN:-/work/llama/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin}
+LLAMA_BIN=${LLAMA_BIN:-${LLAMA_CPP_DIR:+$LLAMA_CPP_DIR/build/bin}}
+if [[ -z $LLAMA_BIN || ! -x $LLAMA_BIN/llama-bench ]]; then
+  echo "qdecode_bench.sh: no llama-bench: set LLAMA_CPP_DIR to a llama.cpp tree built as bench/generate_bench.sh builds" \
+       "it (it downloads llama-cpp-python 0.3.36's sdist and builds llama-bench once), or LLAMA_BIN to its build/bin" >&2
+  exit 2
+fi
 QB=build/bench/qdecode_bench
 WORK=${TMPDIR:-/tmp}/qdecode_bench.$$
 mkdir -p "$WORK"
