@@ -409,7 +409,8 @@ TEST(GgufImportCli, PlanOfAGgufEqualsWhatGenerateMeasures) {
   EXPECT_EQ(gj["weights_bytes"], pj["weights_bytes"]);
   EXPECT_EQ(pj["weights_run_as"], "f32");
   uint64_t file_tensor_bytes = 0;
-  for (const TensorInfo& t : GgufReader(f).tensors()) file_tensor_bytes += t.nbytes;
+  const GgufReader file(f);  // (named: a temporary's tensors() would dangle in the loop)
+  for (const TensorInfo& t : file.tensors()) file_tensor_bytes += t.nbytes;
   EXPECT_EQ(pj["quantized_weights_bytes"].get<uint64_t>(), file_tensor_bytes);
 }
 
@@ -419,7 +420,8 @@ TEST(GgufImportCli, PlanQuantizedBytesAreTheExportedFilesTensorBytes) {
   fs::create_directories(tmp.path);
   export_gguf(parity("qwen3_5_L5"), tmp.path / "m.gguf", QuantScheme::Q8_0);
   uint64_t file_tensor_bytes = 0;
-  for (const TensorInfo& t : GgufReader(tmp.path / "m.gguf").tensors()) file_tensor_bytes += t.nbytes;
+  const GgufReader written(tmp.path / "m.gguf");  // (named: a temporary's tensors() would dangle in the loop)
+  for (const TensorInfo& t : written.tensors()) file_tensor_bytes += t.nbytes;
   const checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(parity("qwen3_5_L5"));
   EXPECT_EQ(quantized_weight_bytes(d.config, QuantScheme::Q8_0), file_tensor_bytes);
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <list>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -215,11 +216,14 @@ double max_rel_diff(const ParamSet& a, const ParamSet& b, std::string* where) {
 TEST(Mtp, EveryRematPolicyAgreesAndPlanEqualsMeasured) {
   const ModelConfig c = tiny_mtp(6);
   const Data d = shifted_data(2, 40, c.vocab, 12);
+  // Every run's accountant outlives the gradients kept from the first (base): a set releases into its accountant.
+  std::list<MemoryAccountant> accountants;
   std::unique_ptr<ParamSet> base;
   double base_loss = 0;
   for (RematPolicy pol : {RematPolicy::None, RematPolicy::Block, RematPolicy::Sublayer})
     for (DType wdt : {DType::F32, DType::BF16}) {
-      MemoryAccountant real(false), plan(true);
+      MemoryAccountant& real = accountants.emplace_back(false);
+      MemoryAccountant plan(true);
       ParamSet pr(c, wdt, real, MemCategory::Parameters, false), pp(c, wdt, plan, MemCategory::Parameters, false);
       model::init_params(pr, 1);
       StepOptions opt{pol, DType::F32};
