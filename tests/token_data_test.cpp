@@ -350,7 +350,12 @@ TEST(Train, ResumeIsBitExactOnATokenFile) {
     for (int i = 0; i < 20; ++i) w.add_document(lorem(700, uint32_t(10 + i)));
     w.commit();
   }
-  auto options = [&](const std::string& out) {
+  // Once per packing named on the first run's command line; the resume names none (auto), so the checkpoint's
+  // packing must come back: auto alone would pack this file's 20 documents, and a stream run would resume packed.
+  for (const train::Packing packing : {train::Packing::Stream, train::Packing::Documents}) {
+  SCOPED_TRACE(train::packing_name(packing));
+  auto options = [&](const std::string& name) {
+    const std::string out = name + "-" + train::packing_name(packing);
     train::TrainOptions o;
     o.model = "tiny";
     o.data = (t / "a.tok").string();
@@ -363,6 +368,7 @@ TEST(Train, ResumeIsBitExactOnATokenFile) {
     o.out = (t / out).string();
     o.progress = false;
     o.step.compute = DType::F32;
+    o.step.packing = packing;
     return o;
   };
   std::ostringstream log;
@@ -372,7 +378,8 @@ TEST(Train, ResumeIsBitExactOnATokenFile) {
   const train::TrainSummary part = train::run_training(first, log);
   train::TrainOptions rest = options("rest");
   rest.data.clear();  // taken back from the checkpoint
-  rest.resume = (t / "part/checkpoint-2").string();
+  rest.step.packing = train::Packing::Auto;  // not given: taken back from the checkpoint
+  rest.resume = (t / ("part-" + train::packing_name(packing)) / "checkpoint-2").string();
   const train::TrainSummary resumed = train::run_training(rest, log);
   ASSERT_EQ(full.losses.size(), 4u);
   ASSERT_EQ(part.losses.size(), 2u);
@@ -382,6 +389,7 @@ TEST(Train, ResumeIsBitExactOnATokenFile) {
   EXPECT_EQ(full.eval_ce, resumed.eval_ce);
   EXPECT_GT(full.eval_bits_per_byte, 0);
   EXPECT_NE(log.str().find("memory-mapped"), std::string::npos) << log.str();
+  }
 }
 
 }  // namespace
