@@ -248,11 +248,14 @@ def case_seeded():
     c = s.client()
     p = prompt_ids(40, 3)
     kw = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=20)
-    a = ask(c, chat=False, stream=False, prompt=p, **kw)[0]
-    b = ask(c, chat=False, stream=True, prompt=p, **kw)[0]
+    a, _, _, lp_a = ask(c, chat=False, stream=False, prompt=p, logprobs=1, **kw)
+    b, _, _, lp_b = ask(c, chat=False, stream=True, prompt=p, logprobs=1, **kw)
     other = ask(c, chat=False, stream=False, prompt=p, **dict(kw, seed=99))[0]
     want = generate([p], 20, "--temperature", 0.9, "--top-k", 50, "--top-p", 0.95, "--seed", 1234)[0]
     check(a == b == want, f"seeded: {a} / {b} / generate {want}")
+    # Each streamed chunk's logprob is its own token's, also where the stream ends with held-back bytes (a text-only
+    # last piece: sampled bytes of this byte vocabulary are often the start of a UTF-8 character).
+    check(lp_a == lp_b and len(lp_a) == 20, f"streamed logprobs {lp_b} != {lp_a}")
     check(other != a, "another seed gave the same 20 tokens")
     print("seeded: reproducible, streamed or not, and equal to generate --seed")
 
