@@ -77,6 +77,34 @@ TEST(EvalData, TextIsEvaluatedInsteadOfTheTail) {
   EXPECT_EQ(st["eval_data"], o.eval_data);
 }
 
+// A run that packs documents evaluates its held-out documents packed too: the reported held-out loss is
+// evaluate_tokens' with Packing::Documents on the final checkpoint, to the bit, and not the stream's.
+TEST(EvalData, PackedRunsEvaluateTheirDocumentsPacked) {
+  test::TempDir t;
+  std::vector<std::string> train_docs, held_docs;
+  for (uint32_t i = 0; i < 40; ++i) train_docs.push_back(lorem(60 + 13 * i % 90, 100 + i));
+  for (uint32_t i = 0; i < 12; ++i) held_docs.push_back(lorem(20 + 7 * i, 200 + i));
+  test::write_byte_documents(t / "train.tok", test::byte_vocabulary(256, 0x1234), train_docs);
+  test::write_byte_documents(t / "held.tok", test::byte_vocabulary(256, 0x1234), held_docs);
+  TrainOptions o = run_options(t / "run");
+  o.data = (t / "train.tok").string();
+  o.eval_data = (t / "held.tok").string();
+  o.step.packing = Packing::Documents;
+  std::ostringstream log;
+  const TrainSummary s = run_training(o, log);
+
+  const checkpoint::CheckpointDir ckpt = checkpoint::open_checkpoint_dir((t / "run/checkpoint-3").string());
+  MemoryAccountant mem;
+  model::ParamSet params(ckpt.config, DType::F32, mem, MemCategory::Parameters, false);
+  checkpoint::load_parameters(ckpt, params);
+  const Tokens held = load_tokens({(t / "held.tok").string(), "", ""}, {256, ""});
+  auto eval = [&](Packing p) {
+    return evaluate_tokens(params, held.tokens, o.seq, o.batch, DType::F32, mem, o.eval_batches, nullptr, p).ce;
+  };
+  EXPECT_EQ(eval(Packing::Documents), s.eval_ce);
+  EXPECT_NE(eval(Packing::Stream), s.eval_ce);
+}
+
 // A token file of the training token file's vocabulary is evaluated; one of another fingerprint, a token file against
 // byte tokens, a text against a token file whose tokenizer is unknown and a chat file are refused, each saying why.
 TEST(EvalData, TokenFilesAndRefusals) {
