@@ -38,15 +38,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct TempDir {
-  fs::path path;
-  explicit TempDir(const std::string& tag)
-      : path(fs::temp_directory_path() / ("quant_decode_test_" + tag + "_" + std::to_string(::getpid()))) {
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using test::TempDir;
 
 // A random `small` model (hidden 256: every matrix a whole number of Q4_K super-blocks) written as GGUF of `scheme`.
 std::string small_gguf(const TempDir& t, gguf::QuantScheme scheme) {
@@ -56,16 +48,16 @@ std::string small_gguf(const TempDir& t, gguf::QuantScheme scheme) {
   checkpoint::TrainingState st;
   st.params = &ps;
   st.state = nlohmann::json::object();
-  checkpoint::save_native(t.path / "native", st);
-  const fs::path out = t.path / ("small." + gguf::quant_scheme_name(scheme) + ".gguf");
-  gguf::export_gguf(t.path / "native", out, scheme);
+  checkpoint::save_native(t / "native", st);
+  const fs::path out = t / ("small." + gguf::quant_scheme_name(scheme) + ".gguf");
+  gguf::export_gguf(t / "native", out, scheme);
   return out.string();
 }
 
 std::string fixture(const std::string& name) { return test::source_dir() + "/tests/fixtures/gguf/" + name + ".gguf"; }
 // Qwen3.5 (k_heads 2, v_heads 4: the V-head reorder) at Q8_0, from the parity fixture.
 std::string qwen35_q8(const TempDir& t) {
-  const fs::path out = t.path / "qwen3_5_L5.q8_0.gguf";
+  const fs::path out = t / "qwen3_5_L5.q8_0.gguf";
   gguf::export_gguf(test::source_dir() + "/tests/fixtures/parity/qwen3_5_L5", out, gguf::QuantScheme::Q8_0);
   return out.string();
 }
@@ -137,7 +129,7 @@ void check_matrices(const std::string& file, int64_t& checked) {
 }
 
 TEST(QuantDecode, EveryQuantizedMatrixIsTheImportedOne) {
-  TempDir t("matrices");
+  TempDir t;
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K),
                                small_gguf(t, gguf::QuantScheme::Q8_0), qwen35_q8(t)}) {
     int64_t checked = 0;
@@ -219,7 +211,7 @@ double fp32_bound(const std::string& file) {
 TEST(QuantDecode, ExactActivationsGiveTheDequantizedPathsLogits) {
   // The quantized storage and the step's plumbing (rows, parts, the routed experts' offsets, the embedding's lookup,
   // the head, the token-at-a-time prefill) against the file dequantized at load: only fp32 rounding differs.
-  TempDir t("exact");
+  TempDir t;
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 4, QuantReference::Off, QuantReference::Exact, fp32_bound(f));
 }
@@ -231,7 +223,7 @@ TEST(QuantDecode, QuantGemvStepsEqualTheirQ8Reference) {
   // of the largest logit (4.8e-7 above it, and with quant_gemv's own AVX2 path above it too, so not that path's
   // arithmetic). Not isolated yet; suspected a near-tie of its top-2 expert routing that the other kernels' AVX2 bits
   // tip, which no product bound covers.
-  TempDir t("q8ref");
+  TempDir t;
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 2, QuantReference::RoundedActivations, QuantReference::Off, fp32_bound(f));
 }
@@ -240,7 +232,7 @@ TEST(QuantDecode, LogitsNearTheDequantizedPath) {
   // Reported, not bounded: how far the Q8 rounding of the activations moves the logits of these random-weight models
   // (their logits are small next to the sums behind them, so the rounding shows more than in a trained model), and
   // whether the greedy tokens agree. The two tests above bound each part of the difference.
-  TempDir t("logits");
+  TempDir t;
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q8_0),
                                small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)})
     compare_logits(f, 8, QuantReference::Off, QuantReference::Off, 0);
@@ -250,7 +242,7 @@ TEST(QuantDecode, PlanEqualsWhatGenerateMeasures) {
   // plan_generate_gguf (planning accountant) against infer::generate on the same file: the accountant's peak (the
   // converted tensors, caches, logits, step workspace) to the byte, and the quantized blocks the decoder reads.
   // Allocating anything in the quantized path that planning skips (or the reverse) breaks the equality.
-  TempDir t("plan");
+  TempDir t;
   for (const std::string& f : {fixture("qwen3_next_L5.q8_0"), small_gguf(t, gguf::QuantScheme::Q4_K), qwen35_q8(t)}) {
     planner::GeneratePlanRequest req;
     req.context = 16 + 6 - 1;  // generate's capacity: the longest prompt + new tokens - 1
