@@ -200,22 +200,23 @@ TEST(Gemv, SmallRowScopeRoutesFewRowProductsOnly) {
   const std::vector<bf16> x = test::cast<bf16>(test::randn(20 * K, 7)), W = test::cast<bf16>(test::randn(N * K, 8));
   std::vector<bf16> direct(3 * N), scoped(3 * N);
   gemv(x.data(), W.data(), direct.data(), 3, N, K);
-  const int64_t before = matmul_primitives_created();
+  const int64_t before = matmul_primitives_created(), calls = matmul_onednn_calls();
   {
     const SmallRowProducts scope;
     matmul(x.data(), W.data(), scoped.data(), 3, N, K, false, true);
   }
   EXPECT_EQ(matmul_primitives_created(), before);
+  EXPECT_EQ(matmul_onednn_calls(), calls);
   for (size_t i = 0; i < direct.size(); ++i) ASSERT_EQ(direct[i].bits, scoped[i].bits) << i;
   std::vector<float> many(20 * N);
   {
     const SmallRowProducts scope;
     matmul(x.data(), W.data(), many.data(), 20, N, K, false, true);  // 20 rows: oneDNN
   }
-  EXPECT_EQ(matmul_primitives_created(), before + 1);
+  EXPECT_EQ(matmul_onednn_calls(), calls + 1);
   std::vector<float> outside(3 * N);
   matmul(x.data(), W.data(), outside.data(), 3, N, K, false, true);  // no scope: oneDNN
-  EXPECT_EQ(matmul_primitives_created(), before + 2);
+  EXPECT_EQ(matmul_onednn_calls(), calls + 2);
 }
 
 }  // namespace

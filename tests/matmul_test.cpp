@@ -151,6 +151,46 @@ TEST(Matmul, SkinnyBitIdenticalAcrossThreads) {
   }
 }
 
+// oneDNN's products give the same bits for 1, 2 and 3 threads at every level (kernels/matmul.h): on AVX-512 its own
+// blocking does, below it matmul.cpp's shape-only tiles do. The shapes are where a threaded gemm would cut K among
+// threads (a few output blocks, K long), where the grid has one tile, several tiles with ragged edges, a weight
+// gradient (A transposed) with and without rows at execution, a transposed B, fp32 and bf16 (widened below
+// AVX-512-BF16), with and without accumulation. Fails under HS_MAX_ISA=avx2 with the tiles taken out of run_onednn.
+TEST(Matmul, OneDnnProductsBitIdenticalAcrossThreads) {
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd;
+  struct Case {
+    int64_t M, N, K;
+    bool ta, tb, acc, varying;
+  };
+  const Case cases[] = {{64, 96, 8192, false, false, false, false}, {40, 48, 20000, true, false, true, true},
+                        {300, 700, 512, false, true, false, false},  {300, 700, 512, false, true, true, true},
+                        {256, 200, 3000, true, false, false, false}, {130, 520, 257, true, true, false, false}};
+  for (const Case& c : cases)
+    for (int bf = 0; bf < 2; ++bf) {
+      std::vector<float> A(static_cast<size_t>(c.M * c.K)), B(static_cast<size_t>(c.K * c.N));
+      for (auto& x : A) x = nd(rng);
+      for (auto& x : B) x = nd(rng);
+      const std::vector<bf16> Ab(A.begin(), A.end()), Bb(B.begin(), B.end());
+      MatmulLayout ld;
+      ld.varying_rows = c.varying;
+      auto run = [&](int threads) {
+        std::vector<float> C(static_cast<size_t>(c.M * c.N), 0.5f);
+        const int saved = omp_get_max_threads();
+        omp_set_num_threads(threads);
+        if (bf) matmul(Ab.data(), Bb.data(), C.data(), c.M, c.N, c.K, c.ta, c.tb, c.acc, ld);
+        else matmul(A.data(), B.data(), C.data(), c.M, c.N, c.K, c.ta, c.tb, c.acc, ld);
+        omp_set_num_threads(saved);
+        return C;
+      };
+      const std::vector<float> one = run(1);
+      for (int threads : {2, 3})
+        EXPECT_EQ(0, std::memcmp(one.data(), run(threads).data(), one.size() * sizeof(float)))
+            << c.M << "x" << c.N << "x" << c.K << (c.ta ? " ta" : "") << (c.tb ? " tb" : "") << (bf ? " bf16" : " f32")
+            << ", " << threads << " threads";
+    }
+}
+
 // Every instruction-set path of the skinny loops this CPU has, against the double reference (the tolerance of
 // SkinnyShapesMatchReference: fp32 accumulation order, 1e-4 * sqrt(K) on unit-scale products, plus one bf16
 // rounding of a bf16 output), at widths around the vector lengths (1, 7, 15, 16 + 1, 33 columns or rows) and

@@ -77,6 +77,7 @@ struct Runtime {
   std::multimap<const void*, PackedEntry> packed;  // by the plain weight's address
   std::atomic<int64_t> n_packed{0};                // entries in `packed` (read without the lock)
   std::atomic<int64_t> packed_products{0};
+  std::atomic<int64_t> onednn_calls{0};
 };
 
 Runtime& runtime() {
@@ -520,9 +521,10 @@ void skinny_m(const TA* A, int64_t lda, const TA* B, int64_t ldb, TC* C, int64_t
   }
 }
 
-// The product on oneDNN, leading dimensions resolved in k.
-void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, Key k,
-                bool varying_rows, int in_dt, int out_dt) {
+// The product on oneDNN, leading dimensions resolved in k; tile: a tile of run_onednn's grid, whose rows and columns
+// are given at execution.
+void run_onednn_call(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, Key k,
+                     bool varying_rows, int in_dt, int out_dt, bool tile = false) {
   // A row count that varies from call to call (varying_rows) is taken at execution: M when A is not
   // transposed, K (the summed rows) for a weight gradient dW += A^T B. oneDNN then runs its jit gemm instead of
   // the AMX brgemm primitive of the exact shape: 0.7-0.8x as fast for row-wise products at the MoE's shapes, but
@@ -530,10 +532,10 @@ void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int
   // no primitive is created per count, so the caller needs neither fixed pieces nor a padded tail. (A transposed
   // A with a transposed B ignores the flag.)
   const bool runtime_k = varying_rows && ta && !tb;
-  const bool runtime_m = varying_rows && !ta;
-  const int64_t K_exec = K;
+  const bool runtime_m = (varying_rows && !ta) || tile;
   if (runtime_k) k.K = kRuntime;
   if (runtime_m) k.M = kRuntime;
+  if (tile) k.N = kRuntime;
   Runtime& rt = runtime();
   // A registered packed copy of B (a weight in one of its uses): a fixed row count, A not transposed, B plain.
   if (!varying_rows && !ta && k.ldb == (tb ? K : N) && rt.n_packed.load(std::memory_order_acquire) > 0) {
@@ -558,21 +560,70 @@ void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int
         p->prim.execute(thread_stream(), {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
         thread_stream().wait();
         rt.packed_products.fetch_add(1, std::memory_order_relaxed);
+        rt.onednn_calls.fetch_add(1, std::memory_order_relaxed);
         return;
       }
     }
   }
   auto p = get_prim(k);
   dnnl::stream& s = thread_stream();
-  memory ma(runtime_k   ? memory::desc({M, K_exec}, dnnl_type(in_dt), {1, k.lda})
-            : runtime_m ? memory::desc({M, K}, dnnl_type(in_dt), {k.lda, 1})
-                        : p->a,
+  // A primitive with a dimension given at execution takes the operands' shapes here.
+  const bool at_execution = runtime_k || runtime_m || tile;
+  memory ma(!at_execution ? p->a
+            : ta          ? memory::desc({M, K}, dnnl_type(in_dt), {1, k.lda})
+                          : memory::desc({M, K}, dnnl_type(in_dt), {k.lda, 1}),
             rt.engine, const_cast<void*>(A));
-  memory mb(runtime_k ? memory::desc({K_exec, N}, dnnl_type(in_dt), {k.ldb, 1}) : p->b, rt.engine,
-            const_cast<void*>(B));
-  memory mc(runtime_m ? memory::desc({M, N}, dnnl_type(out_dt), {k.ldc, 1}) : p->c, rt.engine, C);
+  memory mb(at_execution ? plain_b(in_dt, K, N, tb, k.ldb) : p->b, rt.engine, const_cast<void*>(B));
+  memory mc(at_execution ? memory::desc({M, N}, dnnl_type(out_dt), {k.ldc, 1}) : p->c, rt.engine, C);
   p->prim.execute(s, {{DNNL_ARG_SRC, ma}, {DNNL_ARG_WEIGHTS, mb}, {DNNL_ARG_DST, mc}});
   s.wait();
+  rt.onednn_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+// Whether oneDNN's own threading keeps a product's bits whatever the thread count: its AVX-512 kernels give each
+// thread whole output blocks; its AVX2 jit gemm (Debian's oneDNN 2.6 has no other fp32 matmul below AVX-512) cuts the
+// summed dimension K among threads when M x N is small beside K, so the partial sums meet in an order that depends on
+// the thread count. Asked of oneDNN itself, once: the ISA it runs (HS_MAX_ISA's cap, handed over before its first
+// primitive), not cpu::level(), which a test's ScopedLevel lowers for the engine's own loops only.
+bool onednn_threads_keep_bits() {
+  static const bool keep = [] {
+    runtime();  // the cap reaches oneDNN first
+    return cpu::onednn_isa().rfind("avx512", 0) == 0;
+  }();
+  return keep;
+}
+
+// Where they do not, the engine cuts the product itself: C in tiles of at most kTileRows x kTileCols, a grid that
+// depends on the shape only, each tile one single-threaded oneDNN call over the whole K, the tiles shared among the
+// threads. Each element is then summed by one thread in the order the single-threaded gemm gives a tile of that
+// shape, so any thread count gives the same bits. The tiles take their rows and columns at execution (one primitive
+// per K and leading dimensions). Packing repeats A's tile per column tile and B's per row tile, (1 / kTileCols +
+// 1 / kTileRows) of the arithmetic in copies.
+constexpr int64_t kTileRows = 128, kTileCols = 256;
+
+void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, Key k,
+                bool varying_rows, int in_dt, int out_dt) {
+  if (onednn_threads_keep_bits() || omp_in_parallel())
+    return run_onednn_call(A, B, C, M, N, K, ta, tb, k, varying_rows, in_dt, out_dt);
+  const int64_t mt = std::min(M, kTileRows), nt = N <= kTileCols + kTileCols / 2 ? N : kTileCols;
+  const int64_t tn = (N + nt - 1) / nt, tiles = (M + mt - 1) / mt * tn;
+  const int64_t ein = in_dt == 0 ? sizeof(float) : sizeof(bf16), eout = out_dt == 0 ? sizeof(float) : sizeof(bf16);
+  auto tile = [&](int64_t t) {
+    const int64_t i0 = t / tn * mt, j0 = t % tn * nt, mi = std::min(mt, M - i0), nj = std::min(nt, N - j0);
+    const char* At = static_cast<const char*>(A) + (ta ? i0 : i0 * k.lda) * ein;
+    const char* Bt = static_cast<const char*>(B) + (tb ? j0 * k.ldb : j0) * ein;
+    char* Ct = static_cast<char*>(C) + (i0 * k.ldc + j0) * eout;
+    run_onednn_call(At, Bt, Ct, mi, nj, K, ta, tb, k, varying_rows, in_dt, out_dt, true);
+  };
+  if (tiles == 1) {  // one tile: on this thread alone (oneDNN takes omp_get_max_threads())
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(1);
+    tile(0);
+    omp_set_num_threads(threads);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t t = 0; t < tiles; ++t) tile(t);
 }
 
 
@@ -783,13 +834,12 @@ void PackedWeight::release() {
 }
 
 int64_t matmul_packed_products() { return runtime().packed_products.load(); }
+int64_t matmul_onednn_calls() { return runtime().onednn_calls.load(); }
 
 SmallRowProducts::SmallRowProducts() : previous_(t_small_rows) { t_small_rows = true; }
 SmallRowProducts::~SmallRowProducts() { t_small_rows = previous_; }
 
 bool matmul_bf16_on_onednn() { return onednn_runs_bf16(); }
-
-bool matmul_thread_count_invariant() { return cpu::allows(cpu::Level::Avx512); }
 
 int64_t matmul_primitives_created() {
   Runtime& rt = runtime();

@@ -93,13 +93,15 @@ class PackedWeight {
 
 // Products that read a packed weight so far (tests check that the packed path is taken).
 int64_t matmul_packed_products();
+// oneDNN executions so far (a product cut into tiles counts each; tests check which products reach oneDNN).
+int64_t matmul_onednn_calls();
 
-// Whether a product's bits are the same for any OpenMP thread count. oneDNN's fp32 kernels on AVX-512 (brgemm, and
-// its AVX-512 jit gemm for products of varying row counts) give every thread whole output blocks summed in one order;
-// its AVX2 jit gemm (the only fp32 matmul Debian's oneDNN 2.6 has below AVX-512) splits the work differently for
-// different thread counts and its results then differ in the last bits (tests/moe_test.cpp measured it under
-// HS_MAX_ISA=avx2). Every loop of the engine's own keeps its order whatever the thread count.
-bool matmul_thread_count_invariant();
+// A product's bits are the same for any OpenMP thread count, at every level. oneDNN's fp32 kernels on AVX-512
+// (brgemm, and its AVX-512 jit gemm for products of varying row counts) give every thread whole output blocks summed
+// in one order; below AVX-512, where its AVX2 jit gemm cuts K among threads depending on their count, matmul.cpp cuts
+// the product into a shape-only grid of tiles itself and runs each on one thread (run_onednn). Every loop of the
+// engine's own keeps its order whatever the thread count (tests: Moe.BitIdenticalForAnyThreadCount,
+// Decode.FusedStepIsBitIdenticalToTheLayeredPath, Matmul.*ThreadCount*).
 
 // Number of distinct primitives created so far (tests check that the cache is used).
 int64_t matmul_primitives_created();
