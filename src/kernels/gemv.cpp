@@ -30,7 +30,9 @@ namespace {
 // same runs, alternated; bf16 weights out of DRAM):
 //  * Up to 4 x rows, a block reads its rows in memory order, all of one row and then the next: 8 short rows read a
 //    vector of each in turn are 8 short streams that the prefetchers serve badly. One x row against 64 MiB: 11-15
-//    GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn, 29-36 and 36-40 GB/s in memory order.
+//    GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn, 29-36 and 36-40 GB/s in memory order. The AVX2 path
+//    takes its rows two at a time in turn for 1-2 x rows, the pairs in memory order (block_avx2: 4 FMA chains, not
+//    2, per x row).
 //  * More than 4 x rows, the rows go in turn within each chunk (rows_in_turn_avx512bf16): one row at a time keeps
 //    only XR chains of 6-cycle vdpbf16ps in flight, 3 x 8 keeps 24 (8 x rows against 32 MiB, K = 2048: 90 against
 //    151 GFLOP/s; real-width b8 decode 59.6 -> 81.7 tokens/s). At 2-4 x rows the same in turn order was slower at
@@ -88,7 +90,7 @@ template <int MB, int R, typename TW> void block_scalar(const Block<float, TW>& 
 // and >= 8), then reduces them as _mm512_reduce_add_ps does (lane l + 8 to lane l, then l + 4, l + 2, l + 1: hsum8 of
 // the halves' sum); the last K mod 16 terms are one more step on zero-padded copies (zero products added, as the
 // AVX-512F path's masked loads do). So AVX2 and AVX-512F give the same bits. Two weight rows go in turn within each
-// 16-element chunk (R even), so 4 independent FMA chains per x row are in flight: one 8-lane chain per row (the path
+// 16-element chunk (R even, 1-2 x rows), so 4 independent FMA chains per x row are in flight: one 8-lane chain per row (the path
 // before) was bound by the FMAs' 4-cycle latency, ~2 elements a cycle. Measured (Xeon, AVX-512 capped to avx2 by
 // HS_MAX_ISA, one thread, the loaded shared 2-core machine, per-CPU-second rates, variants alternated in one binary,
 // median of 3): 1 x 8192 x 2048 bf16 4.9 -> 7.6-8.6 GB/s, 1 x 2048 x 512 7.1-7.7 -> 16-17, 1 x 512 x 256 (in L2)
@@ -99,7 +101,10 @@ using simd::hsum8;
 using simd::load8;
 template <int MB, int R, typename TW>
 __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
-  constexpr int RP = R % 2 == 0 ? 2 : 1;  // weight rows in turn (R = 3 exists only as a template here: AVX-512 blocks)
+  // Weight rows in turn: 2 for one or two x rows (4 * MB accumulators); 1 above, where 2 would not fit the 16 ymm
+  // registers (4 x 4: 61 stack moves in the object code, 12 with one row; 2 * MB chains are enough there). R = 3
+  // exists here only as a template (the AVX-512 paths' blocks).
+  constexpr int RP = R % 2 == 0 && MB <= 2 ? 2 : 1;
   const int64_t K16 = b.K / 16 * 16;
   const int rem = static_cast<int>(b.K - K16);
   alignas(32) float xt[MB][16];  // the last K mod 16 elements of each x row, zero-padded
