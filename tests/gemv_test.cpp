@@ -2,6 +2,7 @@
 // double-precision reference (matmul_reference).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <vector>
@@ -100,28 +101,17 @@ TEST(Gemv, BitIdenticalAcrossThreadsAndRowCounts) {
 }
 
 // The fp32-lane paths' sums, emulated in scalar code operation by operation (IEEE fused multiply-adds and adds, so
-// any correct build gives these bits): AVX-512F keeps 16 lanes, lane l summing x_k w_k for k = l mod 16 in ascending
-// k (fused multiply-adds; the masked tail adds zeros), then adds lane l + 8 to lane l, l + 4, l + 2 and l + 1 (GCC's
-// _mm512_reduce_add_ps); AVX2 keeps 8 lanes over the first K - K mod 8 terms, adds the halves, then pairs (0+2,
-// 1+3) and those two, then the last K mod 8 terms in order (fused). Whatever order a block visits its rows and x rows
-// in, these are the bits: a reordering inside the kernels that changed a sum fails here.
-float avx512_lanes_sum(const float* x, const float* w, int64_t K) {
+// any correct build gives these bits): 16 lanes, lane l summing x_k w_k for k = l mod 16 in ascending k (fused
+// multiply-adds; a padded tail's zero products change nothing here), then lane l + 8 added to lane l, l + 4, l + 2
+// and l + 1 (GCC's _mm512_reduce_add_ps). AVX-512F keeps the 16 lanes in one register, AVX2 in two 8-lane halves (bf16 weights: even
+// and odd lanes) with the same order. Whatever order a block visits its rows and x rows in, these are the bits: a
+// reordering inside the kernels that changed a sum fails here.
+float lanes16_sum(const float* x, const float* w, int64_t K) {
   float a[16] = {};
   for (int64_t k = 0; k < K; ++k) a[k % 16] = std::fma(x[k], w[k], a[k % 16]);
   for (int h = 8; h >= 1; h /= 2)
     for (int l = 0; l < h; ++l) a[l] = a[l] + a[l + h];
   return a[0];
-}
-float avx2_lanes_sum(const float* x, const float* w, int64_t K) {
-  float a[8] = {};
-  const int64_t K8 = K / 8 * 8;
-  for (int64_t k = 0; k < K8; ++k) a[k % 8] = std::fma(x[k], w[k], a[k % 8]);
-  float q[4];
-  for (int l = 0; l < 4; ++l) q[l] = a[l] + a[l + 4];
-  const float p0 = q[0] + q[2], p1 = q[1] + q[3];
-  float t = p0 + p1;
-  for (int64_t k = K8; k < K; ++k) t = std::fma(x[k], w[k], t);
-  return t;
 }
 
 TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
@@ -132,7 +122,7 @@ TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
   uint32_t seed = 40;
   for (cpu::Level isa : isas)
     for (int64_t M : {1, 2, 4, 5, 8, 9})
-      for (int64_t K : {7, 16, 31, 33, 256, 300})
+      for (int64_t K : {7, 15, 16, 17, 31, 33, 47, 256, 300})
         for (int64_t N : {1, 9, 20}) {
           const std::vector<float> xf = test::randn(static_cast<size_t>(M * K), seed++);
           const std::vector<float> Wf = test::randn(static_cast<size_t>(N * K), seed++);
@@ -144,13 +134,44 @@ TEST(Gemv, Fp32LanePathsSumInTheDocumentedOrder) {
           for (int64_t m = 0; m < M; ++m)
             for (int64_t n = 0; n < N; ++n) {
               const size_t o = static_cast<size_t>(m * N + n), xo = static_cast<size_t>(m * K), wo = static_cast<size_t>(n * K);
-              auto sum = isa == cpu::Level::Avx512 ? avx512_lanes_sum : avx2_lanes_sum;
+              const auto sum = lanes16_sum;
               ASSERT_EQ(y[o], sum(xf.data() + xo, Wf.data() + wo, K))
                   << cpu::level_name(isa) << " fp32 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
               ASSERT_EQ(yb[o], sum(xbf.data() + xo, Wbf.data() + wo, K))
                   << cpu::level_name(isa) << " bf16 M=" << M << " N=" << N << " K=" << K << " at " << m << "," << n;
             }
         }
+}
+
+// The AVX2 path gives the AVX-512F path's bits (the same 16 lanes and reduction, in two 8-lane halves), for fp32 and
+// bf16 operands, strided x rows, every blocking (M = 1: 8 x 1; 2-4: 4 x 4; 9: 4 x 4 and a pass of one; AVX-512F 2 x 8
+// above 4), K off the 16-lane step; and gemv_rows over any block split gives gemv's bits on the AVX2 path (the
+// fused decode step's threads call it on their own rows). Without AVX-512F only the second half runs.
+TEST(Gemv, Avx2GivesTheAvx512fBitsAndGemvRowsGivesGemvs) {
+  if (!cpu::allows(cpu::Level::Avx2)) GTEST_SKIP() << "no AVX2 on this CPU";
+  const bool avx512 = cpu::allows(cpu::Level::Avx512);
+  uint32_t seed = 90;
+  for (int64_t M : {1, 2, 3, 4, 5, 9})
+    for (int64_t K : {1, 15, 16, 18, 63, 200, 1024}) {
+      const int64_t N = 43, ldx = K + 5;
+      const std::vector<float> xf = test::randn(static_cast<size_t>(M * ldx), seed++);
+      const std::vector<float> Wf = test::randn(static_cast<size_t>(N * K), seed++);
+      const std::vector<bf16> xb = test::cast<bf16>(xf), Wb = test::cast<bf16>(Wf);
+      std::vector<float> a32(M * N), b32(M * N), a16(M * N), b16(M * N), r16(M * N, -1.0f);
+      gemv(xf.data(), Wf.data(), a32.data(), M, N, K, ldx, 0, cpu::Level::Avx2);
+      gemv(xb.data(), Wb.data(), a16.data(), M, N, K, ldx, 0, cpu::Level::Avx2);
+      if (avx512) {
+        gemv(xf.data(), Wf.data(), b32.data(), M, N, K, ldx, 0, cpu::Level::Avx512);
+        gemv(xb.data(), Wb.data(), b16.data(), M, N, K, ldx, 0, cpu::Level::Avx512);
+        EXPECT_EQ(a32, b32) << "fp32 M=" << M << " K=" << K;
+        EXPECT_EQ(a16, b16) << "bf16 M=" << M << " K=" << K;
+      }
+      const int64_t align = gemv_row_align(M, cpu::Level::Avx2);
+      for (int64_t n0 = 0; n0 < N; n0 += 2 * align)
+        gemv_rows(xb.data(), Wb.data(), r16.data(), M, N, K, ldx, 0, n0, std::min(N, n0 + 2 * align),
+                  cpu::Level::Avx2);
+      EXPECT_EQ(r16, a16) << "gemv_rows bf16 M=" << M << " K=" << K;
+    }
 }
 
 // Software prefetch (gemv_prefetch_blocks) changes no value: every distance, every path, every blocking (M = 1, 3,

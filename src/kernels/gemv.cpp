@@ -30,7 +30,9 @@ namespace {
 // same runs, alternated; bf16 weights out of DRAM):
 //  * Up to 4 x rows, a block reads its rows in memory order, all of one row and then the next: 8 short rows read a
 //    vector of each in turn are 8 short streams that the prefetchers serve badly. One x row against 64 MiB: 11-15
-//    GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn, 29-36 and 36-40 GB/s in memory order.
+//    GB/s at K = 256 / 512 and 27-33 at K = 2048 in turn, 29-36 and 36-40 GB/s in memory order. The AVX2 path
+//    takes its rows two at a time in turn for 1-2 x rows, the pairs in memory order (block_avx2: 4 FMA chains, not
+//    2, per x row).
 //  * More than 4 x rows, the rows go in turn within each chunk (rows_in_turn_avx512bf16): one row at a time keeps
 //    only XR chains of 6-cycle vdpbf16ps in flight, 3 x 8 keeps 24 (8 x rows against 32 MiB, K = 2048: 90 against
 //    151 GFLOP/s; real-width b8 decode 59.6 -> 81.7 tokens/s). At 2-4 x rows the same in turn order was slower at
@@ -83,30 +85,76 @@ template <int MB, int R, typename TW> void block_scalar(const Block<float, TW>& 
 }
 
 #if HS_GEMV_X86
-// ---- AVX2 + FMA: 8 lanes, x in fp32, W fp32 or bf16 widened on load; the last K % 8 terms are added in order after
-// the lane sums.
+// ---- AVX2 + FMA: the AVX-512F path's sums in 8-lane halves. Each output keeps the AVX-512F path's 16 lanes, lane l
+// summing x_k w_k for k = l mod 16 in ascending k with fused multiply-adds, as two 8-lane accumulators (k mod 16 < 8
+// and >= 8), then reduces them as _mm512_reduce_add_ps does (lane l + 8 to lane l, then l + 4, l + 2, l + 1: hsum8 of
+// the halves' sum); the last K mod 16 terms are one more step on zero-padded copies (zero products added, as the
+// AVX-512F path's masked loads do). So AVX2 and AVX-512F give the same bits. Two weight rows go in turn within each
+// 16-element chunk (R even, 1-2 x rows), so 4 independent FMA chains per x row are in flight: one 8-lane chain per row (the path
+// before) was bound by the FMAs' 4-cycle latency, ~2 elements a cycle. Measured (Xeon, AVX-512 capped to avx2 by
+// HS_MAX_ISA, one thread, the loaded shared 2-core machine, per-CPU-second rates, variants alternated in one binary,
+// median of 3): 1 x 8192 x 2048 bf16 4.9 -> 7.6-8.6 GB/s, 1 x 2048 x 512 7.1-7.7 -> 16-17, 1 x 512 x 256 (in L2)
+// 9.0-10.6 -> 12.9-14.6, 8 x 8192 x 2048 2.4 -> 3.1. One row at a time in halves (2 chains) was between; 4 rows in
+// turn, and bf16 weights split into even / odd lanes by a shift and a mask of one 256-bit load (x stored even / odd),
+// were no better within the noise and are not kept.
 using simd::hsum8;
 using simd::load8;
 template <int MB, int R, typename TW>
 __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, float s[kXRows][kRowsPerBlock]) {
-  const int64_t K8 = b.K / 8 * 8;
-  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
-    __m256 acc[MB];
+  // Weight rows in turn: 2 for one or two x rows (4 * MB accumulators); 1 above, where 2 would not fit the 16 ymm
+  // registers (4 x 4: 61 stack moves in the object code, 12 with one row; 2 * MB chains are enough there). R = 3
+  // exists here only as a template (the AVX-512 paths' blocks).
+  constexpr int RP = R % 2 == 0 && MB <= 2 ? 2 : 1;
+  const int64_t K16 = b.K / 16 * 16;
+  const int rem = static_cast<int>(b.K - K16);
+  alignas(32) float xt[MB][16];  // the last K mod 16 elements of each x row, zero-padded
+  if (rem)
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K8; k += 8) {
-      const __m256 w = load8(b.w[r] + k);
+    for (int m = 0; m < MB; ++m)
+      for (int j = 0; j < 16; ++j) xt[m][j] = j < rem ? b.x[m * b.ldx + K16 + j] : 0.0f;
+  for (int r0 = 0; r0 < R; r0 += RP) {  // RP rows at a time, the groups in memory order (see kRowsPerBlock)
+    __m256 lo[MB][RP], hi[MB][RP];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < RP; ++p) lo[m][p] = hi[m][p] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m256 wl[RP], wh[RP];
+#pragma GCC unroll 8
+      for (int p = 0; p < RP; ++p) {
+        wl[p] = load8(b.w[r0 + p] + k);
+        wh[p] = load8(b.w[r0 + p] + k + 8);
+      }
       if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
 #pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(b.x + m * b.ldx + k), w, acc[m]);
+        for (int p = 0; p < RP; ++p) _mm_prefetch(reinterpret_cast<const char*>(b.pf[r0 + p] + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) {
+        const __m256 xl = _mm256_loadu_ps(b.x + m * b.ldx + k), xh = _mm256_loadu_ps(b.x + m * b.ldx + k + 8);
+#pragma GCC unroll 8
+        for (int p = 0; p < RP; ++p) {
+          lo[m][p] = _mm256_fmadd_ps(xl, wl[p], lo[m][p]);
+          hi[m][p] = _mm256_fmadd_ps(xh, wh[p], hi[m][p]);
+        }
+      }
+    }
+    if (rem) {
+      alignas(32) TW wt[16];
+#pragma GCC unroll 8
+      for (int p = 0; p < RP; ++p) {
+        for (int j = 0; j < 16; ++j) wt[j] = j < rem ? b.w[r0 + p][K16 + j] : TW(0.0f);
+        const __m256 wl = load8(wt), wh = load8(wt + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < MB; ++m) {
+          lo[m][p] = _mm256_fmadd_ps(_mm256_load_ps(xt[m]), wl, lo[m][p]);
+          hi[m][p] = _mm256_fmadd_ps(_mm256_load_ps(xt[m] + 8), wh, hi[m][p]);
+        }
+      }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) {
-      float t = hsum8(acc[m]);
-      for (int64_t k = K8; k < b.K; ++k) t = std::fma(b.x[m * b.ldx + k], to_f32(b.w[r][k]), t);
-      s[m][r] = t;
-    }
+    for (int m = 0; m < MB; ++m)
+#pragma GCC unroll 8
+      for (int p = 0; p < RP; ++p) s[m][r0 + p] = hsum8(_mm256_add_ps(lo[m][p], hi[m][p]));
   }
 }
 
