@@ -4,7 +4,8 @@
 // all M rows, sums accumulate in fp32, and threads split the rows of W (disjoint weight bytes per core). oneDNN
 // spends more on the call than on the arithmetic at these shapes (one token of a `small` model is ~100 products).
 // Blocks: 8 weight rows x 1 x row at M = 1 (AVX2 and AVX-512), 4 x 4 up to 4 rows, 3 x 8 (AVX-512-BF16) or 2 x 8
-// (AVX-512F) above; 4 x 4 elsewhere.
+// (AVX-512F) above; 4 x 4 elsewhere. The AVX2 path keeps the AVX-512F path's 16 lanes as two 8-lane halves (same
+// bits as AVX-512F), with two weight rows in turn for 1-2 x rows (4 FMA chains in flight per x row).
 //
 // Instruction sets are chosen at run time: AVX-512-BF16 (vdpbf16ps on bf16 x and W), AVX-512F, AVX2+FMA, scalar.
 // HS_MAX_ISA caps the choice (kernels/cpu.h), and the isa argument forces one (tests run every path the machine
