@@ -166,10 +166,19 @@ void sampling_probs(const float* logits, int64_t vocab, const Sampling& s, std::
     return;
   }
   const double mx = logits[best], inv_t = 1.0 / s.temperature;
+  if (s.top_k <= 0 && s.top_p >= 1) {  // the whole vocabulary: no order needed
+    double total = 0;
+    for (int64_t i = 0; i < vocab; ++i)
+      if (!std::isnan(logits[i])) total += probs[static_cast<size_t>(i)] = std::exp((double(logits[i]) - mx) * inv_t);
+    for (double& x : probs) x /= total;
+    return;
+  }
+  // Candidates: the ids sample_token can draw (weights below 2^-54 of the largest never change its draw).
+  const double floor = std::log(0x1p-54);
   std::vector<std::pair<double, int32_t>> c;  // (weight, id), most likely first, the lower id first on a tie
-  c.reserve(static_cast<size_t>(vocab));
   for (int64_t i = 0; i < vocab; ++i)
-    if (!std::isnan(logits[i])) c.emplace_back(std::exp((double(logits[i]) - mx) * inv_t), static_cast<int32_t>(i));
+    if (!std::isnan(logits[i]) && (double(logits[i]) - mx) * inv_t >= floor)
+      c.emplace_back(std::exp((double(logits[i]) - mx) * inv_t), static_cast<int32_t>(i));
   auto more = [](const std::pair<double, int32_t>& a, const std::pair<double, int32_t>& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   };
