@@ -217,6 +217,25 @@ TEST(Speculative, SampledTokensFollowTheTargetDistribution) {
   MemoryAccountant mem;
   ParamSet ps(family("qwen3_next"), DType::F32, mem, MemCategory::Parameters, false);
   model::init_params(ps, 3);
+  // A draft that overlaps the target without being it, so drafts are kept often and rejected often and the
+  // residual draw matters (a random MTP layer drafts other ids than the model's: rejected drafts are then replaced
+  // from p either way, and the test could not tell the rule from one without the residual). The decoder layers are
+  // zeroed (their residuals add nothing: the model is a bigram model, p(x_{t+2}) = f(x_{t+1})); the MTP layer's
+  // decoder layer too, and fc = [I | 2 I]: q = f of a blend of x_{t+1}'s and x_t's embeddings. The LM head is
+  // scaled so that the distributions are not flat.
+  const int64_t H = ps.config().hidden;
+  for (model::StackedParam& p : ps.all())
+    if (p.name.rfind("mtp.layers.", 0) == 0 || p.name.rfind("local.", 0) == 0 || p.name.rfind("global.", 0) == 0 ||
+        p.name.rfind("remainder.", 0) == 0)
+      std::memset(p.tensor.data(), 0, p.tensor.view().nbytes());
+  float* fc = static_cast<float*>(ps.all()[ps.mtp_index(model::g::kMtpFc)].tensor.data());
+  std::fill_n(fc, H * 2 * H, 0.0f);
+  for (int64_t i = 0; i < H; ++i) {
+    fc[i * 2 * H + i] = 1;
+    fc[i * 2 * H + H + i] = 2.0f;
+  }
+  const TensorView& head = ps.global(model::g::kLmHead);
+  for (int64_t i = 0; i < head.numel(); ++i) static_cast<float*>(head.data)[i] *= 30;
   const int64_t V = ps.config().vocab;
   const std::vector<int32_t> prompt = {10, 20, 30, 40};
   Sampling s;
@@ -246,14 +265,20 @@ TEST(Speculative, SampledTokensFollowTheTargetDistribution) {
   opt.max_new_tokens = 2;
   opt.sampling = s;
   SpeculativeStats st;
+  int64_t kept = 0, steps = 0;
   for (int call = 0; call < 75; ++call) {
     opt.sampling.seed = static_cast<uint64_t>(call) * 16;
     const GenerateResult r = generate_speculative(ps, std::vector<std::vector<int32_t>>(16, prompt), opt, 1, mem, {}, &st);
     for (const auto& t : r.tokens) ++count[static_cast<size_t>(t.at(1))];
+    kept += st.accepted[0];
+    steps += st.steps;
   }
   // Critical values of chi-square at p = 0.001 for up to 8 degrees of freedom.
   const double critical[] = {0, 10.83, 13.82, 16.27, 18.47, 20.52, 22.46, 24.32, 26.12};
-  EXPECT_LT(chi_square(count, want), critical[std::min<int64_t>(support - 1, 8)]);
+  EXPECT_LT(chi_square(count, want), critical[std::min<int64_t>(support - 1, 8)])
+      << "support " << support << ", drafts kept in " << kept << " of " << steps << " steps";
+  EXPECT_GT(kept, steps / 10);  // the draft overlaps: kept often, rejected often
+  EXPECT_LT(kept, steps - steps / 10);
 }
 
 TEST(Speculative, BadInputIsRefused) {
