@@ -20,6 +20,7 @@
 #include "gguf/import.h"
 #include "infer/generate.h"
 #include "infer/policy.h"
+#include "infer/speculative.h"
 #include "infer/weights.h"
 #include "tokenizer/tokenizer.h"
 #include "train/schedule.h"
@@ -46,6 +47,9 @@ struct GenerateArgs {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool chat = false, json = false, ignore_eos = false, gguf_blocks = false;
+  std::string speculative;  // "" (off) or "mtp"
+  int64_t draft = -1;       // -1: not given (1 with --speculative)
+  bool compare_plain = false;
 };
 
 std::vector<int32_t> parse_ids(const std::string& text, int64_t vocab) {
@@ -80,10 +84,25 @@ void run_generate(const GenerateArgs& a) {
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
   if (a.top_p <= 0 || a.top_p > 1) throw std::invalid_argument("--top-p must be in (0, 1]");
   if (a.top_k < 0) throw std::invalid_argument("--top-k must be >= 0");
+  if (!a.speculative.empty() && a.speculative != "mtp")
+    throw std::invalid_argument("--speculative '" + a.speculative + "' is not known (known: mtp, the checkpoint's "
+                                "multi-token-prediction layer as the draft model)");
+  if (a.speculative.empty() && a.draft != -1) throw std::invalid_argument("--draft needs --speculative mtp");
+  if (a.speculative.empty() && a.compare_plain) throw std::invalid_argument("--compare-plain needs --speculative mtp");
+  const int64_t draft = a.speculative.empty() ? 0 : a.draft == -1 ? 1 : a.draft;
+  if (!a.speculative.empty() && (draft < 1 || draft > infer::kMaxDraft))
+    throw std::invalid_argument("--draft must be in [1, " + std::to_string(infer::kMaxDraft) + "] (got " +
+                                std::to_string(draft) + ")");
 
   const gguf::CheckpointPath source(a.checkpoint);  // a .gguf file is imported for the run
   checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
   const model::ModelConfig& cfg = d.config;
+  if (draft > 0 && cfg.mtp_layers < 1)
+    throw std::invalid_argument("--speculative mtp: checkpoint " + a.checkpoint + " has no multi-token-prediction "
+                                "layer (mtp.*; num_nextn_predict_layers / mtp_num_hidden_layers is 0): train one from a "
+                                "'+mtp' preset (e.g. --preset small+mtp --mtp-weight 0.3), or decode without "
+                                "--speculative");
+  if (draft > 0 && a.gguf_blocks) throw std::invalid_argument("--speculative mtp does not run with --gguf-blocks");
   // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
   // vocabulary 256).
   std::optional<tokenizer::Tokenizer> tok;
@@ -207,7 +226,9 @@ void run_generate(const GenerateArgs& a) {
     }
     return true;
   };
-  infer::GenerateResult r = infer::generate(params, prompts, opt, mem, on_token);
+  infer::SpeculativeStats spec;
+  infer::GenerateResult r = draft > 0 ? infer::generate_speculative(params, prompts, opt, draft, mem, on_token, &spec)
+                                      : infer::generate(params, prompts, opt, mem, on_token);
   for (size_t i = 0; i < decoders.size(); ++i) {  // bytes of a character the last token left incomplete
     if (cut[i]) continue;
     const std::string rest = decoders[i].finish();
@@ -224,6 +245,40 @@ void run_generate(const GenerateArgs& a) {
                        "caches %s, peak RSS %s\n",
                (long long)r.prefill_tokens, prefill_tps, (long long)r.decode_tokens, decode_tps,
                format_bytes(double(r.kv_cache_bytes + r.recurrent_state_bytes)).c_str(), format_bytes(double(rss)).c_str());
+  // Speculative decoding: acceptance per draft position, and with --compare-plain plain decoding of the same
+  // prompts in the same run (its tokens/s and, greedy, whether the tokens are the same).
+  nlohmann::json spec_json;
+  if (draft > 0) {
+    std::string per;
+    nlohmann::json rates = nlohmann::json::array();
+    for (size_t k = 0; k < spec.accepted.size(); ++k) {
+      const double rate = spec.steps ? double(spec.accepted[k]) / double(spec.steps) : 0;
+      rates.push_back(rate);
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%s%zu: %.1f%%", k ? ", " : "", k + 1, 100 * rate);
+      per += buf;
+    }
+    const double per_step = spec.steps ? double(spec.emitted) / double(spec.steps) : 0;
+    std::fprintf(stderr, "speculative: mtp, draft %lld: %lld verification steps, %.2f tokens per step; drafts kept "
+                         "(position: share of steps) %s; draft %.3f s, verify %.3f s\n",
+                 (long long)draft, (long long)spec.steps, per_step, per.c_str(), spec.draft_seconds, spec.verify_seconds);
+    spec_json = {{"draft", draft}, {"steps", spec.steps}, {"accepted_rate", rates}, {"tokens_per_step", per_step}};
+    if (a.compare_plain) {
+      MemoryAccountant mem2;
+      infer::GenerateOptions o2 = opt;
+      infer::GenerateResult plain = infer::generate(params, prompts, o2, mem2);
+      const double plain_tps = plain.decode_seconds > 0 ? double(plain.decode_tokens) / plain.decode_seconds : 0;
+      const double tps = r.decode_seconds > 0 ? double(r.decode_tokens) / r.decode_seconds : 0;
+      const bool same = plain.tokens == r.tokens;
+      std::fprintf(stderr, "speculative: plain decode in the same run: %.1f tokens/s, speculative %.1f tokens/s: "
+                           "speedup %.2fx; tokens %s plain decoding's%s\n",
+                   plain_tps, tps, plain_tps > 0 ? tps / plain_tps : 0, same ? "equal" : "differ from",
+                   opt.sampling.temperature > 0 ? " (sampled: they need not)" : "");
+      spec_json["plain_decode_tokens_per_s"] = plain_tps;
+      spec_json["speedup"] = plain_tps > 0 ? tps / plain_tps : 0;
+      spec_json["same_tokens_as_plain"] = same;
+    }
+  }
   if (a.json) {
     nlohmann::json text = nlohmann::json::array();
     for (const auto& t : texts) text.push_back(t);
@@ -236,7 +291,7 @@ void run_generate(const GenerateArgs& a) {
                                         {"weights_memory", infer::weights_memory_name(weights->memory)},
                                         {"weights_mapped_bytes", weights->mapped_bytes},
                                         {"weights_copied_bytes", weights->copied_bytes},
-                                        {"thread_wait", thread_wait()}})
+                                        {"thread_wait", thread_wait()}, {"speculative", spec_json}})
                             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
                             .c_str());
   }
@@ -282,6 +337,14 @@ void register_generate(CLI::App& app) {
   c->add_option("--system", a->system, "With --chat: a system turn before each prompt");
   c->add_flag("--ignore-eos", a->ignore_eos,
               "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");
+  c->add_option("--speculative", a->speculative,
+                "Speculative decoding: mtp (draft with the checkpoint's multi-token-prediction layer, verify the "
+                "drafts with the model in one step; greedy output is plain decoding's, sampled output follows the "
+                "model's distribution)");
+  c->add_option("--draft", a->draft, "With --speculative: tokens drafted per step, 1 to 3 (default 1)");
+  c->add_flag("--compare-plain", a->compare_plain,
+              "With --speculative: also decode the prompts plainly in the same run and report the speedup and "
+              "whether the tokens are the same");
   add_threads_option(c, a->threads);
   c->add_flag("--json", a->json, "End with one JSON line: tokens, text, tokens/s, peak RSS");
   c->callback([a] { run_generate(*a); });

@@ -17,11 +17,13 @@ namespace hs::infer {
 using model::LayerKind;
 
 Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
-                 int64_t piece, const QuantWeights* quant)
+                 int64_t piece, const QuantWeights* quant, int64_t draft)
     : params_(params), cfg_(params.config()), compute_(compute), slots_(slots), capacity_(capacity), piece_(piece),
-      mem_(mem), quant_(quant) {
+      draft_(draft), state_slots_(slots * (1 + draft)), mem_(mem), quant_(quant) {
   if (slots <= 0 || capacity <= 0 || piece <= 0)
     throw std::invalid_argument("decoder: slots, capacity and piece must be positive");
+  if (draft < 0 || (draft + 1) > kernels::kGemvMaxRows)
+    throw std::invalid_argument("decoder: draft must be in [0, " + std::to_string(kernels::kGemvMaxRows - 1) + "]");
   if (params.shards() != 1) throw std::invalid_argument("decoder: the parameters must not be sharded");
   if (compute != DType::F32 && compute != DType::BF16) throw std::invalid_argument("decoder: compute fp32 or bf16");
   const int64_t T = dtype_size(compute), hist = cfg_.conv_width - 1;
@@ -30,9 +32,9 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
     model::LayerCache c;
     c.capacity = capacity;
     if (s.kind() == LayerKind::LinearAttention) {
-      c.conv = mem.allocate(static_cast<size_t>(slots * hist * cfg_.conv_dim() * T), MemCategory::Activations,
+      c.conv = mem.allocate(static_cast<size_t>(state_slots_ * hist * cfg_.conv_dim() * T), MemCategory::Activations,
                             "cache.conv_window", true);
-      c.state = mem.allocate_n<float>(static_cast<size_t>(slots * cfg_.v_heads * cfg_.dk * cfg_.dv),
+      c.state = mem.allocate_n<float>(static_cast<size_t>(state_slots_ * cfg_.v_heads * cfg_.dk * cfg_.dv),
                                       MemCategory::Activations, "cache.delta_state", true);
     } else {
       const size_t n = static_cast<size_t>(slots * cfg_.kv_heads * capacity * cfg_.head_dim * T);
@@ -42,6 +44,7 @@ Decoder::Decoder(const model::ParamSet& params, DType compute, int64_t slots, in
     caches_.push_back(std::move(c));
   }
   length_.assign(static_cast<size_t>(slots), 0);
+  pending_.assign(static_cast<size_t>(slots), 0);
   positions_.resize(static_cast<size_t>(std::max(piece, slots)));
   row_slots_.resize(1);
   if (const char* f = settings::value(settings::Setting::DecodeFused); f && std::strcmp(f, "0") == 0) use_fused_ = false;
@@ -71,10 +74,12 @@ size_t Decoder::recurrent_state_bytes() const {
 void Decoder::reset(int64_t slot) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
   length_[static_cast<size_t>(slot)] = 0;
+  pending_[static_cast<size_t>(slot)] = 0;
   if (mem_.planning()) return;
   for (model::LayerCache& c : caches_) {
     if (c.conv.empty()) continue;
-    const size_t conv = c.conv.bytes() / static_cast<size_t>(slots_), state = c.state.bytes() / static_cast<size_t>(slots_);
+    const size_t conv = c.conv.bytes() / static_cast<size_t>(state_slots_),
+                 state = c.state.bytes() / static_cast<size_t>(state_slots_);
     zero_bytes(static_cast<char*>(c.conv.data()) + static_cast<size_t>(slot) * conv, conv);
     zero_bytes(static_cast<char*>(c.state.data()) + static_cast<size_t>(slot) * state, state);
   }
@@ -86,7 +91,7 @@ void check_slot(int64_t slot, int64_t slots) {
 }
 }  // namespace
 
-size_t Decoder::recurrent_bytes_per_slot() const { return recurrent_state_bytes() / static_cast<size_t>(slots_); }
+size_t Decoder::recurrent_bytes_per_slot() const { return recurrent_state_bytes() / static_cast<size_t>(state_slots_); }
 
 size_t Decoder::kv_bytes_per_position() const {
   return kv_cache_bytes() / static_cast<size_t>(slots_ * capacity_);
@@ -98,7 +103,7 @@ void Decoder::save_recurrent(int64_t slot, void* out) const {
   for (const model::LayerCache& c : caches_) {
     if (c.conv.empty()) continue;
     for (const Buffer* b : {&c.conv, &c.state}) {
-      const size_t n = b->bytes() / static_cast<size_t>(slots_);
+      const size_t n = b->bytes() / static_cast<size_t>(state_slots_);
       std::memcpy(o, static_cast<const char*>(b->data()) + static_cast<size_t>(slot) * n, n);
       o += n;
     }
@@ -114,7 +119,7 @@ void Decoder::load_recurrent(int64_t slot, const void* in, int64_t length) {
   for (model::LayerCache& c : caches_) {
     if (c.conv.empty()) continue;
     for (Buffer* b : {&c.conv, &c.state}) {
-      const size_t n = b->bytes() / static_cast<size_t>(slots_);
+      const size_t n = b->bytes() / static_cast<size_t>(state_slots_);
       std::memcpy(static_cast<char*>(b->data()) + static_cast<size_t>(slot) * n, p, n);
       p += n;
     }
@@ -155,7 +160,7 @@ void Decoder::load_kv(int64_t slot, int64_t from, int64_t to, const void* in) {
   }
 }
 
-void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits) {
+void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits, void* hidden) {
   if (slot < 0 || slot >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(slot) + " does not exist");
   const int64_t n = static_cast<int64_t>(ids.size());
   int64_t& len = length_[static_cast<size_t>(slot)];
@@ -163,7 +168,10 @@ void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits,
     throw std::out_of_range("decoder: " + std::to_string(len + n) + " positions exceed the capacity " +
                             std::to_string(capacity_));
   row_slots_[0] = static_cast<int32_t>(slot);
+  if (pending_[static_cast<size_t>(slot)])
+    throw std::logic_error("decoder: slot " + std::to_string(slot) + " was verified and not accepted");
   if (quant_) {  // one token at a time through the fused step (decoder.h)
+    if (hidden) throw std::invalid_argument("decoder: no hidden states from a quantized model's prefill");
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids[static_cast<size_t>(i)];
       if (id < 0 || id >= cfg_.vocab)
@@ -183,34 +191,97 @@ void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits,
     for (int64_t i = 0; i < m; ++i) positions_[static_cast<size_t>(i)] = static_cast<int32_t>(len + i);
     // Logits of every token, or only of the last piece's last token.
     float* out = all_logits ? (logits ? logits + off * cfg_.vocab : nullptr) : off + m == n ? logits : nullptr;
-    if (compute_ == DType::F32) run<float>(1, m, row_slots_.data(), ids.data() + off, out, all_logits);
-    else run<bf16>(1, m, row_slots_.data(), ids.data() + off, out, all_logits);
+    void* hid = hidden ? static_cast<char*>(hidden) + off * cfg_.hidden * dtype_size(compute_) : nullptr;
+    if (compute_ == DType::F32) run<float>(1, m, row_slots_.data(), ids.data() + off, out, all_logits, hid);
+    else run<bf16>(1, m, row_slots_.data(), ids.data() + off, out, all_logits, hid);
     len += m;
   }
 }
 
-void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits) {
+// The checks of a step of n positions per slot (step: n = 1), before the fused step's parallel region (where a throw
+// could not reach the caller).
+void Decoder::check_step(std::span<const int32_t> slots, int64_t n, std::span<const int32_t> ids) {
   const int64_t B = static_cast<int64_t>(slots.size());
-  if (static_cast<int64_t>(ids.size()) != B) throw std::invalid_argument("decoder: one id per slot");
+  if (static_cast<int64_t>(ids.size()) != B * n) throw std::invalid_argument("decoder: one id per slot and position");
   for (int64_t b = 0; b < B; ++b) {
     const int32_t s = slots[static_cast<size_t>(b)];
     if (s < 0 || s >= slots_) throw std::out_of_range("decoder: slot " + std::to_string(s) + " does not exist");
-    if (length_[static_cast<size_t>(s)] >= capacity_)
+    if (pending_[static_cast<size_t>(s)])
+      throw std::logic_error("decoder: slot " + std::to_string(s) + " was verified and not accepted");
+    if (length_[static_cast<size_t>(s)] + n > capacity_)
       throw std::out_of_range("decoder: slot " + std::to_string(s) + " is full (capacity " + std::to_string(capacity_) +
                               ")");
-    positions_[static_cast<size_t>(b)] = static_cast<int32_t>(length_[static_cast<size_t>(s)]);
+    for (int64_t j = 0; j < b; ++j)
+      if (slots[static_cast<size_t>(j)] == s)
+        throw std::invalid_argument("decoder: slot " + std::to_string(s) + " appears twice in one step");
   }
-  // Checked here, not inside the fused step's parallel region (where a throw could not reach the caller).
-  for (int64_t b = 0; b < B; ++b) {
-    const int32_t id = ids[static_cast<size_t>(b)];
+  for (const int32_t id : ids)
     if (id < 0 || id >= cfg_.vocab)
       throw std::out_of_range("decoder: token id " + std::to_string(id) + " is outside the vocabulary of " +
                               std::to_string(cfg_.vocab));
-    for (int64_t j = 0; j < b; ++j)
-      if (slots[static_cast<size_t>(j)] == slots[static_cast<size_t>(b)])
-        throw std::invalid_argument("decoder: slot " + std::to_string(slots[static_cast<size_t>(b)]) +
-                                    " appears twice in one step");
+}
+
+void Decoder::verify(std::span<const int32_t> slots, int64_t n, std::span<const int32_t> ids, float* logits,
+                     void* hidden) {
+  if (n < 1 || n > draft_ + 1)
+    throw std::invalid_argument("decoder: verify " + std::to_string(n) + " positions (1 to draft + 1 = " +
+                                std::to_string(draft_ + 1) + ")");
+  if (!fused()) throw std::invalid_argument("decoder: verification runs on the fused step, which these weights do not allow");
+  check_step(slots, n, ids);
+  const int64_t B = static_cast<int64_t>(slots.size()), R = B * n, V = cfg_.vocab, H = cfg_.hidden;
+  std::vector<int32_t> kv(static_cast<size_t>(R)), pos(static_cast<size_t>(R)), ss(static_cast<size_t>(R)),
+      from(static_cast<size_t>(R));
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t s = slots[static_cast<size_t>(b)];
+    for (int64_t j = 0; j < n; ++j) {
+      const size_t r = static_cast<size_t>(b * n + j);
+      kv[r] = s;
+      pos[r] = static_cast<int32_t>(length_[static_cast<size_t>(s)] + j);
+      ss[r] = state_slot(s, j);
+      from[r] = j == 0 ? -1 : state_slot(s, j - 1);
+    }
   }
+  const int64_t per = std::max<int64_t>(1, kernels::kGemvMaxRows / n);  // whole slots per fused step
+  const size_t hbytes = static_cast<size_t>(H * dtype_size(compute_));
+  for (int64_t b0 = 0; b0 < B; b0 += per) {
+    const int64_t r0 = b0 * n, rows = std::min(per, B - b0) * n;
+    StepExtras ex;
+    ex.state_slots = ss.data() + r0;
+    ex.state_from = from.data() + r0;
+    ex.chain = n;
+    ex.hidden = hidden ? static_cast<char*>(hidden) + static_cast<size_t>(r0) * hbytes : nullptr;
+    float* out = logits ? logits + r0 * V : nullptr;
+    if (fused32_) fused32_->run(rows, kv.data() + r0, pos.data() + r0, ids.data() + r0, out, &ex);
+    else fused16_->run(rows, kv.data() + r0, pos.data() + r0, ids.data() + r0, out, &ex);
+  }
+  for (int32_t s : slots) pending_[static_cast<size_t>(s)] = n;
+}
+
+void Decoder::accept(int64_t slot, int64_t m) {
+  check_slot(slot, slots_);
+  int64_t& pending = pending_[static_cast<size_t>(slot)];
+  if (m < 1 || m > pending)
+    throw std::invalid_argument("decoder: accept " + std::to_string(m) + " of the " + std::to_string(pending) +
+                                " positions verified in slot " + std::to_string(slot));
+  if (m > 1 && !mem_.planning())  // the recurrent part after position m - 1 becomes the slot's
+    for (model::LayerCache& c : caches_) {
+      if (c.conv.empty()) continue;
+      for (Buffer* b : {&c.conv, &c.state}) {
+        const size_t per = b->bytes() / static_cast<size_t>(state_slots_);
+        char* base = static_cast<char*>(b->data());
+        std::memcpy(base + static_cast<size_t>(slot) * per, base + static_cast<size_t>(state_slot(slot, m - 1)) * per,
+                    per);
+      }
+    }
+  length_[static_cast<size_t>(slot)] += m;
+  pending = 0;
+}
+
+void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits) {
+  const int64_t B = static_cast<int64_t>(slots.size());
+  check_step(slots, 1, ids);
+  for (int64_t b = 0; b < B; ++b)
+    positions_[static_cast<size_t>(b)] = static_cast<int32_t>(length_[static_cast<size_t>(slots[static_cast<size_t>(b)])]);
   if (fused()) {
     // Groups of at most kGemvMaxRows rows, each one fused step.
     const int64_t V = cfg_.vocab;
@@ -230,7 +301,7 @@ void Decoder::step(std::span<const int32_t> slots, std::span<const int32_t> ids,
 
 template <typename T>
 void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits,
-                  bool all_logits) {
+                  bool all_logits, void* hidden) {
   const bool P = mem_.planning();
   const int64_t N = batch * seq, H = cfg_.hidden, V = cfg_.vocab;
   // Products of a few rows (a decode step's sequences, an expert's rows, the head) stream each weight once.
@@ -247,6 +318,7 @@ void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_
     model::layer_forward<T>(ctx, params_.layer(order_[i]), ptr<T>(h), ptr<T>(out), nullptr);
     h = std::move(out);
   }
+  if (hidden && !P) std::copy_n(ptr<T>(h), N * H, static_cast<T*>(hidden));
   // The head runs on the rows whose logits are wanted: all, or each row's last token.
   const int64_t rows = all_logits ? N : batch;
   Buffer last;

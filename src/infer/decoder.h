@@ -27,8 +27,11 @@ class Decoder {
   // quant: the matrices kept in a GGUF file's blocks (load_gguf_weights; their ParamSet views hold no data). Compute
   // must be fp32; every step runs fused (the layered path cannot read them), and a prefill runs its tokens one at a
   // time through the same fused step (not the chunked kernels: correct, but a prompt costs a step per token).
+  //
+  // draft: positions past the next one that verify() may feed a slot in one step (speculative decoding, 0: none):
+  // each slot gets `draft` more conv windows and delta-rule states, which hold the recurrent part after each of them.
   Decoder(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
-          int64_t piece = 512, const QuantWeights* quant = nullptr);
+          int64_t piece = 512, const QuantWeights* quant = nullptr, int64_t draft = 0);
   // The fused step keeps references into the caches: a Decoder stays where it was made.
   Decoder(const Decoder&) = delete;
   Decoder& operator=(const Decoder&) = delete;
@@ -44,12 +47,28 @@ class Decoder {
   void reset(int64_t slot);
   // Continues the sequence of `slot` with `ids`. logits: fp32 [ids.size(), V] when all_logits, else [V] for the last
   // id. Throws std::out_of_range when the sequence would pass the capacity or an id is outside the vocabulary.
-  void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false);
+  // hidden: when given, [ids.size(), H] in the compute dtype, the last layer's output at each id (before the final
+  // norm: what the MTP layer reads).
+  void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false,
+               void* hidden = nullptr);
   // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V]. Up to kGemvMaxRows
   // slots at a time run as one fused step (infer/fused_step.h) when the weights allow it, more in groups of that size;
   // up to kGemvMaxRows slots the logits are bit-identical to the layered path's either way (past it the layered
   // path's products are oneDNN's, the fused path's groups gemv's: equal within rounding, not to the bit).
   void step(std::span<const int32_t> slots, std::span<const int32_t> ids, float* logits);
+  // Speculative verification: n (1 to draft + 1) consecutive ids for each of the (distinct) slots, ids [slots.size()
+  // * n] (slot i's at i * n), fed at the slot's next n positions in one fused step per group of kGemvMaxRows rows
+  // (whole slots). Each position is computed exactly as step() would compute it had the ids before it been fed one
+  // step at a time: the same kernels in the same order (products of a few rows have the bits of one-row products), so
+  // logits [slots.size() * n, V] and hidden (optional, [slots.size() * n, H] in the compute dtype, as prefill's) are
+  // step()'s, bit for bit. The slot's length does not move: accept(slot, m) follows for every slot, keeping the first
+  // m of the n positions (their keys and values stay; the conv window and delta-rule state become those after the
+  // m-th id; positions past them are overwritten later). Needs the fused step (fused()); throws
+  // std::invalid_argument otherwise and std::out_of_range as step() does (the capacity must hold all n positions).
+  void verify(std::span<const int32_t> slots, int64_t n, std::span<const int32_t> ids, float* logits,
+              void* hidden = nullptr);
+  void accept(int64_t slot, int64_t m);
+  int64_t draft() const { return draft_; }
   // Whether step() runs fused (when the weights allow it; default on unless HS_DECODE_FUSED=0). Tests and the
   // bench compare both paths.
   void set_fused(bool on) { use_fused_ = on; }
@@ -75,16 +94,22 @@ class Decoder {
 
  private:
   template <typename T>
-  void run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits, bool all_logits);
+  void run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits, bool all_logits,
+           void* hidden = nullptr);
+  void check_step(std::span<const int32_t> slots, int64_t n, std::span<const int32_t> ids);
+  int32_t state_slot(int64_t slot, int64_t j) const {  // the recurrent part after position j of a verification
+    return static_cast<int32_t>(j == 0 ? slot : slots_ + slot * draft_ + j - 1);
+  }
 
   const model::ParamSet& params_;
   const model::ModelConfig& cfg_;
   DType compute_;
-  int64_t slots_, capacity_, piece_;
+  int64_t slots_, capacity_, piece_, draft_ = 0, state_slots_ = 0;
   MemoryAccountant& mem_;
   std::vector<model::LayerSlot> order_;
   std::vector<model::LayerCache> caches_;  // per layer, in scan order
   std::vector<int64_t> length_;            // positions filled per slot
+  std::vector<int64_t> pending_;           // per slot: positions verified and not yet accepted
   std::vector<int32_t> positions_, row_slots_;  // per-call scratch, sized once
   std::unique_ptr<FusedStep<float>> fused32_;
   std::unique_ptr<FusedStep<bf16>> fused16_;

@@ -239,8 +239,10 @@ struct FusedStep<T>::Impl {
   std::vector<Phase> phases;
   std::atomic<int> sleepers{0};
 
+  const StepExtras* ex = nullptr;  // the running step's (run)
+
   Impl(const model::ParamSet& ps, const std::vector<model::LayerSlot>& o, std::vector<model::LayerCache>& c,
-       MemoryAccountant& m, const QuantWeights* q)
+       MemoryAccountant& m, const QuantWeights* q, const TensorView* fnorm)
       : params(ps), cfg(ps.config()), order(o), caches(c), mem(m), quant(q),
         phases(static_cast<size_t>((q ? 20 : 12) * ps.config().layers + 6)) {
     if (q && !std::is_same_v<T, float>) throw std::invalid_argument("fused step: quantized weights decode in fp32");
@@ -248,8 +250,8 @@ struct FusedStep<T>::Impl {
       lw.push_back(params.layer(s));
       cw.push_back(model::compute_weights<T>(cfg, lw.back(), mem, nullptr));
     }
-    final_norm = model::as_type<float>(params.global(model::g::kFinalNorm), mem, MemCategory::WeightCasts,
-                                       "weight_cast");
+    final_norm = model::as_type<float>(fnorm ? *fnorm : params.global(model::g::kFinalNorm), mem,
+                                       MemCategory::WeightCasts, "weight_cast");
   }
 
   // The product of layer li's matrix `spec` (part `part`, rows from `row0`): on its quantized blocks when it has them.
@@ -354,10 +356,24 @@ struct FusedStep<T>::Impl {
                       mj(w.xn, li, p::kB, w.b, B, Hv, H), mj(w.xn, li, p::kA, w.a, B, Hv, H)};
     tm.products("gdn.in_proj", jobs, 4);
     // The conv over each row's window, the q/k norms and the gates (thread 0: a few thousand values per row).
+    const bool chained = ex && ex->state_slots;
+    const int32_t* sslots = chained ? ex->state_slots : slots;
     tm.serial("gdn.conv_norms_gates", [&] {
-      const auto cols = kernels::ColumnBlocks<T>().add(w.q, KD).add(w.k, KD).add(w.v, VD);
-      kernels::causal_conv_silu_cached(w.qkv, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots, B, 1, CD,
-                                       c.conv_width);
+      if (chained) {  // row by row in order, each from the window the row before it left (StepExtras)
+        const int64_t hist = c.conv_width - 1;
+        T* win = ptr<T>(cache.conv);
+        for (int64_t r = 0; r < B; ++r) {
+          if (ex->state_from[r] >= 0)
+            std::copy_n(win + int64_t{ex->state_from[r]} * hist * CD, hist * CD, win + int64_t{sslots[r]} * hist * CD);
+          const auto cols = kernels::ColumnBlocks<T>().add(w.q + r * KD, KD).add(w.k + r * KD, KD).add(w.v + r * VD, VD);
+          kernels::causal_conv_silu_cached(w.qkv + r * CD, W.vec(p::kConv), cols, win, sslots + r, 1, 1, CD,
+                                           c.conv_width);
+        }
+      } else {
+        const auto cols = kernels::ColumnBlocks<T>().add(w.q, KD).add(w.k, KD).add(w.v, VD);
+        kernels::causal_conv_silu_cached(w.qkv, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots, B, 1, CD,
+                                         c.conv_width);
+      }
       const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
       kernels::l2norm_forward(w.q, w.qn, w.rstd, B * Hk, c.dk, 1e-6f, qscale);
       kernels::l2norm_forward(w.k, w.kn, w.rstd, B * Hk, c.dk, 1e-6f, 1.0f);
@@ -365,11 +381,27 @@ struct FusedStep<T>::Impl {
     });
     // Per (row, value head): the delta-rule step and the gated norm of its output.
     const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
-    tm.units("gdn.delta_step_norm", B * Hv, 1, [&](int64_t u0, int64_t u1) {
-      kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
-      kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
-                                     w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
-    });
+    if (chained) {  // per (group, head): the group's rows in order, each from the state the row before it left
+      const int64_t L = ex->chain, S = c.dk * c.dv;
+      float* st = ptr<float>(cache.state);
+      tm.units("gdn.delta_step_norm", B / L * Hv, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t gu = g0; gu < g1; ++gu)
+          for (int64_t j = 0; j < L; ++j) {
+            const int64_t r = gu / Hv * L + j, hh = gu % Hv, u = r * Hv + hh;
+            if (ex->state_from[r] >= 0)
+              std::copy_n(st + (int64_t{ex->state_from[r]} * Hv + hh) * S, S, st + (int64_t{sslots[r]} * Hv + hh) * S);
+            kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, st, sslots, u, u + 1);
+            kernels::gated_rmsnorm_forward(w.o + u * c.dv, w.z + u * c.dv, W.vec(p::kGdnNorm), w.y + u * c.dv,
+                                           w.rstd + u, 1, c.dv, float(c.rms_eps));
+          }
+      });
+    } else {
+      tm.units("gdn.delta_step_norm", B * Hv, 1, [&](int64_t u0, int64_t u1) {
+        kernels::delta_rule_step_range(ds, w.qn, w.kn, w.v, w.beta, w.g, w.o, ptr<float>(cache.state), slots, u0, u1);
+        kernels::gated_rmsnorm_forward(w.o + u0 * c.dv, w.z + u0 * c.dv, W.vec(p::kGdnNorm), w.y + u0 * c.dv,
+                                       w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
+      });
+    }
     const QuantMatrix* qo = qmat(li, p::kOut);
     const T* yin = w.y;
     if (qo && qo->col_hk > 0) {  // the activations in the file's column order (QuantMatrix::col_hk)
@@ -515,13 +547,20 @@ struct FusedStep<T>::Impl {
         }
       model::add(w.hmid, w.ffn, w.h, B * H);
       if (li + 1 < order.size()) input_norm(w, li + 1, B);
-      else kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
+      else {
+        if (ex && ex->hidden) std::copy_n(w.h, B * H, static_cast<T*>(ex->hidden));
+        kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
+      }
     });
   }
 
   int64_t c_experts() const { return std::max<int64_t>(cfg.experts, 1); }
 
-  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
+  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits,
+           const StepExtras* extras) {
+    ex = extras;
+    if (ex && ex->state_slots && (ex->chain <= 0 || B % ex->chain != 0 || !ex->state_from))
+      throw std::invalid_argument("fused step: chained rows come in whole groups, each row with a state_from");
     if (B <= 0 || B > kernels::kGemvMaxRows)
       throw std::invalid_argument("fused step: " + std::to_string(B) + " rows (1 to " +
                                   std::to_string(kernels::kGemvMaxRows) + ")");
@@ -552,7 +591,9 @@ struct FusedStep<T>::Impl {
       if (clock && tm.tid == 0) tm.clock = &*clock;
       // Shapes and positions are checked before the region (Decoder::step), so nothing in it throws on good input.
       tm.serial("embedding_norm", [&] {
-        if (quant && quant->embed) {  // rows dequantized on lookup
+        if (ex && ex->input) {  // the rows given (the MTP layer's projection)
+          std::copy_n(static_cast<const T*>(ex->input), B * H, w.h);
+        } else if (quant && quant->embed) {  // rows dequantized on lookup
           if constexpr (std::is_same_v<T, float>)
             for (int64_t b = 0; b < B; ++b)
               kernels::dequantize_row(quant->embed->type, quant->embed->row(ids[b]), w.h + b * H, H);
@@ -616,14 +657,16 @@ bool FusedStep<T>::supported(const model::ParamSet& params, DType compute) {
 
 template <typename T>
 FusedStep<T>::FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
-                        std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant)
-    : impl_(std::make_unique<Impl>(params, order, caches, mem, quant)) {}
+                        std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant,
+                        const TensorView* final_norm)
+    : impl_(std::make_unique<Impl>(params, order, caches, mem, quant, final_norm)) {}
 
 template <typename T> FusedStep<T>::~FusedStep() = default;
 
 template <typename T>
-void FusedStep<T>::run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits) {
-  impl_->run(B, slots, positions, ids, logits);
+void FusedStep<T>::run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits,
+                       const StepExtras* extras) {
+  impl_->run(B, slots, positions, ids, logits, extras);
 }
 
 template class FusedStep<float>;

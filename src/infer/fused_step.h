@@ -58,18 +58,37 @@ std::vector<FusedPhaseTime> fused_step_phase_times();  // in the order first see
 enum class QuantReference { Off, Exact, RoundedActivations };
 void fused_step_quant_reference(QuantReference r);
 
+// What a step may do beyond one token per sequence (speculative decoding, src/infer/speculative.h).
+struct StepExtras {
+  // Chained rows: several consecutive positions of one sequence in one step. The Gated DeltaNet layers' conv window
+  // and delta-rule state of row r are those of slot state_slots[r] (null: slots[r]); when state_from[r] >= 0 they are
+  // first copied from slot state_from[r], as the row before it in its group left them. Rows come in groups of `chain`
+  // consecutive rows, run in order within a group (state_from[r] is the state slot of a row earlier in the group), so
+  // each row sees exactly the state a one-row step at its position would see. The attention layers' rows read and
+  // write their slots' caches at their positions (a group's rows share a slot: row r attends to positions up to its
+  // own, written by the rows before it in the same step).
+  const int32_t* state_slots = nullptr;
+  const int32_t* state_from = nullptr;
+  int64_t chain = 1;
+  const void* input = nullptr;  // [B, H] in T: the first layer's input instead of the ids' embedding
+  void* hidden = nullptr;       // [B, H] in T: the last layer's output (before the final norm)
+};
+
 template <typename T>
 class FusedStep {
  public:
   static bool supported(const model::ParamSet& params, DType compute);
   // The small vectors (norm weights, conv taps, gates) are cast to fp32 once here when they are stored in bf16
   // (MemCategory::WeightCasts, live as long as this object).
+  // final_norm: the norm before the LM head (null: the model's; the MTP layer runs with mtp.norm).
   FusedStep(const model::ParamSet& params, const std::vector<model::LayerSlot>& order,
-            std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant = nullptr);
+            std::vector<model::LayerCache>& caches, MemoryAccountant& mem, const QuantWeights* quant = nullptr,
+            const TensorView* final_norm = nullptr);
   ~FusedStep();
   // rows: B sequences in slots[b] at positions[b] with input ids[b]; logits fp32 [B, V] (null: none). In planning
   // mode only the per-step workspace is allocated.
-  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits);
+  void run(int64_t B, const int32_t* slots, const int32_t* positions, const int32_t* ids, float* logits,
+           const StepExtras* extras = nullptr);
 
  private:
   struct Impl;

@@ -1,0 +1,76 @@
+// Speculative decoding with the checkpoint's multi-token-prediction layer (docs/model.md, "Speculative decoding";
+// `generate --speculative mtp --draft N`). Each step drafts N tokens with the MTP layer (depth 1, reused
+// autoregressively on its own output), verifies the N + 1 positions [last token, drafts] with the target model in
+// one fused step (Decoder::verify: every position computed exactly as a plain decode step computes it), keeps the
+// longest agreeing prefix and the target's next token, and rolls the recurrent part back to the last kept position
+// (the conv window and delta-rule state after each verified position are kept in slots of their own, so the
+// roll-back is one copy; Decoder::accept). The keys and values past it are overwritten later.
+//
+// Greedy output is plain decoding's, token for token; sampled output follows the standard rejection rule (a draft d
+// drawn from q is kept with probability min(1, p(d) / q(d)), else the token is drawn from norm(max(0, p - q))), so
+// its distribution is the target model's p (p and q: the distributions Sampling defines over the logits).
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "core/memory.h"
+#include "infer/generate.h"
+#include "model/params.h"
+
+namespace hs::infer {
+
+inline constexpr int64_t kMaxDraft = 3;
+
+// The MTP layer as a draft model: its own keys and values per slot, run from the decoder's last hidden state h_t
+// (before the final norm) and the next token x_{t+1}: m = fc([norm(embed(x_{t+1})); norm(h_t)]), one full-attention
+// decoder layer at position t, mtp.norm, the shared LM head. Throws std::invalid_argument when the checkpoint has
+// no MTP layer or its weights are not stored in the compute dtype (the steps run fused).
+class MtpDrafter {
+ public:
+  MtpDrafter(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
+             int64_t piece = 512);
+  ~MtpDrafter();
+  // Positions [0, n) of a fresh slot: h [n, H] (compute dtype) and next_ids [n]; logits [V] and the layer's output
+  // (before mtp.norm) [H] of the last position.
+  void prefill(int64_t slot, const void* h, const int32_t* next_ids, int64_t n, float* logits, void* hidden_last);
+  // R rows (several may be consecutive positions of one slot, in order): logits [R, V], hidden [R, H] (optional).
+  void step(int64_t R, const int32_t* slots, const int32_t* positions, const void* h, const int32_t* next_ids,
+            float* logits, void* hidden);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The distribution sample_token draws from (temperature > 0): probs [V], zero outside the top-k / top-p set.
+void sampling_probs(const float* logits, int64_t vocab, const Sampling& s, std::vector<double>& probs);
+
+// The rejection rule of one verification. p: n + 1 target distributions [n + 1][V] (rows 0..n), q: n draft
+// distributions, drafts: n ids (drafts[j] drawn from q[j]). Appends to out the accepted drafts and one more token
+// (the residual draw at the first rejection, or a draw from p[n] when all are accepted); returns the number of
+// accepted drafts. resample_residual false draws the replacement from p instead of the residual (wrong: a test
+// checks that it shows).
+int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std::vector<std::vector<double>>& q,
+                           const int32_t* drafts, int64_t n, std::mt19937_64& rng, std::vector<int32_t>& out,
+                           bool resample_residual = true);
+
+struct SpeculativeStats {
+  int64_t draft = 0;
+  int64_t steps = 0;                   // verifications (one per sequence and step)
+  std::vector<int64_t> accepted;       // per draft position k (0-based): steps whose drafts 1..k+1 were all kept
+  int64_t emitted = 0;                 // tokens taken from verifications
+  double draft_seconds = 0, verify_seconds = 0;
+};
+
+// generate() (generate.h) with speculative decoding at depth `draft` (1 to kMaxDraft). Throws std::invalid_argument
+// for a draft outside that range, a checkpoint without an MTP layer, quantized weights, weights the fused step
+// cannot run, and what generate() refuses.
+GenerateResult generate_speculative(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
+                                    const GenerateOptions& opt, int64_t draft, MemoryAccountant& mem,
+                                    const std::function<bool(size_t, int32_t)>& on_token = {},
+                                    SpeculativeStats* stats = nullptr);
+
+}  // namespace hs::infer
