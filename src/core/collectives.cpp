@@ -7,29 +7,6 @@
 
 namespace hs {
 
-Collectives::Request& Collectives::Request::operator=(Request&& o) noexcept {
-  if (this != &o) {
-    wait_quietly();
-    finish_ = std::move(o.finish_);
-    o.finish_ = nullptr;
-  }
-  return *this;
-}
-
-void Collectives::Request::wait() {
-  if (!finish_) return;
-  std::function<void()> f = std::move(finish_);
-  finish_ = nullptr;
-  f();
-}
-
-void Collectives::Request::wait_quietly() noexcept {
-  try {
-    wait();
-  } catch (...) {
-  }
-}
-
 void Collectives::all_reduce_sum(float* x, int64_t n) {
   std::vector<float> scratch(static_cast<size_t>(all_reduce_scratch_elems(n)));
   all_reduce_sum(x, n, scratch.data());

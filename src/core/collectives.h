@@ -17,32 +17,16 @@
 #include <memory>
 #include <vector>
 
+#include "core/pending.h"
 #include "core/tensor.h"
 
 namespace hs {
 
 class Collectives {
  public:
-  // A started collective. wait() completes it, including the local part that follows the transfer (the rank-order
-  // sum of a reduce-scatter), and rethrows the transport's error. Destroying a pending Request waits for it (errors
-  // are then dropped: this only happens while an earlier error unwinds the step) so no buffer is freed under a
-  // transfer.
-  class Request {
-   public:
-    Request() = default;
-    explicit Request(std::function<void()> finish) : finish_(std::move(finish)) {}
-    Request(Request&& o) noexcept : finish_(std::move(o.finish_)) { o.finish_ = nullptr; }
-    Request& operator=(Request&& o) noexcept;
-    Request(const Request&) = delete;
-    Request& operator=(const Request&) = delete;
-    ~Request() { wait_quietly(); }
-    void wait();
-    bool pending() const { return static_cast<bool>(finish_); }
-
-   private:
-    void wait_quietly() noexcept;
-    std::function<void()> finish_;
-  };
+  // A started collective (core/pending.h): wait() completes it and rethrows the transport's error; destroying a
+  // pending Request waits for it, so no buffer is freed under a transfer.
+  using Request = Pending;
 
   explicit Collectives(int64_t size, int64_t rank = 0) : size_(size), rank_(rank) {}
   virtual ~Collectives() = default;

@@ -270,9 +270,9 @@ inline void add_expert_dx(int64_t n, int64_t H, int64_t k, const int32_t* rows, 
 // (and, within a rank, expert order); the owner computes in expert order (and, within an expert, rank order).
 struct EpLayout {
   int64_t ranks = 1, local = 0, received = 0, capacity = 0;
-  std::vector<int64_t> send_rows, send_first, recv_rows, recv_first;  // rows per rank and where they start
-  std::vector<int64_t> count, at_recv, at_own;                        // per block: rows, start in each order
-  std::vector<int64_t> own_first;                                     // [Xl + 1]: owner-order start of each expert
+  ExpertRowRoutes routes;                        // rows per rank and where they start
+  std::vector<int64_t> count, at_recv, at_own;   // per block: rows, start in each order
+  std::vector<int64_t> own_first;                // [Xl + 1]: owner-order start of each expert
 };
 
 // off: this rank's grouped offsets [E + 1]; recv: rows received per block [ranks * Xl] (both null in planning,
@@ -284,7 +284,8 @@ EpLayout ep_layout(const int64_t* off, const int64_t* recv, int64_t ranks, int64
   L.local = E / ranks;
   const int64_t Xl = L.local;
   const auto P = static_cast<size_t>(ranks);
-  L.send_rows.assign(P, 0), L.send_first.assign(P, 0), L.recv_rows.assign(P, 0), L.recv_first.assign(P, 0);
+  ExpertRowRoutes& R = L.routes;
+  R.send_rows.assign(P, 0), R.send_first.assign(P, 0), R.recv_rows.assign(P, 0), R.recv_first.assign(P, 0);
   L.count.assign(P * static_cast<size_t>(Xl), 0), L.at_recv = L.count, L.at_own = L.count;
   L.own_first.assign(static_cast<size_t>(Xl + 1), 0);
   if (!off) {
@@ -293,19 +294,19 @@ EpLayout ep_layout(const int64_t* off, const int64_t* recv, int64_t ranks, int64
     return L;
   }
   for (int64_t q = 0; q < ranks; ++q) {
-    L.send_first[size_t(q)] = off[q * Xl];
-    L.send_rows[size_t(q)] = off[(q + 1) * Xl] - off[q * Xl];
+    R.send_first[size_t(q)] = off[q * Xl];
+    R.send_rows[size_t(q)] = off[(q + 1) * Xl] - off[q * Xl];
   }
   int64_t at = 0;
   for (int64_t p = 0; p < ranks; ++p) {
-    L.recv_first[size_t(p)] = at;
+    R.recv_first[size_t(p)] = at;
     for (int64_t j = 0; j < Xl; ++j) {
       const size_t b = size_t(p * Xl + j);
       L.count[b] = recv[b];
       L.at_recv[b] = at;
       at += recv[b];
     }
-    L.recv_rows[size_t(p)] = at - L.recv_first[size_t(p)];
+    R.recv_rows[size_t(p)] = at - R.recv_first[size_t(p)];
   }
   L.received = at;
   at = 0;
@@ -336,19 +337,6 @@ void ep_permute(const EpLayout& L, const void* src, void* dst, size_t row_bytes,
   }
 }
 
-// Starts sending rows (elem elements of `row` each) to their owners (forward: out) or back to their senders (back).
-Collectives::Request ep_exchange(Collectives& ex, const EpLayout& L, const void* send, void* recv, int64_t row,
-                                 size_t elem, bool out) {
-  std::vector<int64_t> sc, sd, rc, rd;
-  for (size_t q = 0; q < L.send_rows.size(); ++q) {
-    sc.push_back((out ? L.send_rows[q] : L.recv_rows[q]) * row);
-    sd.push_back((out ? L.send_first[q] : L.recv_first[q]) * row);
-    rc.push_back((out ? L.recv_rows[q] : L.send_rows[q]) * row);
-    rd.push_back((out ? L.recv_first[q] : L.send_first[q]) * row);
-  }
-  return ex.start_all_to_all_v(send, sc, sd, recv, rc, rd, elem);
-}
-
 }  // namespace
 
 template <typename T>
@@ -358,8 +346,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nk = static_cast<size_t>(N * k);
-  const bool ep = w.exchange && w.exchange->size() > 1;
-  if (ep && (!w.experts || E % w.exchange->size() != 0))
+  const bool ep = w.exchange && w.exchange->ranks() > 1;
+  if (ep && (!w.experts || E % w.exchange->ranks() != 0))
     throw std::invalid_argument("moe: expert parallelism needs an expert stream and ranks dividing the experts");
   const MemCategory keep = saved ? MemCategory::Activations : MemCategory::Workspace;
   Buffer probs = mem.allocate_n<float>(static_cast<size_t>(N * E), keep, "moe.probs");
@@ -461,14 +449,13 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     experts.finish();
   } else {
     // Expert parallelism: counts, then the rows out to their owners, the owner's experts, the outputs back.
-    Collectives& xc = *w.exchange;
-    const int64_t ranks = xc.size(), Xl = E / ranks;
+    ExpertRowExchange& xc = *w.exchange;
+    const int64_t ranks = xc.ranks(), Xl = E / ranks;
     Buffer recv_counts = mem.allocate_n<int64_t>(static_cast<size_t>(E), keep, "moe.ep_counts");
     if (real) {
-      std::vector<int64_t> sendc(static_cast<size_t>(E)), each(static_cast<size_t>(ranks), Xl), at;
+      std::vector<int64_t> sendc(static_cast<size_t>(E));
       for (int64_t e = 0; e < E; ++e) sendc[size_t(e)] = offset.as<int64_t>()[e + 1] - offset.as<int64_t>()[e];
-      for (int64_t q = 0; q < ranks; ++q) at.push_back(q * Xl);
-      xc.all_to_all_v(sendc.data(), each, at, recv_counts.data(), each, at, sizeof(int64_t));
+      xc.exchange_counts(sendc.data(), recv_counts.as<int64_t>(), E);
     }
     const EpLayout L = ep_layout(real ? offset.as<int64_t>() : nullptr, real ? recv_counts.as<int64_t>() : nullptr,
                                  ranks, E, static_cast<int64_t>(nk));
@@ -483,8 +470,8 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) std::copy_n(x + (slots[r] / k) * H, H, xs + r * H);
       }
       Buffer x_recv = mem.allocate_n<T>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_recv");
-      Collectives::Request rows;
-      if (real) rows = ep_exchange(xc, L, x_send.data(), x_recv.data(), H, sizeof(T), true);
+      Pending rows;
+      if (real) rows = xc.start_dispatch(L.routes, x_send.data(), x_recv.data(), H, sizeof(T));
       shared_expert();
       rows.wait();
       if (real) ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true);
@@ -511,7 +498,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       if (real) {
         ep_permute(L, y_own.data(), y_send.data(), static_cast<size_t>(H) * sizeof(float), false);
         y_own.reset();
-        ep_exchange(xc, L, y_send.data(), y_back.data(), H, sizeof(float), false).wait();
+        xc.start_combine(L.routes, y_send.data(), y_back.data(), H, sizeof(float)).wait();
       }
     }
     y_own.reset();
@@ -555,7 +542,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
   // dz * w_sg joins dx below, together with the token's first routed expert.
   Buffer dz = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "moe.shared_dz");
-  const bool ep = w.exchange && w.exchange->size() > 1;
+  const bool ep = w.exchange && w.exchange->ranks() > 1;
   auto shared_expert = [&] {
     // dy * sig, rounded to T in the same pass (the MLP's products run in T).
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
@@ -666,8 +653,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   } else {
     // Expert parallelism: dy rows and their routing weights out to the owners, the owner's experts, dx rows and the
     // weights' gradients back, combined in expert order as above.
-    Collectives& xc = *w.exchange;
-    const int64_t ranks = xc.size(), Xl = E / ranks;
+    ExpertRowExchange& xc = *w.exchange;
+    const int64_t ranks = xc.ranks(), Xl = E / ranks;
     const EpLayout L = ep_layout(real ? sv.expert_offset.as<int64_t>() : nullptr,
                                  real ? sv.recv_counts.as<int64_t>() : nullptr, ranks, E, static_cast<int64_t>(nk));
     const auto cap = static_cast<size_t>(L.capacity), uH = static_cast<size_t>(H), uI = static_cast<size_t>(I);
@@ -692,10 +679,10 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
         }
       }
-      Collectives::Request dy_rows, w_rows;
+      Pending dy_rows, w_rows;
       if (real) {
-        dy_rows = ep_exchange(xc, L, dy_send.data(), dy_recv.data(), H, sizeof(T), true);
-        w_rows = ep_exchange(xc, L, w_send.data(), w_recv.data(), 1, sizeof(float), true);
+        dy_rows = xc.start_dispatch(L.routes, dy_send.data(), dy_recv.data(), H, sizeof(T));
+        w_rows = xc.start_dispatch(L.routes, w_send.data(), w_recv.data(), 1, sizeof(float));
       }
       shared_expert();  // the first writer of dx, as without expert parallelism
       dy_rows.wait();
@@ -736,8 +723,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       if (real) {
         ep_permute(L, dx_own.data(), dx_send.data(), uH * sizeof(float), false);
         ep_permute(L, rd_own.data(), rd_send.data(), sizeof(float), false);
-        Collectives::Request dx_rows = ep_exchange(xc, L, dx_send.data(), dx_back.data(), H, sizeof(float), false);
-        ep_exchange(xc, L, rd_send.data(), rd_back.data(), 1, sizeof(float), false).wait();
+        Pending dx_rows = xc.start_combine(L.routes, dx_send.data(), dx_back.data(), H, sizeof(float));
+        xc.start_combine(L.routes, rd_send.data(), rd_back.data(), 1, sizeof(float)).wait();
         dx_rows.wait();
       }
     }

@@ -13,9 +13,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/collectives.h"
 #include "core/dtype.h"
 #include "core/memory.h"
+#include "core/pending.h"
 #include "kernels/mlp.h"
 
 namespace hs::kernels {
@@ -44,6 +44,35 @@ class ExpertStream {
   virtual void finish() = 0;
 };
 
+// Expert parallelism's token exchange as the kernel sees it: the rows of this rank's tokens go to the ranks that own
+// their experts (dispatch) and the owners' results come back (combine). The kernel decides which rows go where
+// (ExpertRowRoutes); the implementation moves them (src/distributed/expert_exchange.h: over a Collectives group; the
+// kernel knows nothing of collectives). Every rank of the group makes the same calls in the same order.
+//
+// Per rank q of the group: this rank's rows for q's experts are send_rows[q] rows from row send_first[q] of the
+// dispatch's send buffer (grouped order), and q's rows for this rank's experts land as recv_rows[q] rows from row
+// recv_first[q] of its receive buffer (rank order).
+struct ExpertRowRoutes {
+  std::vector<int64_t> send_rows, send_first, recv_rows, recv_first;
+};
+class ExpertRowExchange {
+ public:
+  virtual ~ExpertRowExchange() = default;
+  // Ranks in the group (more than one). Rank r owns experts [r * E / ranks, (r + 1) * E / ranks).
+  virtual int64_t ranks() const = 0;
+  // Blocking: rows[0..E), this rank's rows per expert, out to the experts' owners; received[p * Xl + j] (Xl = E /
+  // ranks) = rank p's rows for this rank's local expert j.
+  virtual void exchange_counts(const int64_t* rows, int64_t* received, int64_t experts) = 0;
+  // Start moving rows of row_elems elements of elem_bytes (2, 4 or 8) bytes each (moved, never reduced). dispatch:
+  // the routes' send rows of `send` to their owners, received at the recv rows of `recv`; combine: the other way, the
+  // recv rows of `send` back to the send rows of `recv`. Both buffers stay alive until the returned Pending
+  // completes; the caller computes meanwhile (the shared expert while the rows travel).
+  virtual Pending start_dispatch(const ExpertRowRoutes& routes, const void* send, void* recv, int64_t row_elems,
+                                 size_t elem_bytes) = 0;
+  virtual Pending start_combine(const ExpertRowRoutes& routes, const void* send, void* recv, int64_t row_elems,
+                                size_t elem_bytes) = 0;
+};
+
 // Matrices in T (the compute dtype), Hugging Face [out, in] layouts.
 template <typename T>
 struct MoeWeights {
@@ -57,15 +86,15 @@ struct MoeWeights {
   // When given, the routed experts come from here (and their gradients go there) instead of gate_up / down (and
   // MoeGrads::gate_up / down).
   ExpertStream<T>* experts = nullptr;
-  // Expert parallelism: the ranks that exchange their tokens' rows (a group of more than one). Rank r of it owns the
-  // experts [r * E / size, (r + 1) * E / size), and `experts` (required) hands out only those, as local experts
-  // 0 .. E / size - 1 in ascending order. Each rank routes its own tokens over all E experts; the rows routed to an
-  // expert go (all-to-all) to its owner, which runs the expert over the rows of every rank, expert by expert (rows of
-  // rank 0 first, each rank's in its grouped order), and sends the outputs back; each rank then combines its tokens'
-  // rows in expert order as without expert parallelism. Backward: dy rows and routing weights out, dx rows and the
-  // routing weights' gradients back; the owner accumulates its experts' weight gradients. The shared expert (forward
-  // and backward) computes while the rows travel to the owners.
-  Collectives* exchange = nullptr;
+  // Expert parallelism: the exchange of the tokens' rows with the ranks of a group (more than one; null: no expert
+  // parallelism). Rank r of it owns the experts [r * E / ranks, (r + 1) * E / ranks), and `experts` (required) hands
+  // out only those, as local experts 0 .. E / ranks - 1 in ascending order. Each rank routes its own tokens over all E
+  // experts; the rows routed to an expert go (dispatch) to its owner, which runs the expert over the rows of every
+  // rank, expert by expert (rows of rank 0 first, each rank's in its grouped order), and sends the outputs back
+  // (combine); each rank then combines its tokens' rows in expert order as without expert parallelism. Backward: dy
+  // rows and routing weights out, dx rows and the routing weights' gradients back; the owner accumulates its experts'
+  // weight gradients. The shared expert (forward and backward) computes while the rows travel to the owners.
+  ExpertRowExchange* exchange = nullptr;
 };
 
 // fp32 gradients with the shapes of MoeWeights; backward accumulates into each.

@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "core/profile.h"
+#include "distributed/expert_exchange.h"
+#include "distributed/expert_pieces.h"
 #include "kernels/conv.h"
 #include "kernels/decode.h"
 #include "kernels/gdn_gates.h"
@@ -19,36 +21,14 @@ using namespace hs::kernels;
 template <typename T>
 ComputeWeights<T> start_compute_weights(const ModelConfig& c, const LayerWeights& w, MemoryAccountant& mem,
                                         Collectives* comm) {
-  ComputeWeights<T> cw;
-  auto specs = layer_specs(c, w.kind);
-  for (size_t i = 0; i < specs.size(); ++i) {
-    const TensorView& t = w[i];
-    if (is_routed_expert(specs[i])) {  // taken piece by piece by the MoE kernel (PiecedExperts)
-      cw.ptr.push_back(nullptr);
-      continue;
-    }
-    if (w.shards > 1) {
-      if (!comm || comm->size() != w.shards) throw std::logic_error("sharded weights need the collectives of their group");
-      const DType to = specs[i].is_matrix ? dtype_of<T>() : DType::F32;
-      const int64_t n = t.numel();
-      Buffer full = mem.allocate(static_cast<size_t>(comm->padded_elems(n)) * dtype_size(to), MemCategory::WeightCasts,
-                                 "gathered:" + specs[i].name);
-      cw.pending.push_back(comm->start_all_gather(t, full.data(), to, n));
-      cw.ptr.push_back(full.data());
-      cw.owned.push_back(std::move(full));
-      continue;
-    }
-    if (specs[i].is_matrix) {
-      Converted<T> m = as_type<T>(t, mem, MemCategory::WeightCasts, ("cast:" + specs[i].name).c_str());
-      cw.ptr.push_back(m.ptr);
-      if (!m.owned.empty()) cw.owned.push_back(std::move(m.owned));
-    } else {
-      Converted<float> v = as_type<float>(t, mem, MemCategory::WeightCasts, "weight_cast");
-      cw.ptr.push_back(v.ptr);
-      if (!v.owned.empty()) cw.owned.push_back(std::move(v.owned));
-    }
-  }
-  return cw;
+  using Use = distributed::WeightSource::Use;
+  const std::vector<ParamSpec> specs = layer_specs(c, w.kind);
+  std::vector<distributed::WeightSource> sources;
+  sources.reserve(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i)  // the routed experts: taken piece by piece by the MoE kernel
+    sources.push_back({&w[i], &specs[i].name,
+                       is_routed_expert(specs[i]) ? Use::Skip : specs[i].is_matrix ? Use::Matrix : Use::Vector});
+  return distributed::start_compute_weights<T>(sources, w.shards, mem, comm);
 }
 
 template <typename T>
@@ -95,209 +75,29 @@ template <typename E> Buffer scratch(MemoryAccountant& mem, int64_t n, const cha
 }
 
 template <typename T>
-MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f, ExpertStream<T>* experts, const LayerContext& ctx) {
+MoeWeights<T> moe_weights(const ComputeWeights<T>& w, int f, ExpertStream<T>* experts,
+                          ExpertRowExchange* exchange) {
   return {w.mat(f + p::kRouter),     nullptr,  nullptr, w.mat(f + p::kSharedGate), w.mat(f + p::kSharedUp),
-          w.mat(f + p::kSharedDown), w.vec(f + p::kSharedExpertGate), experts,
-          ctx.expert_parallel > 1 ? ctx.ep_group : nullptr};
+          w.mat(f + p::kSharedDown), w.vec(f + p::kSharedExpertGate), experts, exchange};
+}
+// The token exchange of expert parallelism (LayerContext::ep_group), none without it.
+distributed::TokenExchange token_exchange(const LayerContext& ctx) {
+  return distributed::TokenExchange(ctx.expert_parallel > 1 ? ctx.ep_group : nullptr);
 }
 
-// n elements of dtype `from` at p become n elements of dtype `to` at p (fp32 <-> bf16), through a small buffer:
-// narrowing runs up the array (a chunk's writes only reach elements already read), widening down it.
-void convert_in_place(void* p, DType from, DType to, int64_t n) {
-  if (from == to) return;
-  constexpr int64_t kChunk = 4096;
-  alignas(64) char tmp[kChunk * 4];
-  const size_t fs = dtype_size(from), ts = dtype_size(to);
-  char* b = static_cast<char*>(p);
-  auto one = [&](int64_t a, int64_t c) {
-    convert_elements(b + static_cast<size_t>(a) * fs, from, tmp, to, c);
-    std::memcpy(b + static_cast<size_t>(a) * ts, tmp, static_cast<size_t>(c) * ts);
-  };
-  if (ts < fs) {
-    for (int64_t a = 0; a < n; a += kChunk) one(a, std::min(kChunk, n - a));
-  } else {
-    for (int64_t end = n; end > 0; end -= kChunk) {
-      const int64_t a = std::max<int64_t>(0, end - kChunk);
-      one(a, end - a);
-    }
+// The layer's routed experts as this rank stores them (their gradients too in backward), for PiecedExperts.
+distributed::StoredExperts stored_experts(const ModelConfig& c, const LayerWeights& w, const LayerWeights* grads) {
+  const int f = ffn_offset(w.kind);
+  distributed::StoredExperts x;
+  x.experts = c.experts, x.hidden = c.hidden, x.expert_inter = c.expert_inter;
+  x.gate_up = w[f + p::kGateUp], x.down = w[f + p::kDown], x.shards = w.shards;
+  if (grads) {
+    x.backward = true;
+    x.dgate_up = static_cast<float*>((*grads)[f + p::kGateUp].data);
+    x.ddown = static_cast<float*>((*grads)[f + p::kDown].data);
   }
+  return x;
 }
-
-// One pass of the MoE kernel over a layer's routed experts, piece by piece (LayerContext::piece_bytes).
-// Sharded: a piece's weights are all-gathered expert by expert (each expert is a shard unit, so its shards are
-// contiguous on every rank) into one buffer, and the next piece's gathers start when a piece is reached; in backward
-// a piece's gradients accumulate in a zeroed full-size buffer that is reduce-scattered into this rank's shards when
-// the kernel moves on, left in flight until the piece after it is done. So two pieces of weights and two of
-// gradients live at once. Unsharded: the weights are used in place, or cast to T one piece at a time, and the
-// gradients accumulate straight into the gradient stacks.
-// Expert parallel (LayerContext::expert_parallel = X > 1, sharded over the FSDP group): the kernel asks only for this
-// rank's E / X experts (kernels::MoeWeights::exchange); FSDP rank r owns experts [(r % X) E / X, (r % X + 1) E / X).
-// The shards stay as without expert parallelism (every rank holds its 1/G of every expert, so parameters, moments,
-// checkpoints and the optimizer are unchanged); an owned expert is put together by an all-to-all over the group in
-// which every rank sends each rank its shard of the expert that rank owns, and its full gradient goes back by an
-// in-place all-to-all whose blocks each rank adds into its shards of the experts their senders own, in rank order:
-// the ranks of the group that own the same expert (the data-parallel dimension of the experts, G / X of them; and
-// with --fsdp < world their replicas, through the replicas' all-reduce) are summed in rank order.
-template <typename T>
-class PiecedExperts final : public ExpertStream<T> {
- public:
-  using Expert = typename ExpertStream<T>::Expert;
-  PiecedExperts(const LayerContext& ctx, const LayerWeights& w, const LayerWeights* grads)
-      : mem_(ctx.mem), comm_(ctx.comm), P_(ctx.mem.planning()), sharded_(w.shards > 1), ep_(ctx.expert_parallel),
-        f_(ffn_offset(w.kind)), w_(w), g_(grads) {
-    const ModelConfig& c = ctx.cfg;
-    if (sharded_ && (!comm_ || comm_->size() != w.shards))
-      throw std::logic_error("sharded weights need the collectives of their group");
-    local_ = c.experts / ep_;
-    if (ep_ > 1 && (!sharded_ || comm_->size() % ep_ != 0 || c.experts % ep_ != 0))
-      throw std::logic_error("expert parallelism needs weights sharded over a group it divides");
-    n_[0] = 2 * c.expert_inter * c.hidden;
-    n_[1] = c.hidden * c.expert_inter;
-    for (int k = 0; k < 2; ++k) {
-      full_stride_[k] = sharded_ ? comm_->padded_elems(n_[k]) : n_[k];
-      shard_stride_[k] = sharded_ ? Collectives::shard_elems(n_[k], w.shards) : n_[k];
-    }
-    const size_t expert_bytes = static_cast<size_t>(full_stride_[0] + full_stride_[1]) * sizeof(T);
-    per_piece_ = ctx.piece_bytes == 0 ? local_
-                                      : std::clamp<int64_t>(static_cast<int64_t>(ctx.piece_bytes / expert_bytes), 1, local_);
-  }
-
-  // e: the kernel's expert index; with expert parallelism, among this rank's own (local) experts.
-  Expert next(int64_t e) override {
-    const int64_t le = e, piece = le / per_piece_;
-    if (piece != index_) advance(piece);
-    if (P_) return {};
-    const int64_t j = le - cur_.first;
-    Expert x{};
-    x.gate_up = cur_.w[0].empty() ? static_cast<const T*>(w_[f_ + p::kGateUp].data) + le * n_[0]
-                                  : ptr<T>(cur_.w[0]) + j * full_stride_[0];
-    x.down = cur_.w[1].empty() ? static_cast<const T*>(w_[f_ + p::kDown].data) + le * n_[1]
-                               : ptr<T>(cur_.w[1]) + j * full_stride_[1];
-    if (g_) {
-      x.dgate_up = sharded_ ? ptr<float>(cur_.g[0]) + j * full_stride_[0] : grad(0) + le * n_[0];
-      x.ddown = sharded_ ? ptr<float>(cur_.g[1]) + j * full_stride_[1] : grad(1) + le * n_[1];
-    }
-    return x;
-  }
-
-  void finish() override {
-    scatter(cur_);
-    drop(retiring_);
-    drop(cur_);
-    drop(ahead_);
-  }
-
- private:
-  struct Piece {
-    int64_t first = 0, count = 0;
-    Buffer w[2], g[2];                           // gate_up, down: weights in T (empty: in place), full gradients
-    bool convert[2] = {false, false};            // expert parallel: received in the storage dtype, converted on arrival
-    std::vector<Collectives::Request> requests;  // after the buffers: finished before they are freed
-  };
-  // Completes a piece's transfers, then frees its buffers (a plain assignment would free them first).
-  static void drop(Piece& q) {
-    for (auto& r : q.requests) r.wait();
-    q = {};
-  }
-  float* grad(int k) const { return static_cast<float*>((*g_)[f_ + (k ? p::kDown : p::kGateUp)].data); }
-  const TensorView& weight(int k) const { return w_[f_ + (k ? p::kDown : p::kGateUp)]; }
-
-  Piece start_weights(int64_t piece) {
-    Piece q;
-    q.first = piece * per_piece_;
-    q.count = std::min(per_piece_, local_ - q.first);
-    for (int k = 0; k < 2; ++k) {
-      const TensorView& src = weight(k);
-      if (!sharded_ && src.dtype == dtype_of<T>()) continue;
-      const size_t src_elem = dtype_size(src.dtype);
-      // Expert parallel: the all-to-all moves the storage dtype, converted in place to T when the piece arrives.
-      const size_t elem = ep_ > 1 ? std::max(src_elem, sizeof(T)) : sizeof(T);
-      q.w[k] = mem_.allocate(static_cast<size_t>(q.count * full_stride_[k]) * elem, MemCategory::WeightCasts,
-                             k ? "expert_piece:down_proj" : "expert_piece:gate_up_proj");
-      q.convert[k] = ep_ > 1 && src.dtype != dtype_of<T>();
-      if (P_) continue;
-      if (ep_ > 1) {
-        const int64_t G = comm_->size(), s = shard_stride_[k];
-        for (int64_t j = 0; j < q.count; ++j) {
-          std::vector<int64_t> counts(static_cast<size_t>(G), s), sd, rd;
-          for (int64_t r = 0; r < G; ++r) {
-            sd.push_back(((r % ep_) * local_ + q.first + j) * s);
-            rd.push_back(r * s);
-          }
-          char* to = static_cast<char*>(q.w[k].data()) + static_cast<size_t>(j * full_stride_[k]) * src_elem;
-          q.requests.push_back(comm_->start_all_to_all_v(src.data, counts, sd, to, counts, rd, src_elem));
-        }
-        continue;
-      }
-      if (!sharded_) {  // the piece's experts are contiguous in both: one cast (one parallel pass) for all of them
-        const char* from = static_cast<const char*>(src.data) + q.first * n_[k] * src_elem;
-        convert_elements(from, src.dtype, q.w[k].data(), dtype_of<T>(), q.count * n_[k]);
-        continue;
-      }
-      for (int64_t j = 0; j < q.count; ++j) {
-        const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
-        T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
-        q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
-                                                     to, dtype_of<T>(), n_[k]));
-      }
-    }
-    return q;
-  }
-
-  // Starts the reduce-scatter of a finished piece's gradients and keeps it in flight as retiring_ (the one before
-  // it is completed and freed first).
-  void scatter(Piece& q) {
-    for (int k = 0; k < 2; ++k) q.w[k].reset();
-    drop(retiring_);
-    if (!g_ || !sharded_) return;
-    if (!P_)
-      for (int k = 0; k < 2; ++k)
-        for (int64_t j = 0; j < q.count; ++j) {
-          float* full = ptr<float>(q.g[k]) + j * full_stride_[k];
-          if (ep_ > 1) {
-            // Rank r's block is the gradient of the expert r owns: it goes into this rank's shard of that expert.
-            std::vector<float*> dest;
-            for (int64_t r = 0; r < comm_->size(); ++r)
-              dest.push_back(grad(k) + ((r % ep_) * local_ + q.first + j) * shard_stride_[k]);
-            q.requests.push_back(comm_->start_reduce_scatter_to(full, n_[k], std::move(dest)));
-          } else {
-            q.requests.push_back(comm_->start_reduce_scatter(full, n_[k], grad(k) + (q.first + j) * shard_stride_[k]));
-          }
-        }
-    retiring_ = std::move(q);
-  }
-
-  void advance(int64_t piece) {
-    // Expert weights cast (or, sharded, gathered) piece by piece.
-    profile::Scope profile_scope(sharded_ ? profile::Phase::Communication : profile::Phase::Elementwise, "expert_weight_pieces");
-    if (piece != index_ + 1) throw std::logic_error("moe: experts visited out of order");
-    if (index_ >= 0) scatter(cur_);
-    cur_ = index_ >= 0 && sharded_ ? std::move(ahead_) : start_weights(piece);
-    for (auto& r : cur_.requests) r.wait();
-    cur_.requests.clear();
-    if (!P_)
-      for (int k = 0; k < 2; ++k)
-        if (cur_.convert[k])
-          convert_in_place(cur_.w[k].data(), weight(k).dtype, dtype_of<T>(), cur_.count * full_stride_[k]);
-    index_ = piece;
-    if (sharded_ && (piece + 1) * per_piece_ < local_) ahead_ = start_weights(piece + 1);
-    if (g_ && sharded_)
-      for (int k = 0; k < 2; ++k)
-        cur_.g[k] = mem_.allocate_n<float>(static_cast<size_t>(cur_.count * full_stride_[k]), MemCategory::Gradients,
-                                           k ? "expert_piece_grad:down_proj" : "expert_piece_grad:gate_up_proj", true);
-  }
-
-  MemoryAccountant& mem_;
-  Collectives* comm_;
-  bool P_, sharded_;
-  int64_t ep_;
-  int f_;
-  const LayerWeights& w_;
-  const LayerWeights* g_;
-  int64_t local_ = 0, per_piece_ = 1, index_ = -1;
-  int64_t n_[2], full_stride_[2], shard_stride_[2];
-  Piece retiring_, cur_, ahead_;
-};
 MoeShape moe_shape(const ModelConfig& c, int64_t N) {
   return {N, c.hidden, c.experts, c.top_k, c.expert_inter, c.shared_inter, c.norm_topk_prob};
 }
@@ -616,8 +416,9 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
   RouterStats stats;
   if (c.moe()) {
-    PiecedExperts<T> experts(ctx, lw, nullptr);
-    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, ctx), ptr<T>(ffn_out),
+    distributed::PiecedExperts<T> experts(stored_experts(c, lw, nullptr), mem, ctx.comm, ctx.expert_parallel, ctx.piece_bytes);
+    distributed::TokenExchange exchange = token_exchange(ctx);
+    stats = moe_forward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, exchange.get()), ptr<T>(ffn_out),
                         keep ? &s.moe : nullptr, mem);
   } else {
     swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
@@ -648,8 +449,9 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
       MoeGrads mg{G(gr, f + p::kRouter),     G(gr, f + p::kGateUp),   G(gr, f + p::kDown),
                   G(gr, f + p::kSharedGate), G(gr, f + p::kSharedUp), G(gr, f + p::kSharedDown),
                   G(gr, f + p::kSharedExpertGate)};
-      PiecedExperts<T> experts(ctx, lw, &gr);
-      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, ctx), s.moe, dh_out, aux_dprob,
+      distributed::PiecedExperts<T> experts(stored_experts(c, lw, &gr), mem, ctx.comm, ctx.expert_parallel, ctx.piece_bytes);
+      distributed::TokenExchange exchange = token_exchange(ctx);
+      moe_backward(moe_shape(c, N), ptr<T>(s.x2), moe_weights(w, f, &experts, exchange.get()), s.moe, dh_out, aux_dprob,
                    ptr<float>(dx2), mg, mem, /*accumulate_dx=*/false);
     } else {
       swiglu_backward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),

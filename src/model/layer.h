@@ -8,6 +8,7 @@
 
 #include "core/collectives.h"
 #include "core/memory.h"
+#include "distributed/weights.h"
 #include "kernels/attention.h"
 #include "kernels/delta_rule.h"
 #include "kernels/matmul.h"
@@ -36,7 +37,8 @@ struct LayerContext {
   // Expert parallelism: routed experts are split over this many ranks of the FSDP group (`ep_group`, below, the
   // ranks that exchange their tokens' rows: FSDP rank r is rank r % expert_parallel of it), so a sub-layer gathers
   // only the routed-expert weights its rank owns, from the shards every rank of the group holds, and exchanges its
-  // tokens' rows (all-to-all) with the owners instead (kernels::MoeWeights::exchange).
+  // tokens' rows (all-to-all) with the owners instead (kernels::MoeWeights::exchange, over ep_group:
+  // distributed::TokenExchange).
   int64_t expert_parallel = 1;
   // A forward that saves for backward also keeps what its kernels' backwards would otherwise recompute (the delta
   // rule's per-chunk states): remat none, where nothing is recomputed and memory is traded for speed.
@@ -68,21 +70,13 @@ struct LayerContext {
   const int32_t* document_positions() const { return documents ? positions : nullptr; }
 };
 
-// A layer's weights as the kernels want them: matrices in the compute dtype T, small vectors in fp32. Casts and
-// all-gathered shards are temporaries of this sub-layer (MemCategory::WeightCasts); when the weights are unsharded and
-// the storage dtype already matches, nothing is copied. The routed experts are not among them (null pointers): the
-// MoE kernel takes them piece by piece (LayerContext::piece_bytes).
-template <typename T> struct ComputeWeights {
-  std::vector<Buffer> owned;
-  std::vector<const void*> ptr;
-  std::vector<Collectives::Request> pending;  // gathers still in flight; after `owned` so they finish first
-  const T* mat(size_t i) const { return static_cast<const T*>(ptr[i]); }
-  const float* vec(size_t i) const { return static_cast<const float*>(ptr[i]); }
-  void wait() {
-    for (auto& r : pending) r.wait();
-    pending.clear();
-  }
-};
+// A layer's weights as the kernels want them (distributed/weights.h): matrices in the compute dtype T, small vectors
+// in fp32, in layer_specs order. Casts and all-gathered shards are temporaries of this sub-layer
+// (MemCategory::WeightCasts); when the weights are unsharded and the storage dtype already matches, nothing is copied.
+// The routed experts are not among them (null pointers): the MoE kernel takes them piece by piece
+// (distributed::PiecedExperts, LayerContext::piece_bytes).
+template <typename T>
+using ComputeWeights = distributed::ComputeWeights<T>;
 // Starts the gathers (or does the casts) and returns with the gathers in flight: the schedule starts the next
 // sub-layer's while this one computes. compute_weights also waits.
 template <typename T>

@@ -1,10 +1,11 @@
 // The plumbing between kernels inside a layer: linear layers in the compute dtype (weights [out, in], the Hugging
-// Face layout), casts of weights to the compute dtype, and the small elementwise steps (residual adds).
+// Face layout) and the small elementwise steps (residual adds).
 #pragma once
 #include <cstdint>
 
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "distributed/weights.h"
 
 namespace hs::model {
 
@@ -23,14 +24,9 @@ void linear_backward_from(const T* x, const T* W, const T* dy, float* dx, float*
 
 // y = a + b, elementwise over n values.
 template <typename T> void add(const T* a, const T* b, T* y, int64_t n);
-// dst = convert(src): between storage types.
-template <typename S, typename D> void cast(const S* src, D* dst, int64_t n);
-
-// A view of `t` as const T*, casting into a new buffer of category `cat` when the storage type differs.
-template <typename T> struct Converted {
-  Buffer owned;
-  const T* ptr = nullptr;
-};
-template <typename T> Converted<T> as_type(const TensorView& t, MemoryAccountant& mem, MemCategory cat, const char* tag);
+// Casts between storage types and weights as const T* (distributed/weights.h, with the rest of how weights arrive).
+using distributed::as_type;
+using distributed::cast;
+using distributed::Converted;
 
 }  // namespace hs::model
