@@ -115,6 +115,15 @@ TEST(GatedAttention, MatchesReferenceWideAndPaddedHeadDims) {
   check_against_reference<bf16>({2, 130, 4, 1, 24}, 103);
 }
 
+// hd 12 and 20: rows whose length is not a multiple of 8, so the AVX2 output and gate loops end in their scalar
+// tails (padded to 16 and 32 inside the kernel).
+TEST(GatedAttention, MatchesReferenceWithRaggedHeadDims) {
+  check_against_reference<float>({2, 70, 4, 2, 12}, 104);
+  check_against_reference<bf16>({2, 70, 4, 2, 12}, 105);
+  check_against_reference<float>({1, 130, 2, 1, 20}, 106);
+  check_against_reference<bf16>({1, 130, 2, 1, 20}, 107);
+}
+
 // Scores with a standard deviation of 8: nearly one-hot rows whose maximum moves between key tiles, so the
 // online softmax's rescaling and the exp's range matter.
 TEST(GatedAttention, MatchesReferenceWithPeakedScores) {
