@@ -580,32 +580,39 @@ void run_onednn_call(const void* A, const void* B, void* C, int64_t M, int64_t N
   rt.onednn_calls.fetch_add(1, std::memory_order_relaxed);
 }
 
-// Whether oneDNN's own threading keeps a product's bits whatever the thread count: its AVX-512 kernels give each
-// thread whole output blocks; its AVX2 jit gemm (Debian's oneDNN 2.6 has no other fp32 matmul below AVX-512) cuts the
-// summed dimension K among threads when M x N is small beside K, so the partial sums meet in an order that depends on
-// the thread count. Asked of oneDNN itself, once: the ISA it runs (HS_MAX_ISA's cap, handed over before its first
-// primitive), not cpu::level(), which a test's ScopedLevel lowers for the engine's own loops only.
-bool onednn_threads_keep_bits() {
-  static const bool keep = [] {
+// Whether oneDNN's own threading keeps a product's bits whatever the thread count: its AVX-512 brgemm kernels (the
+// products of a fixed shape there) give each thread whole output blocks. Its jit gemm does not: it cuts the summed
+// dimension K among threads when M x N is small beside K, so the partial sums meet in an order that depends on the
+// thread count. That gemm runs every product below AVX-512 (Debian's oneDNN 2.6 has no other fp32 matmul there) and
+// the products whose rows are given at execution (varying_rows) at every level (measured: a bf16 weight gradient of
+// 40 x 48 summed over 20000 rows, on an AMX Xeon). The level is asked of oneDNN itself, once: the ISA it runs
+// (HS_MAX_ISA's cap, handed over before its first primitive), not cpu::level(), which a test's ScopedLevel lowers for
+// the engine's own loops only.
+bool onednn_threads_keep_bits(bool varying_rows) {
+  static const bool brgemm = [] {
     runtime();  // the cap reaches oneDNN first
     return cpu::onednn_isa().rfind("avx512", 0) == 0;
   }();
-  return keep;
+  return brgemm && !varying_rows;
 }
 
-// Where they do not, the engine cuts the product itself: C in tiles of at most kTileRows x kTileCols, a grid that
-// depends on the shape only, each tile one single-threaded oneDNN call over the whole K, the tiles shared among the
-// threads. Each element is then summed by one thread in the order the single-threaded gemm gives a tile of that
-// shape, so any thread count gives the same bits. The tiles take their rows and columns at execution (one primitive
-// per K and leading dimensions). Packing repeats A's tile per column tile and B's per row tile, (1 / kTileCols +
-// 1 / kTileRows) of the arithmetic in copies.
-constexpr int64_t kTileRows = 128, kTileCols = 256;
+// Where they do not, the engine cuts the product itself: C in a grid of tiles that depends on the shape only, each
+// tile one single-threaded oneDNN call over the whole K, the tiles shared among the threads. Each element is then
+// summed by one thread in the order the single-threaded gemm gives a tile of that shape, so any thread count gives the
+// same bits. The tiles take their rows and columns at execution (one primitive per K and leading dimensions). A tile
+// is at most 128 x 256 and at least 32 x 64 (or the whole side): up to 8 x 4 tiles where the sides allow, so a small
+// output still spreads over several cores; packing repeats A's tile per column tile and B's per row tile, at most
+// 1/32 + 1/64 of the arithmetic in copies.
+int64_t tile_side(int64_t n, int64_t parts, int64_t lo, int64_t hi) {
+  if (n <= lo) return n;
+  return std::clamp(((n + parts - 1) / parts + 15) & ~int64_t{15}, lo, hi);
+}
 
 void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int64_t K, bool ta, bool tb, Key k,
                 bool varying_rows, int in_dt, int out_dt) {
-  if (onednn_threads_keep_bits() || omp_in_parallel())
+  if (onednn_threads_keep_bits(varying_rows) || omp_in_parallel())
     return run_onednn_call(A, B, C, M, N, K, ta, tb, k, varying_rows, in_dt, out_dt);
-  const int64_t mt = std::min(M, kTileRows), nt = N <= kTileCols + kTileCols / 2 ? N : kTileCols;
+  const int64_t mt = tile_side(M, 8, 32, 128), nt = tile_side(N, 4, 64, 256);
   const int64_t tn = (N + nt - 1) / nt, tiles = (M + mt - 1) / mt * tn;
   const int64_t ein = in_dt == 0 ? sizeof(float) : sizeof(bf16), eout = out_dt == 0 ? sizeof(float) : sizeof(bf16);
   auto tile = [&](int64_t t) {

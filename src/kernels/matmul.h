@@ -96,12 +96,12 @@ int64_t matmul_packed_products();
 // oneDNN executions so far (a product cut into tiles counts each; tests check which products reach oneDNN).
 int64_t matmul_onednn_calls();
 
-// A product's bits are the same for any OpenMP thread count, at every level. oneDNN's fp32 kernels on AVX-512
-// (brgemm, and its AVX-512 jit gemm for products of varying row counts) give every thread whole output blocks summed
-// in one order; below AVX-512, where its AVX2 jit gemm cuts K among threads depending on their count, matmul.cpp cuts
-// the product into a shape-only grid of tiles itself and runs each on one thread (run_onednn). Every loop of the
-// engine's own keeps its order whatever the thread count (tests: Moe.BitIdenticalForAnyThreadCount,
-// Decode.FusedStepIsBitIdenticalToTheLayeredPath, Matmul.*ThreadCount*).
+// A product's bits are the same for any OpenMP thread count, at every level. oneDNN's AVX-512 brgemm (the products
+// of a fixed shape there) gives every thread whole output blocks summed in one order; its jit gemm (every product
+// below AVX-512, and products of varying row counts at every level) cuts K among threads depending on their count, so
+// matmul.cpp cuts those products into a shape-only grid of tiles itself and runs each on one thread (run_onednn).
+// Every loop of the engine's own keeps its order whatever the thread count (tests: Moe.BitIdenticalForAnyThreadCount,
+// Decode.FusedStepIsBitIdenticalToTheLayeredPath, Matmul.OneDnnProductsBitIdenticalAcrossThreads).
 
 // Number of distinct primitives created so far (tests check that the cache is used).
 int64_t matmul_primitives_created();
