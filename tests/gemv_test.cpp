@@ -234,10 +234,11 @@ TEST(Gemv, SmallRowScopeRoutesFewRowProductsOnly) {
     const SmallRowProducts scope;
     matmul(x.data(), W.data(), many.data(), 20, N, K, false, true);  // 20 rows: oneDNN
   }
-  EXPECT_EQ(matmul_onednn_calls(), calls + 1);
+  const int64_t after_many = matmul_onednn_calls();  // one call, or one per tile (kernels/matmul.h)
+  EXPECT_GT(after_many, calls);
   std::vector<float> outside(3 * N);
   matmul(x.data(), W.data(), outside.data(), 3, N, K, false, true);  // no scope: oneDNN
-  EXPECT_EQ(matmul_onednn_calls(), calls + 2);
+  EXPECT_GT(matmul_onednn_calls(), after_many);
 }
 
 }  // namespace
