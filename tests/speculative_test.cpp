@@ -14,6 +14,7 @@
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "model/params.h"
+#include "planner/plan.h"
 #include "test_util.h"
 
 namespace hs::infer {
@@ -316,6 +317,64 @@ TEST(Speculative, BadInputIsRefused) {
   EXPECT_NE(message(with, 4).find("--draft must be in [1, 3]"), std::string::npos);
   EXPECT_NE(message(without, 1).find("no multi-token-prediction layer"), std::string::npos);
   EXPECT_THROW(MtpDrafter(without, DType::F32, 1, 8, mem), std::invalid_argument);
+}
+
+// plan --generate --speculative: the planner runs generate_speculative's own allocations over shapes
+// (speculative_over_shapes), so its total is the accountant's peak of a real speculative run whose prompts fill two
+// prefill pieces, to the byte: draft 1 to 3, both families (and the dense Qwen3.5), fp32 and bf16, batch 1 and 2.
+// The caches are the formulas' (N more recurrent-state slots per sequence, N more positions; the MTP layer's keys
+// and values), and shorter prompts in the same context need no more than the plan.
+TEST(Speculative, PlanEqualsWhatGenerateMeasuresToTheByte) {
+  const int64_t piece = 16, max_new = 9;
+  for (const std::string fam : {"qwen3_next", "qwen3.5", "qwen3.5-dense"})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      if (dt == DType::BF16 && fam != "qwen3.5") continue;  // bf16 storage and compute: one family is enough
+      const ModelConfig cfg = family(fam);
+      MemoryAccountant mem;
+      ParamSet ps(cfg, dt, mem, MemCategory::Parameters, false);
+      model::init_params(ps, 5);
+      for (int64_t B : {1, 2})
+        for (int64_t n = 1; n <= kMaxDraft; ++n) {
+          SCOPED_TRACE(fam + " " + std::string(dtype_name(dt)) + " batch " + std::to_string(B) + " draft " +
+                       std::to_string(n));
+          std::vector<std::vector<int32_t>> full, shorter;
+          for (int64_t i = 0; i < B; ++i) {
+            full.emplace_back(static_cast<size_t>(2 * piece - 3 * i));  // the first fills two pieces
+            for (size_t j = 0; j < full.back().size(); ++j) full.back()[j] = static_cast<int32_t>((7 * j + 3 * i) % 256);
+            shorter.push_back({static_cast<int32_t>(1 + i), 2, 3});
+          }
+          GenerateOptions opt;
+          opt.max_new_tokens = max_new;
+          opt.compute = dt;
+          opt.piece = piece;
+          const GenerateResult g = generate_speculative(ps, full, opt, n, mem);
+          planner::GeneratePlanRequest r;
+          r.model = cfg;
+          r.context = 2 * piece + max_new - 1;
+          r.batch = B;
+          r.piece = piece;
+          r.weight_dtype = dt;
+          r.draft = n;
+          const planner::GeneratePlan p = planner::plan_generate(r);
+          EXPECT_EQ(p.total, g.peak_bytes);
+          EXPECT_EQ(p.kv_cache, g.kv_cache_bytes);
+          EXPECT_EQ(p.recurrent_state, g.recurrent_state_bytes);
+          EXPECT_EQ(p.weights, ps.nbytes());
+          EXPECT_GT(p.workspace, 0u);
+          const size_t b = dtype_size(dt), L_attn = size_t(cfg.layers / cfg.cycle), L_gdn = size_t(cfg.layers) - L_attn;
+          const size_t positions = size_t(r.context + n);
+          EXPECT_EQ(p.recurrent_state, size_t(B * (1 + n)) * L_gdn *
+                                           (cfg.v_heads * cfg.dk * cfg.dv * 4 + (cfg.conv_width - 1) * cfg.conv_dim() * b));
+          EXPECT_EQ(p.kv_cache, size_t(B) * L_attn * 2 * cfg.kv_heads * cfg.head_dim * positions * b);
+          EXPECT_EQ(p.mtp_kv_cache, size_t(B) * 2 * cfg.kv_heads * cfg.head_dim * positions * b);
+          // The plan is above plain decoding's by at least the extra caches.
+          r.draft = 0;
+          const planner::GeneratePlan plain = planner::plan_generate(r);
+          EXPECT_GE(p.total, plain.total + p.mtp_kv_cache + (p.recurrent_state - plain.recurrent_state));
+          opt.max_new_tokens = r.context - 3 + 1;  // the same context, 3-token prompts
+          EXPECT_LE(generate_speculative(ps, shorter, opt, n, mem).peak_bytes, p.total);
+        }
+    }
 }
 
 struct Outcome {

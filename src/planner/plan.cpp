@@ -8,6 +8,7 @@
 
 #include "core/collectives.h"
 #include "infer/decoder.h"
+#include "infer/speculative.h"
 #include "train/step.h"
 
 namespace hs::planner {
@@ -86,6 +87,17 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
   GeneratePlan p;
   p.weights = mem.live_total();
+  if (r.draft > 0) {  // infer::generate_speculative's own allocations, over shapes
+    const int64_t prompt = std::min(2 * r.piece, r.context - 1);
+    const infer::SpeculativeShapes s =
+        infer::speculative_over_shapes(params, r.weight_dtype, r.batch, r.context, prompt, r.draft, r.piece, mem);
+    p.kv_cache = s.kv_cache;
+    p.recurrent_state = s.recurrent_state;
+    p.mtp_kv_cache = s.mtp_kv_cache;
+    p.total = mem.peak_total();
+    p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.mtp_kv_cache;
+    return p;
+  }
   // What infer::generate allocates, in its order: the decoder's caches, the logits of every sequence, then the
   // prefill of one piece and a step of all sequences.
   infer::Decoder dec(params, r.weight_dtype, r.batch, r.context, mem, r.piece);
