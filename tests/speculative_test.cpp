@@ -377,6 +377,61 @@ TEST(Speculative, PlanEqualsWhatGenerateMeasuresToTheByte) {
     }
 }
 
+// The decode step's side of the plan: a model whose MTP layer drafts exactly the target's greedy choice (decoder
+// layers zeroed: a bigram model; the MTP layer's zeroed too and fc = [I | 0], so the draft is the same function of
+// the same token), so every draft is kept and every step catches up on all draft + 1 positions, the widest step the
+// plan counts. Prefill pieces of 1 token and one thread keep the prompt's workspace below the step's at batch 4 (and
+// at batch 2, draft 3): the peak is then the decode step's (drafts, the verification of batch (draft + 1) rows, the
+// catch-up), and the plan equals it to the byte (at every batch and depth).
+TEST(Speculative, PlanEqualsTheWidestDecodeStepToTheByte) {
+  struct OneThread {  // (the attention tiles of a prefill piece grow with the threads)
+    int saved = omp_get_max_threads();
+    OneThread() { omp_set_num_threads(1); }
+    ~OneThread() { omp_set_num_threads(saved); }
+  } one_thread;
+  for (const std::string fam : {"qwen3_next", "qwen3.5"}) {
+    MemoryAccountant mem;
+    ParamSet ps(family(fam), DType::F32, mem, MemCategory::Parameters, false);
+    model::init_params(ps, 3);
+    const int64_t H = ps.config().hidden;
+    for (model::StackedParam& p : ps.all())
+      if (p.name.rfind("mtp.layers.", 0) == 0 || p.name.rfind("local.", 0) == 0 || p.name.rfind("global.", 0) == 0 ||
+          p.name.rfind("remainder.", 0) == 0)
+        std::memset(p.tensor.data(), 0, p.tensor.view().nbytes());
+    float* fc = static_cast<float*>(ps.all()[ps.mtp_index(model::g::kMtpFc)].tensor.data());
+    std::fill_n(fc, H * 2 * H, 0.0f);
+    for (int64_t i = 0; i < H; ++i) fc[i * 2 * H + i] = 1;
+    const TensorView& head = ps.global(model::g::kLmHead);
+    for (int64_t i = 0; i < head.numel(); ++i) static_cast<float*>(head.data)[i] *= 30;
+    for (int64_t B : {1, 2, 4})
+      for (int64_t n = 1; n <= kMaxDraft; ++n) {
+        SCOPED_TRACE(fam + " batch " + std::to_string(B) + " draft " + std::to_string(n));
+        std::vector<std::vector<int32_t>> prompts;
+        for (int64_t i = 0; i < B; ++i) prompts.push_back({static_cast<int32_t>(10 + i), static_cast<int32_t>(77 + i)});
+        GenerateOptions opt;
+        opt.max_new_tokens = 12;
+        opt.piece = 1;
+        SpeculativeStats st;
+        const GenerateResult g = generate_speculative(ps, prompts, opt, n, mem, {}, &st);
+        ASSERT_GT(st.steps, 0);
+        if (B == 4) {  // the peak is a step's: its workspace is live there
+          bool step = false;
+          for (const auto& b : mem.at_peak().largest) step = step || b.tag == "fused_step.workspace";
+          EXPECT_TRUE(step);
+        }
+        for (int64_t k = 0; k < n; ++k) EXPECT_EQ(st.accepted[static_cast<size_t>(k)], st.steps) << "draft " << k + 1;
+        planner::GeneratePlanRequest r;
+        r.model = ps.config();
+        r.context = 2 + opt.max_new_tokens - 1;
+        r.batch = B;
+        r.piece = 1;
+        r.weight_dtype = DType::F32;
+        r.draft = n;
+        EXPECT_EQ(planner::plan_generate(r).total, g.peak_bytes);
+      }
+  }
+}
+
 struct Outcome {
   int status;
   std::string out, err;
