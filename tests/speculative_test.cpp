@@ -9,6 +9,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <nlohmann/json.hpp>
 
 #include "infer/decoder.h"
 #include "infer/generate.h"
@@ -473,6 +474,61 @@ TEST(Speculative, CommandDecodesAsPlainAndRefusesBadFlags) {
     EXPECT_EQ(r.status, 1) << args;
     EXPECT_NE(r.err.find(want), std::string::npos) << args << "\n" << r.err;
   }
+}
+
+// The command line: plan --generate --speculative mtp --draft 2 reports what generate --speculative mtp --draft 2
+// --json measures (accounted peak + weights used in place from the mapped file) for a prompt of two 512-token
+// pieces, to the byte, with the same caches; a shorter prompt in the same context needs less.
+TEST(Speculative, PlanCommandAgreesWithGenerateCommand) {
+  test::TempDir dir;
+  const std::string ck = (dir / "run").string();
+  const Outcome t = run("train --preset tiny+mtp --synthetic --steps 1 --batch 2 --seq 16 --threads 1 --out " + ck);
+  ASSERT_EQ(t.status, 0) << t.err;
+  const std::string model = ck + "/checkpoint-1";
+  auto last_json = [](const Outcome& o) {
+    const size_t end = o.out.find_last_not_of('\n'), start = o.out.rfind('\n', end);
+    return nlohmann::json::parse(o.out.substr(start == std::string::npos ? 0 : start + 1, end - start));
+  };
+  auto ids = [](int64_t n) {
+    std::string s;
+    for (int64_t i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string((7 * i) % 256);
+    return s;
+  };
+  const std::string flags = " --speculative mtp --draft 2 --threads 1";
+  const Outcome g = run("generate --checkpoint " + model + " --prompt-ids " + ids(1024) +
+                        " --max-new-tokens 5 --ignore-eos --json" + flags);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const Outcome p = run("plan --generate --model " + model + "/config.json --context 1028 --batch 1 --weight-dtype fp32 --json" + flags);
+  ASSERT_EQ(p.status, 0) << p.err;
+  const auto gj = last_json(g), pj = last_json(p);
+  EXPECT_EQ(gj["accounted_peak_bytes"].get<size_t>() + gj["weights_mapped_bytes"].get<size_t>(),
+            pj["total_bytes"].get<size_t>());
+  EXPECT_EQ(gj["kv_cache_bytes"], pj["kv_cache_bytes"]);
+  EXPECT_EQ(gj["recurrent_state_bytes"], pj["recurrent_state_bytes"]);
+  EXPECT_EQ(pj["draft"], 2);
+  EXPECT_GT(pj["mtp_kv_cache_bytes"].get<size_t>(), 0u);
+  const Outcome shorter = run("generate --checkpoint " + model + " --prompt-ids " + ids(300) +
+                              " --max-new-tokens 729 --ignore-eos --json" + flags);
+  ASSERT_EQ(shorter.status, 0) << shorter.err;
+  EXPECT_LT(last_json(shorter)["accounted_peak_bytes"].get<size_t>() + last_json(shorter)["weights_mapped_bytes"].get<size_t>(),
+            pj["total_bytes"].get<size_t>());
+  // The flags and their checks are generate's.
+  const std::pair<std::string, std::string> bad[] = {
+      {" --speculative mtp --draft 4", "--draft must be in [1, 3] (got 4)"},
+      {" --speculative eagle", "--speculative 'eagle' is not known"},
+      {" --draft 2", "--draft needs --speculative mtp"},
+  };
+  for (const auto& [args, want] : bad) {
+    const Outcome r = run("plan --generate --model tiny+mtp" + args);
+    EXPECT_EQ(r.status, 1) << args;
+    EXPECT_NE(r.err.find(want), std::string::npos) << args << "\n" << r.err;
+  }
+  const Outcome no_mtp = run("plan --generate --model tiny --speculative mtp");
+  EXPECT_EQ(no_mtp.status, 1);
+  EXPECT_NE(no_mtp.err.find("has no multi-token-prediction layer"), std::string::npos) << no_mtp.err;
+  const Outcome training = run("plan --model tiny+mtp --speculative mtp");
+  EXPECT_EQ(training.status, 1);
+  EXPECT_NE(training.err.find("are for plan --generate"), std::string::npos) << training.err;
 }
 
 }  // namespace
