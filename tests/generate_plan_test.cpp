@@ -54,6 +54,29 @@ TEST(GeneratePlan, TotalIsTheMeasuredPeakToTheByte) {
   }
 }
 
+// A context of at most two prefill pieces (here 20 positions, pieces of 512): the plan's prompt leaves room for the
+// step (it used to fill the context and the step found the slot full), and equals what generate measures for a
+// prompt of 19 tokens and 2 new ones; a context of 1 plans the prompt alone.
+TEST(GeneratePlan, ShortContextsPlanTheirStep) {
+  const model::ModelConfig cfg = model::load_config(kParity + "qwen3_5_L7");
+  MemoryAccountant mem;
+  model::ParamSet ps(cfg, DType::F32, mem, MemCategory::Parameters, false);
+  model::init_params(ps, 3);
+  infer::GenerateOptions opt;
+  opt.max_new_tokens = 2;
+  const infer::GenerateResult g = infer::generate(ps, {std::vector<int32_t>(19, 5)}, opt, mem);
+  planner::GeneratePlanRequest r;
+  r.model = cfg;
+  r.context = 20;
+  r.batch = 1;
+  r.weight_dtype = DType::F32;
+  EXPECT_EQ(planner::plan_generate(r).total, g.peak_bytes);
+  opt.max_new_tokens = 1;
+  const infer::GenerateResult one = infer::generate(ps, {std::vector<int32_t>(1, 5)}, opt, mem);
+  r.context = 1;
+  EXPECT_EQ(planner::plan_generate(r).total, one.peak_bytes);
+}
+
 // The command line: plan --generate and generate --json report the same bytes for a 1100-byte prompt (two 512-token
 // pieces, as planned); a 300-byte prompt needs less.
 TEST(GeneratePlan, CommandLineFiguresAgree) {

@@ -9,11 +9,13 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <nlohmann/json.hpp>
 
 #include "infer/decoder.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "model/params.h"
+#include "planner/plan.h"
 #include "test_util.h"
 
 namespace hs::infer {
@@ -318,6 +320,119 @@ TEST(Speculative, BadInputIsRefused) {
   EXPECT_THROW(MtpDrafter(without, DType::F32, 1, 8, mem), std::invalid_argument);
 }
 
+// plan --generate --speculative: the planner runs generate_speculative's own allocations over shapes
+// (speculative_over_shapes), so its total is the accountant's peak of a real speculative run whose prompts fill two
+// prefill pieces, to the byte: draft 1 to 3, both families (and the dense Qwen3.5), fp32 and bf16, batch 1 and 2.
+// The caches are the formulas' (N more recurrent-state slots per sequence, N more positions; the MTP layer's keys
+// and values), and shorter prompts in the same context need no more than the plan.
+TEST(Speculative, PlanEqualsWhatGenerateMeasuresToTheByte) {
+  const int64_t piece = 16, max_new = 9;
+  for (const std::string fam : {"qwen3_next", "qwen3.5", "qwen3.5-dense"})
+    for (DType dt : {DType::F32, DType::BF16}) {
+      if (dt == DType::BF16 && fam != "qwen3.5") continue;  // bf16 storage and compute: one family is enough
+      const ModelConfig cfg = family(fam);
+      MemoryAccountant mem;
+      ParamSet ps(cfg, dt, mem, MemCategory::Parameters, false);
+      model::init_params(ps, 5);
+      for (int64_t B : {1, 2})
+        for (int64_t n = 1; n <= kMaxDraft; ++n) {
+          SCOPED_TRACE(fam + " " + std::string(dtype_name(dt)) + " batch " + std::to_string(B) + " draft " +
+                       std::to_string(n));
+          std::vector<std::vector<int32_t>> full, shorter;
+          for (int64_t i = 0; i < B; ++i) {
+            full.emplace_back(static_cast<size_t>(2 * piece - 3 * i));  // the first fills two pieces
+            for (size_t j = 0; j < full.back().size(); ++j) full.back()[j] = static_cast<int32_t>((7 * j + 3 * i) % 256);
+            shorter.push_back({static_cast<int32_t>(1 + i), 2, 3});
+          }
+          GenerateOptions opt;
+          opt.max_new_tokens = max_new;
+          opt.compute = dt;
+          opt.piece = piece;
+          const GenerateResult g = generate_speculative(ps, full, opt, n, mem);
+          planner::GeneratePlanRequest r;
+          r.model = cfg;
+          r.context = 2 * piece + max_new - 1;
+          r.batch = B;
+          r.piece = piece;
+          r.weight_dtype = dt;
+          r.draft = n;
+          const planner::GeneratePlan p = planner::plan_generate(r);
+          EXPECT_EQ(p.total, g.peak_bytes);
+          EXPECT_EQ(p.kv_cache, g.kv_cache_bytes);
+          EXPECT_EQ(p.recurrent_state, g.recurrent_state_bytes);
+          EXPECT_EQ(p.weights, ps.nbytes());
+          EXPECT_GT(p.workspace, 0u);
+          const size_t b = dtype_size(dt), L_attn = size_t(cfg.layers / cfg.cycle), L_gdn = size_t(cfg.layers) - L_attn;
+          const size_t positions = size_t(r.context + n);
+          EXPECT_EQ(p.recurrent_state, size_t(B * (1 + n)) * L_gdn *
+                                           (cfg.v_heads * cfg.dk * cfg.dv * 4 + (cfg.conv_width - 1) * cfg.conv_dim() * b));
+          EXPECT_EQ(p.kv_cache, size_t(B) * L_attn * 2 * cfg.kv_heads * cfg.head_dim * positions * b);
+          EXPECT_EQ(p.mtp_kv_cache, size_t(B) * 2 * cfg.kv_heads * cfg.head_dim * positions * b);
+          // The plan is above plain decoding's by at least the extra caches.
+          r.draft = 0;
+          const planner::GeneratePlan plain = planner::plan_generate(r);
+          EXPECT_GE(p.total, plain.total + p.mtp_kv_cache + (p.recurrent_state - plain.recurrent_state));
+          opt.max_new_tokens = r.context - 3 + 1;  // the same context, 3-token prompts
+          EXPECT_LE(generate_speculative(ps, shorter, opt, n, mem).peak_bytes, p.total);
+        }
+    }
+}
+
+// The decode step's side of the plan: a model whose MTP layer drafts exactly the target's greedy choice (decoder
+// layers zeroed: a bigram model; the MTP layer's zeroed too and fc = [I | 0], so the draft is the same function of
+// the same token), so every draft is kept and every step catches up on all draft + 1 positions, the widest step the
+// plan counts. Prefill pieces of 1 token and one thread keep the prompt's workspace below the step's at batch 4 (and
+// at batch 2, draft 3): the peak is then the decode step's (drafts, the verification of batch (draft + 1) rows, the
+// catch-up), and the plan equals it to the byte (at every batch and depth).
+TEST(Speculative, PlanEqualsTheWidestDecodeStepToTheByte) {
+  struct OneThread {  // (the attention tiles of a prefill piece grow with the threads)
+    int saved = omp_get_max_threads();
+    OneThread() { omp_set_num_threads(1); }
+    ~OneThread() { omp_set_num_threads(saved); }
+  } one_thread;
+  for (const std::string fam : {"qwen3_next", "qwen3.5"}) {
+    MemoryAccountant mem;
+    ParamSet ps(family(fam), DType::F32, mem, MemCategory::Parameters, false);
+    model::init_params(ps, 3);
+    const int64_t H = ps.config().hidden;
+    for (model::StackedParam& p : ps.all())
+      if (p.name.rfind("mtp.layers.", 0) == 0 || p.name.rfind("local.", 0) == 0 || p.name.rfind("global.", 0) == 0 ||
+          p.name.rfind("remainder.", 0) == 0)
+        std::memset(p.tensor.data(), 0, p.tensor.view().nbytes());
+    float* fc = static_cast<float*>(ps.all()[ps.mtp_index(model::g::kMtpFc)].tensor.data());
+    std::fill_n(fc, H * 2 * H, 0.0f);
+    for (int64_t i = 0; i < H; ++i) fc[i * 2 * H + i] = 1;
+    const TensorView& head = ps.global(model::g::kLmHead);
+    for (int64_t i = 0; i < head.numel(); ++i) static_cast<float*>(head.data)[i] *= 30;
+    for (int64_t B : {1, 2, 4})
+      for (int64_t n = 1; n <= kMaxDraft; ++n) {
+        SCOPED_TRACE(fam + " batch " + std::to_string(B) + " draft " + std::to_string(n));
+        std::vector<std::vector<int32_t>> prompts;
+        for (int64_t i = 0; i < B; ++i) prompts.push_back({static_cast<int32_t>(10 + i), static_cast<int32_t>(77 + i)});
+        GenerateOptions opt;
+        opt.max_new_tokens = 12;
+        opt.piece = 1;
+        SpeculativeStats st;
+        const GenerateResult g = generate_speculative(ps, prompts, opt, n, mem, {}, &st);
+        ASSERT_GT(st.steps, 0);
+        if (B == 4) {  // the peak is a step's: its workspace is live there
+          bool step = false;
+          for (const auto& b : mem.at_peak().largest) step = step || b.tag == "fused_step.workspace";
+          EXPECT_TRUE(step);
+        }
+        for (int64_t k = 0; k < n; ++k) EXPECT_EQ(st.accepted[static_cast<size_t>(k)], st.steps) << "draft " << k + 1;
+        planner::GeneratePlanRequest r;
+        r.model = ps.config();
+        r.context = 2 + opt.max_new_tokens - 1;
+        r.batch = B;
+        r.piece = 1;
+        r.weight_dtype = DType::F32;
+        r.draft = n;
+        EXPECT_EQ(planner::plan_generate(r).total, g.peak_bytes);
+      }
+  }
+}
+
 struct Outcome {
   int status;
   std::string out, err;
@@ -359,6 +474,61 @@ TEST(Speculative, CommandDecodesAsPlainAndRefusesBadFlags) {
     EXPECT_EQ(r.status, 1) << args;
     EXPECT_NE(r.err.find(want), std::string::npos) << args << "\n" << r.err;
   }
+}
+
+// The command line: plan --generate --speculative mtp --draft 2 reports what generate --speculative mtp --draft 2
+// --json measures (accounted peak + weights used in place from the mapped file) for a prompt of two 512-token
+// pieces, to the byte, with the same caches; a shorter prompt in the same context needs less.
+TEST(Speculative, PlanCommandAgreesWithGenerateCommand) {
+  test::TempDir dir;
+  const std::string ck = (dir / "run").string();
+  const Outcome t = run("train --preset tiny+mtp --synthetic --steps 1 --batch 2 --seq 16 --threads 1 --out " + ck);
+  ASSERT_EQ(t.status, 0) << t.err;
+  const std::string model = ck + "/checkpoint-1";
+  auto last_json = [](const Outcome& o) {
+    const size_t end = o.out.find_last_not_of('\n'), start = o.out.rfind('\n', end);
+    return nlohmann::json::parse(o.out.substr(start == std::string::npos ? 0 : start + 1, end - start));
+  };
+  auto ids = [](int64_t n) {
+    std::string s;
+    for (int64_t i = 0; i < n; ++i) s += (i ? "," : "") + std::to_string((7 * i) % 256);
+    return s;
+  };
+  const std::string flags = " --speculative mtp --draft 2 --threads 1";
+  const Outcome g = run("generate --checkpoint " + model + " --prompt-ids " + ids(1024) +
+                        " --max-new-tokens 5 --ignore-eos --json" + flags);
+  ASSERT_EQ(g.status, 0) << g.err;
+  const Outcome p = run("plan --generate --model " + model + "/config.json --context 1028 --batch 1 --weight-dtype fp32 --json" + flags);
+  ASSERT_EQ(p.status, 0) << p.err;
+  const auto gj = last_json(g), pj = last_json(p);
+  EXPECT_EQ(gj["accounted_peak_bytes"].get<size_t>() + gj["weights_mapped_bytes"].get<size_t>(),
+            pj["total_bytes"].get<size_t>());
+  EXPECT_EQ(gj["kv_cache_bytes"], pj["kv_cache_bytes"]);
+  EXPECT_EQ(gj["recurrent_state_bytes"], pj["recurrent_state_bytes"]);
+  EXPECT_EQ(pj["draft"], 2);
+  EXPECT_GT(pj["mtp_kv_cache_bytes"].get<size_t>(), 0u);
+  const Outcome shorter = run("generate --checkpoint " + model + " --prompt-ids " + ids(300) +
+                              " --max-new-tokens 729 --ignore-eos --json" + flags);
+  ASSERT_EQ(shorter.status, 0) << shorter.err;
+  EXPECT_LT(last_json(shorter)["accounted_peak_bytes"].get<size_t>() + last_json(shorter)["weights_mapped_bytes"].get<size_t>(),
+            pj["total_bytes"].get<size_t>());
+  // The flags and their checks are generate's.
+  const std::pair<std::string, std::string> bad[] = {
+      {" --speculative mtp --draft 4", "--draft must be in [1, 3] (got 4)"},
+      {" --speculative eagle", "--speculative 'eagle' is not known"},
+      {" --draft 2", "--draft needs --speculative mtp"},
+  };
+  for (const auto& [args, want] : bad) {
+    const Outcome r = run("plan --generate --model tiny+mtp" + args);
+    EXPECT_EQ(r.status, 1) << args;
+    EXPECT_NE(r.err.find(want), std::string::npos) << args << "\n" << r.err;
+  }
+  const Outcome no_mtp = run("plan --generate --model tiny --speculative mtp");
+  EXPECT_EQ(no_mtp.status, 1);
+  EXPECT_NE(no_mtp.err.find("has no multi-token-prediction layer"), std::string::npos) << no_mtp.err;
+  const Outcome training = run("plan --model tiny+mtp --speculative mtp");
+  EXPECT_EQ(training.status, 1);
+  EXPECT_NE(training.err.find("are for plan --generate"), std::string::npos) << training.err;
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "chat/chat_template.h"
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "core/memory.h"
@@ -47,8 +48,7 @@ struct GenerateArgs {
   uint64_t seed = 0;
   std::vector<std::string> stop;
   bool chat = false, json = false, ignore_eos = false, gguf_blocks = false;
-  std::string speculative;  // "" (off) or "mtp"
-  int64_t draft = -1;       // -1: not given (1 with --speculative)
+  SpeculativeArgs spec;  // --speculative, --draft
   bool compare_plain = false;
 };
 
@@ -84,15 +84,8 @@ void run_generate(const GenerateArgs& a) {
   if (a.temperature < 0) throw std::invalid_argument("--temperature must be >= 0");
   if (a.top_p <= 0 || a.top_p > 1) throw std::invalid_argument("--top-p must be in (0, 1]");
   if (a.top_k < 0) throw std::invalid_argument("--top-k must be >= 0");
-  if (!a.speculative.empty() && a.speculative != "mtp")
-    throw std::invalid_argument("--speculative '" + a.speculative + "' is not known (known: mtp, the checkpoint's "
-                                "multi-token-prediction layer as the draft model)");
-  if (a.speculative.empty() && a.draft != -1) throw std::invalid_argument("--draft needs --speculative mtp");
-  if (a.speculative.empty() && a.compare_plain) throw std::invalid_argument("--compare-plain needs --speculative mtp");
-  const int64_t draft = a.speculative.empty() ? 0 : a.draft == -1 ? 1 : a.draft;
-  if (!a.speculative.empty() && (draft < 1 || draft > infer::kMaxDraft))
-    throw std::invalid_argument("--draft must be in [1, " + std::to_string(infer::kMaxDraft) + "] (got " +
-                                std::to_string(draft) + ")");
+  const int64_t draft = speculative_draft(a.spec);
+  if (draft == 0 && a.compare_plain) throw std::invalid_argument("--compare-plain needs --speculative mtp");
 
   const gguf::CheckpointPath source(a.checkpoint);  // a .gguf file is imported for the run
   checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
@@ -337,11 +330,7 @@ void register_generate(CLI::App& app) {
   c->add_option("--system", a->system, "With --chat: a system turn before each prompt");
   c->add_flag("--ignore-eos", a->ignore_eos,
               "Do not end on end-of-text / <|im_end|> ids: always --max-new-tokens (benchmarks)");
-  c->add_option("--speculative", a->speculative,
-                "Speculative decoding: mtp (draft with the checkpoint's multi-token-prediction layer, verify the "
-                "drafts with the model in one step; greedy output is plain decoding's, sampled output follows the "
-                "model's distribution)");
-  c->add_option("--draft", a->draft, "With --speculative: tokens drafted per step, 1 to 3 (default 1)");
+  add_speculative_options(c, a->spec);
   c->add_flag("--compare-plain", a->compare_plain,
               "With --speculative: also decode the prompts plainly in the same run and report the speedup and "
               "whether the tokens are the same");

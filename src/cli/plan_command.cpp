@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "gguf/export.h"
@@ -20,6 +21,7 @@ struct PlanArgs {
   int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
   std::string cache_bytes = "1GiB";
   bool compare = false, json = false, generate = false, fit = false, serve = false;
+  SpeculativeArgs spec;  // --speculative, --draft (plan --generate)
 };
 
 nlohmann::json to_json(const planner::PlanResult& p) {
@@ -68,12 +70,22 @@ void plan_generation(const PlanArgs& a) {
   }
   r.context = a.context;
   r.batch = a.step.batch;
+  r.draft = speculative_draft(a.spec);
+  if (r.draft > 0 && r.model.mtp_layers < 1)
+    throw std::invalid_argument("--speculative mtp: model " + a.step.model + " has no multi-token-prediction layer "
+                                "(mtp.*; num_nextn_predict_layers / mtp_num_hidden_layers is 0): plan a '+mtp' preset "
+                                "(e.g. --model small+mtp), or plan without --speculative");
   const planner::GeneratePlan p = planner::plan_generate(r);
   const std::string runs_as(dtype_name(r.weight_dtype));
   if (a.json) {
     nlohmann::json j{{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
                      {"recurrent_state_bytes", p.recurrent_state}, {"workspace_bytes", p.workspace},
                      {"total_bytes", p.total}, {"context", r.context}, {"batch", r.batch}};
+    if (r.draft > 0) {
+      j["speculative"] = "mtp";
+      j["draft"] = r.draft;
+      j["mtp_kv_cache_bytes"] = p.mtp_kv_cache;
+    }
     if (quantized) {
       j["weights_run_as"] = runs_as;
       j["quantized_weights_bytes"] = *quantized;
@@ -82,13 +94,16 @@ void plan_generation(const PlanArgs& a) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s, one device\n", model::describe(r.model).c_str(),
-              (long long)r.batch, (long long)r.context, stored.c_str());
+  std::printf("%s\ngenerate: %lld sequences x %lld positions, weights %s%s, one device\n",
+              model::describe(r.model).c_str(), (long long)r.batch, (long long)r.context, stored.c_str(),
+              r.draft > 0 ? (", speculative mtp, draft " + std::to_string(r.draft)).c_str() : "");
   if (quantized)
     std::printf("(dequantized at load today: the run holds the weights in %s, as planned below)\n", runs_as.c_str());
   for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
-                                    {"recurrent state", p.recurrent_state}, {"workspace", p.workspace}, {"total", p.total}})
-    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+                                    {"recurrent state", p.recurrent_state}, {"mtp kv cache", p.mtp_kv_cache},
+                                    {"workspace", p.workspace}, {"total", p.total}})
+    if (r.draft > 0 || std::string(what) != "mtp kv cache")
+      std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
   if (quantized)
     std::printf("%-18s %12s  (total %s once quantized storage lands: a prediction; its dequantizing workspace is "
                 "not planned)\n",
@@ -200,6 +215,8 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
   if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
+  if (!a.generate && (!a.spec.speculative.empty() || a.spec.draft != -1))
+    throw std::invalid_argument("--speculative and --draft are for plan --generate");
   if (a.generate) {
     plan_generation(a);
     return;
@@ -249,6 +266,7 @@ void register_plan(CLI::App& app) {
   c->add_flag("--serve", a->serve,
               "Plan hybridscan serve instead of training: --parallel slots of --ctx positions, a --cache-bytes prefix "
               "cache, weights in --weight-dtype");
+  add_speculative_options(c, a->spec);
   c->add_option("--parallel", a->parallel, "--serve: slots (requests decoded together)")->capture_default_str();
   c->add_option("--cache-bytes", a->cache_bytes, "--serve: the prefix cache's budget")->capture_default_str();
   // plan --generate also takes GGUF types (and a .gguf --model); the step's flag knows only fp32 | bf16.

@@ -82,25 +82,29 @@ struct MtpDrafter::Impl {
   }
 
   template <typename T>
-  void prefill(int64_t slot, const T* h, const int32_t* next_ids, int64_t n, float* logits, T* hidden_last) {
+  void prefill(int64_t slot, int64_t start, const T* h, const int32_t* next_ids, int64_t n, float* logits,
+               T* hidden_last, bool head) {
     const int64_t H = cfg.hidden, V = cfg.vocab;
-    if (n < 1 || n > capacity) throw std::out_of_range("mtp drafter: " + std::to_string(n) + " positions");
+    if (n < 1 || start < 0 || start + n > capacity)
+      throw std::out_of_range("mtp drafter: positions [" + std::to_string(start) + ", " + std::to_string(start + n) +
+                              ") outside the capacity " + std::to_string(capacity));
     const kernels::SmallRowProducts small_rows;
     const int32_t s = static_cast<int32_t>(slot);
     std::vector<int32_t> positions(static_cast<size_t>(std::min(n, piece)));
     Buffer out;
     for (int64_t off = 0; off < n; off += piece) {
       const int64_t k = std::min(piece, n - off);
-      for (int64_t i = 0; i < k; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(off + i);
+      for (int64_t i = 0; i < k; ++i) positions[static_cast<size_t>(i)] = static_cast<int32_t>(start + off + i);
       Buffer m = mem.allocate_n<T>(static_cast<size_t>(k * H), MemCategory::Workspace, "mtp.in");
       input<T>(h + off * H, next_ids + off, k, ptr<T>(m));
       out = mem.allocate_n<T>(static_cast<size_t>(k * H), MemCategory::Workspace, "mtp.out");
       model::LayerContext ctx{cfg, mem, 1, k, positions.data(), nullptr, 1, false, &caches[0], &s};
       model::layer_forward<T>(ctx, params.layer(order[0]), ptr<T>(m), ptr<T>(out), nullptr);
-      if (off + k == n && !mem.planning()) {
+      if (off + k == n && head) {  // (the head's row is allocated in planning mode too: the plan counts it)
+        Buffer xf = mem.allocate_n<T>(static_cast<size_t>(H), MemCategory::Workspace, "mtp.norm_out");
+        if (mem.planning()) continue;
         const T* last = ptr<T>(out) + (k - 1) * H;
         if (hidden_last) std::copy_n(last, H, hidden_last);
-        Buffer xf = mem.allocate_n<T>(static_cast<size_t>(H), MemCategory::Workspace, "mtp.norm_out");
         float rstd;
         kernels::rmsnorm_forward(last, w_norm.ptr, ptr<T>(xf), &rstd, 1, H, float(cfg.rms_eps));
         kernels::gemv(ptr<T>(xf), static_cast<const T*>(params.global(model::g::kLmHead).data), logits, 1, V, H);
@@ -133,12 +137,17 @@ MtpDrafter::MtpDrafter(const model::ParamSet& params, DType compute, int64_t slo
     : impl_(std::make_unique<Impl>(params, compute, slots, capacity, mem, piece)) {}
 MtpDrafter::~MtpDrafter() = default;
 
-void MtpDrafter::prefill(int64_t slot, const void* h, const int32_t* next_ids, int64_t n, float* logits,
-                         void* hidden_last) {
+void MtpDrafter::prefill(int64_t slot, int64_t start, const void* h, const int32_t* next_ids, int64_t n,
+                         float* logits, void* hidden_last, bool head) {
   if (impl_->f32)
-    impl_->prefill<float>(slot, static_cast<const float*>(h), next_ids, n, logits, static_cast<float*>(hidden_last));
-  else impl_->prefill<bf16>(slot, static_cast<const bf16*>(h), next_ids, n, logits, static_cast<bf16*>(hidden_last));
+    impl_->prefill<float>(slot, start, static_cast<const float*>(h), next_ids, n, logits,
+                          static_cast<float*>(hidden_last), head);
+  else
+    impl_->prefill<bf16>(slot, start, static_cast<const bf16*>(h), next_ids, n, logits, static_cast<bf16*>(hidden_last),
+                         head);
 }
+
+size_t MtpDrafter::kv_cache_bytes() const { return impl_->caches[0].k.bytes() + impl_->caches[0].v.bytes(); }
 
 void MtpDrafter::step(int64_t R, const int32_t* slots, const int32_t* positions, const void* h,
                       const int32_t* next_ids, float* logits, void* hidden) {
@@ -239,6 +248,107 @@ int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std:
   return n;
 }
 
+namespace {
+// The drafter is made only once the decoder's fused step is known to run (verification needs it).
+const model::ParamSet& fused_or_throw(const Decoder& dec, const model::ParamSet& params) {
+  if (!dec.fused())
+    throw std::invalid_argument("--speculative mtp verifies on the fused decode step, which these weights do not "
+                                "allow (matrices and LM head stored in the compute dtype, HS_DECODE_FUSED not 0)");
+  return params;
+}
+}  // namespace
+
+SpeculativeRun::SpeculativeRun(const model::ParamSet& params, DType compute, int64_t batch, int64_t capacity,
+                               int64_t draft_, int64_t piece_, int64_t longest, MemoryAccountant& mem)
+    : draft(draft_),
+      piece(piece_),
+      hidden_row_bytes(static_cast<size_t>(params.config().hidden * dtype_size(compute))),
+      dec(params, compute, batch, capacity, mem, piece_, nullptr, draft_),
+      mtp(fused_or_throw(dec, params), compute, batch, capacity, mem, piece_) {
+  const int64_t R = batch * (draft + 1), V = params.config().vocab;
+  const size_t hb = hidden_row_bytes;
+  logits = mem.allocate_n<float>(static_cast<size_t>(R * V), MemCategory::Workspace, "generate.logits");
+  mlogits = mem.allocate_n<float>(static_cast<size_t>(R * V), MemCategory::Workspace, "generate.mtp_logits");
+  hidden = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.hidden");
+  mhidden = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.mtp_hidden");
+  mh_in = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.mtp_hidden_in");
+  phid = mem.allocate(static_cast<size_t>(std::min(longest, piece)) * hb, MemCategory::Workspace,
+                      "generate.prompt_hidden");
+}
+
+bool SpeculativeRun::prefill(int64_t slot, std::span<const int32_t> p,
+                             const std::function<bool(const float*, int32_t&)>& first) {
+  const int64_t P = static_cast<int64_t>(p.size()), V = dec.config().vocab;
+  std::vector<int32_t> next;
+  for (int64_t off = 0; off < P; off += piece) {
+    const int64_t k = std::min(piece, P - off);
+    const bool last = off + k == P;
+    dec.prefill(slot, p.subspan(static_cast<size_t>(off), static_cast<size_t>(k)), last ? ptr<float>(logits) : nullptr,
+                false, phid.data());
+    // The MTP layer's position t reads the target's h_t and x_{t+1}: the prompt's next id, past its end the first
+    // new token.
+    next.assign(p.begin() + off + 1, p.begin() + off + k);
+    if (last) {
+      int32_t id = 0;
+      if (!first(ptr<float>(logits), id)) return false;
+      next.push_back(id);
+    } else {
+      next.push_back(p[static_cast<size_t>(off + k)]);
+    }
+    mtp.prefill(slot, off, phid.data(), next.data(), k, last ? ptr<float>(mlogits) + slot * V : nullptr,
+                last ? static_cast<char*>(mhidden.data()) + static_cast<size_t>(slot) * hidden_row_bytes : nullptr, last);
+  }
+  return true;
+}
+
+SpeculativeShapes speculative_over_shapes(const model::ParamSet& params, DType compute, int64_t batch, int64_t context,
+                                          int64_t prompt, int64_t draft, int64_t piece, MemoryAccountant& mem) {
+  if (!mem.planning()) throw std::logic_error("speculative_over_shapes: the accountant must be in planning mode");
+  if (draft < 1 || draft > kMaxDraft)
+    throw std::invalid_argument("--draft must be in [1, " + std::to_string(kMaxDraft) + "] (got " +
+                                std::to_string(draft) + ")");
+  if (params.config().mtp_layers < 1)
+    throw std::invalid_argument("the model has no multi-token-prediction layer (mtp.*): --speculative mtp needs one "
+                                "(a '+mtp' preset, or a config with num_nextn_predict_layers / mtp_num_hidden_layers)");
+  if (batch < 1 || context < 2 || prompt < 1 || prompt > context - 1)
+    throw std::invalid_argument("speculative plan: batch " + std::to_string(batch) + ", context " +
+                                std::to_string(context) + ", prompt " + std::to_string(prompt) +
+                                " (a prompt of 1 to context - 1 tokens: at least one decode step)");
+  const int64_t N = draft;
+  SpeculativeRun run(params, compute, batch, context + N, N, piece, prompt, mem);
+  SpeculativeShapes out;
+  out.kv_cache = run.dec.kv_cache_bytes();
+  out.recurrent_state = run.dec.recurrent_state_bytes();
+  out.mtp_kv_cache = run.mtp.kv_cache_bytes();
+  const std::vector<int32_t> p(static_cast<size_t>(prompt), 0);
+  std::vector<int32_t> slots(static_cast<size_t>(batch));
+  for (int64_t i = 0; i < batch; ++i) {
+    slots[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    run.prefill(i, p, [](const float*, int32_t& id) {
+      id = 0;
+      return true;
+    });
+  }
+  // The widest step, as generate_speculative runs it: drafts 2..N, the verification, the catch-up on every position.
+  std::vector<int32_t> pos(static_cast<size_t>(batch * (N + 1))), ids(pos.size(), 0), rows(pos.size());
+  for (int64_t k = 1; k < N; ++k) {
+    for (int64_t i = 0; i < batch; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(prompt + k - 1);
+    run.mtp.step(batch, slots.data(), pos.data(), run.mh_in.data(), ids.data(), ptr<float>(run.mlogits),
+                 run.mhidden.data());
+  }
+  run.dec.verify(slots, N + 1, ids, ptr<float>(run.logits), run.hidden.data());
+  for (int64_t i = 0; i < batch; ++i) {
+    run.dec.accept(i, N + 1);
+    for (int64_t j = 0; j <= N; ++j) {
+      rows[static_cast<size_t>(i * (N + 1) + j)] = static_cast<int32_t>(i);
+      pos[static_cast<size_t>(i * (N + 1) + j)] = static_cast<int32_t>(prompt + j);
+    }
+  }
+  run.mtp.step(batch * (N + 1), rows.data(), pos.data(), run.mh_in.data(), ids.data(), ptr<float>(run.mlogits),
+               run.mhidden.data());
+  return out;
+}
+
 GenerateResult generate_speculative(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
                                     const GenerateOptions& opt, int64_t draft, MemoryAccountant& mem,
                                     const std::function<bool(size_t, int32_t)>& on_token, SpeculativeStats* stats) {
@@ -260,16 +370,14 @@ GenerateResult generate_speculative(const model::ParamSet& params, const std::ve
     if (p.empty()) throw std::invalid_argument("an empty prompt (give at least one token)");
     longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
   }
-  const int64_t B = static_cast<int64_t>(prompts.size()), V = cfg.vocab, H = cfg.hidden, N = draft;
-  const size_t hb = static_cast<size_t>(H * dtype_size(opt.compute));
+  const int64_t B = static_cast<int64_t>(prompts.size()), V = cfg.vocab, N = draft;
   mem.reset_peak();
   // Verification writes up to N positions past the last one plain decoding would reach.
   const int64_t capacity = longest + opt.max_new_tokens - 1 + N;
-  Decoder dec(params, opt.compute, B, capacity, mem, opt.piece, nullptr, N);
-  if (!dec.fused())
-    throw std::invalid_argument("--speculative mtp verifies on the fused decode step, which these weights do not "
-                                "allow (matrices and LM head stored in the compute dtype, HS_DECODE_FUSED not 0)");
-  MtpDrafter mtp(params, opt.compute, B, capacity, mem, opt.piece);
+  SpeculativeRun run(params, opt.compute, B, capacity, N, opt.piece, longest, mem);
+  Decoder& dec = run.dec;
+  MtpDrafter& mtp = run.mtp;
+  const size_t hb = run.hidden_row_bytes;
   GenerateResult r;
   r.kv_cache_bytes = dec.kv_cache_bytes();
   r.recurrent_state_bytes = dec.recurrent_state_bytes();
@@ -278,16 +386,11 @@ GenerateResult generate_speculative(const model::ParamSet& params, const std::ve
   st.draft = N;
   st.accepted.assign(static_cast<size_t>(N), 0);
 
-  const int64_t R = B * (N + 1);
-  Buffer logits = mem.allocate_n<float>(static_cast<size_t>(R * V), MemCategory::Workspace, "generate.logits");
-  Buffer mlogits = mem.allocate_n<float>(static_cast<size_t>(R * V), MemCategory::Workspace, "generate.mtp_logits");
-  Buffer hidden = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.hidden");
-  Buffer mhidden = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.mtp_hidden");
-  Buffer mh_in = mem.allocate(static_cast<size_t>(R) * hb, MemCategory::Workspace, "generate.mtp_hidden_in");
-  Buffer phid = mem.allocate(static_cast<size_t>(longest) * hb, MemCategory::Workspace, "generate.prompt_hidden");
-  char* hid = static_cast<char*>(hidden.data());
-  char* mhid = static_cast<char*>(mhidden.data());
-  char* mhin = static_cast<char*>(mh_in.data());
+  Buffer& logits = run.logits;
+  Buffer& mlogits = run.mlogits;
+  char* hid = static_cast<char*>(run.hidden.data());
+  char* mhid = static_cast<char*>(run.mhidden.data());
+  char* mhin = static_cast<char*>(run.mh_in.data());
   std::vector<std::mt19937_64> rngs;
   for (int64_t i = 0; i < B; ++i) rngs.emplace_back(opt.sampling.seed + static_cast<uint64_t>(i));
   std::vector<std::pair<float, int32_t>> scratch;
@@ -306,15 +409,12 @@ GenerateResult generate_speculative(const model::ParamSet& params, const std::ve
   const auto t0 = Clock::now();
   for (int64_t i = 0; i < B; ++i) {
     const auto& p = prompts[static_cast<size_t>(i)];
-    const int64_t P = static_cast<int64_t>(p.size());
-    dec.prefill(i, p, ptr<float>(logits), false, phid.data());
-    r.prefill_tokens += P;
-    const int32_t first = sample_token(ptr<float>(logits), V, opt.sampling, rngs[static_cast<size_t>(i)], scratch);
-    if (!take(i, first)) continue;
-    active.push_back(static_cast<int32_t>(i));
-    std::vector<int32_t> next(p.begin() + 1, p.end());
-    next.push_back(first);
-    mtp.prefill(i, phid.data(), next.data(), P, ptr<float>(mlogits) + i * V, mhid + static_cast<size_t>(i) * hb);
+    r.prefill_tokens += static_cast<int64_t>(p.size());
+    const bool go_on = run.prefill(i, p, [&](const float* row, int32_t& id) {
+      id = sample_token(row, V, opt.sampling, rngs[static_cast<size_t>(i)], scratch);
+      return take(i, id);
+    });
+    if (go_on) active.push_back(static_cast<int32_t>(i));
   }
   const auto t1 = Clock::now();
 

@@ -14,9 +14,11 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "core/memory.h"
+#include "infer/decoder.h"
 #include "infer/generate.h"
 #include "model/params.h"
 
@@ -33,12 +35,15 @@ class MtpDrafter {
   MtpDrafter(const model::ParamSet& params, DType compute, int64_t slots, int64_t capacity, MemoryAccountant& mem,
              int64_t piece = 512);
   ~MtpDrafter();
-  // Positions [0, n) of a fresh slot: h [n, H] (compute dtype) and next_ids [n]; logits [V] and the layer's output
-  // (before mtp.norm) [H] of the last position.
-  void prefill(int64_t slot, const void* h, const int32_t* next_ids, int64_t n, float* logits, void* hidden_last);
+  // Positions [start, start + n) of a slot filled to `start`: h [n, H] (compute dtype) and next_ids [n]; with head,
+  // logits [V] and the layer's output (before mtp.norm) [H] of the last position (hidden_last optional). A prompt fed
+  // in pieces of at most `piece` positions (head on the last) has the bits of one call.
+  void prefill(int64_t slot, int64_t start, const void* h, const int32_t* next_ids, int64_t n, float* logits,
+               void* hidden_last, bool head = true);
   // R rows (several may be consecutive positions of one slot, in order): logits [R, V], hidden [R, H] (optional).
   void step(int64_t R, const int32_t* slots, const int32_t* positions, const void* h, const int32_t* next_ids,
             float* logits, void* hidden);
+  size_t kv_cache_bytes() const;
 
  private:
   struct Impl;
@@ -56,6 +61,37 @@ void sampling_probs(const float* logits, int64_t vocab, const Sampling& s, std::
 int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std::vector<std::vector<double>>& q,
                            const int32_t* drafts, int64_t n, std::mt19937_64& rng, std::vector<int32_t>& out,
                            bool resample_residual = true);
+
+// What a speculative run holds from start to end, allocated (in this order) by generate_speculative and, over
+// shapes, by speculative_over_shapes (the planner's): the decoder with `draft` more recurrent-state slots per
+// sequence, the MTP drafter (its keys and values, its weight casts, its fused step), the logits and hidden rows of
+// batch * (draft + 1) rows for the target and the MTP layer, the MTP layer's input rows, and the last layer's output of
+// one prefill piece (the prompt goes through the decoder and the MTP layer a piece at a time).
+struct SpeculativeRun {
+  SpeculativeRun(const model::ParamSet& params, DType compute, int64_t batch, int64_t capacity, int64_t draft,
+                 int64_t piece, int64_t longest, MemoryAccountant& mem);
+  // Prefills prompt p into slot `slot` of both models, piece by piece. first(logits [V] of the prompt's last
+  // position, id) picks the first new token and says whether the sequence goes on; if it does not, the MTP layer
+  // skips the last piece. Returns what first returned. The MTP logits / output of the last position go to row
+  // `slot` of mlogits / mhidden.
+  bool prefill(int64_t slot, std::span<const int32_t> p, const std::function<bool(const float*, int32_t&)>& first);
+
+  int64_t draft, piece;
+  size_t hidden_row_bytes;
+  Decoder dec;
+  MtpDrafter mtp;
+  Buffer logits, mlogits, hidden, mhidden, mh_in, phid;
+};
+
+// generate_speculative over shapes (mem in planning mode, holding the weights): a SpeculativeRun for `batch` prompts
+// of `prompt` tokens (at most context - 1) and `context` positions (prompt + new tokens, as generate's), the prefill
+// of every prompt, then the widest decode step: draft - 1 MTP steps of every sequence, the verification of draft + 1
+// positions each, and the MTP layer's catch-up on all of them (every draft kept: the most rows a step can have).
+struct SpeculativeShapes {
+  size_t kv_cache = 0, recurrent_state = 0, mtp_kv_cache = 0;
+};
+SpeculativeShapes speculative_over_shapes(const model::ParamSet& params, DType compute, int64_t batch, int64_t context,
+                                          int64_t prompt, int64_t draft, int64_t piece, MemoryAccountant& mem);
 
 struct SpeculativeStats {
   int64_t draft = 0;

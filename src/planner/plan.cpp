@@ -8,6 +8,7 @@
 
 #include "core/collectives.h"
 #include "infer/decoder.h"
+#include "infer/speculative.h"
 #include "train/step.h"
 
 namespace hs::planner {
@@ -86,17 +87,30 @@ GeneratePlan plan_generate(const GeneratePlanRequest& r) {
   model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
   GeneratePlan p;
   p.weights = mem.live_total();
+  if (r.draft > 0) {  // infer::generate_speculative's own allocations, over shapes
+    const int64_t prompt = std::min(2 * r.piece, r.context - 1);
+    const infer::SpeculativeShapes s =
+        infer::speculative_over_shapes(params, r.weight_dtype, r.batch, r.context, prompt, r.draft, r.piece, mem);
+    p.kv_cache = s.kv_cache;
+    p.recurrent_state = s.recurrent_state;
+    p.mtp_kv_cache = s.mtp_kv_cache;
+    p.total = mem.peak_total();
+    p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.mtp_kv_cache;
+    return p;
+  }
   // What infer::generate allocates, in its order: the decoder's caches, the logits of every sequence, then the
   // prefill of one piece and a step of all sequences.
   infer::Decoder dec(params, r.weight_dtype, r.batch, r.context, mem, r.piece);
   Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * r.model.vocab), MemCategory::Workspace,
                                         "generate.logits");
   // Two pieces: the first attends with the flash kernel, later ones against the cache (workspace of its capacity).
-  const std::vector<int32_t> prompt(static_cast<size_t>(std::min(2 * r.piece, r.context)), 0);
+  // (Room left for the step's position: a context of at most two pieces plans a prompt of context - 1 tokens; a
+  // context of 1 has no step.)
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(1, std::min(2 * r.piece, r.context - 1))), 0);
   dec.prefill(0, prompt, nullptr);
   std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);
-  dec.step(slots, ids, nullptr);
+  if (r.context > 1) dec.step(slots, ids, nullptr);
   p.kv_cache = dec.kv_cache_bytes();
   p.recurrent_state = dec.recurrent_state_bytes();
   p.total = mem.peak_total();
@@ -116,11 +130,11 @@ QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const Gen
   infer::Decoder dec(*w->params, DType::F32, r.batch, r.context, mem, r.piece, w->quant.get());
   Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * c.vocab), MemCategory::Workspace,
                                         "generate.logits");
-  const std::vector<int32_t> prompt(static_cast<size_t>(std::min<int64_t>(2, r.context)), 0);
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(2, r.context - 1))), 0);
   dec.prefill(0, prompt, nullptr);
   std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);
-  dec.step(slots, ids, nullptr);
+  if (r.context > 1) dec.step(slots, ids, nullptr);
   GeneratePlan& p = q.plan;
   p.weights = q.converted_bytes + q.quantized_bytes;
   p.kv_cache = dec.kv_cache_bytes();

@@ -54,13 +54,23 @@ PlanResult plan_auto(PlanRequest r, size_t budget);
 // count, so the total is the accountant peak generate() reaches when a prompt fills two pieces, and bounds it for
 // shorter ones (a piece's workspace grows with its tokens). Memory-mapped weights are file pages: the total counts
 // them as weights all the same.
+//
+// draft > 0: speculative decoding (generate --speculative mtp --draft N; the model needs an MTP layer): what
+// infer::generate_speculative allocates, run over shapes by infer::speculative_over_shapes (the code the run
+// allocates with): the decoder's caches with N more recurrent-state slots per sequence (counted in recurrent_state)
+// and N more positions, the MTP layer's keys and values (mtp_kv_cache) and weight casts, B (N + 1) rows of logits and
+// hidden states, prompts of min(2 piece, context - 1) tokens through both models a piece at a time, and the widest
+// decode step (N - 1 MTP steps, the verification of N + 1 positions per sequence, the MTP catch-up on all of them).
+// The total is the peak of a run whose prompts fill two pieces and bounds it otherwise (a step whose drafts are not
+// all kept catches up on fewer rows).
 struct GeneratePlanRequest {
   model::ModelConfig model;
   int64_t context = 4096, batch = 1, piece = 512;
   DType weight_dtype = DType::BF16;
+  int64_t draft = 0;  // speculative decoding's draft tokens per step (0: plain decoding)
 };
 struct GeneratePlan {
-  size_t weights = 0, kv_cache = 0, recurrent_state = 0, workspace = 0, total = 0;
+  size_t weights = 0, kv_cache = 0, recurrent_state = 0, mtp_kv_cache = 0, workspace = 0, total = 0;
 };
 GeneratePlan plan_generate(const GeneratePlanRequest& r);
 // The same for a .gguf model decoded from its quantized blocks (infer::load_gguf_weights): weights = the tensors
