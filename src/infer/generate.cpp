@@ -112,18 +112,23 @@ int32_t sample_token(const float* logits, int64_t vocab, const Sampling& s, std:
   return scratch[static_cast<size_t>(n - m - 1)].second;
 }
 
-GenerateResult generate(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
-                        const GenerateOptions& opt, MemoryAccountant& mem,
-                        const std::function<bool(size_t, int32_t)>& on_token) {
-  using Clock = std::chrono::steady_clock;
-  if (opt.max_new_tokens <= 0)
-    throw std::invalid_argument("max_new_tokens must be positive (got " + std::to_string(opt.max_new_tokens) + ")");
+int64_t longest_prompt(const std::vector<std::vector<int32_t>>& prompts, int64_t max_new_tokens) {
+  if (max_new_tokens <= 0)
+    throw std::invalid_argument("max_new_tokens must be positive (got " + std::to_string(max_new_tokens) + ")");
   if (prompts.empty()) throw std::invalid_argument("no prompts");
   int64_t longest = 0;
   for (const auto& p : prompts) {
     if (p.empty()) throw std::invalid_argument("an empty prompt (give at least one token)");
     longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
   }
+  return longest;
+}
+
+GenerateResult generate(const model::ParamSet& params, const std::vector<std::vector<int32_t>>& prompts,
+                        const GenerateOptions& opt, MemoryAccountant& mem,
+                        const std::function<bool(size_t, int32_t)>& on_token) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t longest = longest_prompt(prompts, opt.max_new_tokens);
   const int64_t B = static_cast<int64_t>(prompts.size()), V = params.config().vocab;
   // A finished sequence's last token is never fed back, so max_new_tokens - 1 positions follow the prompt.
   mem.reset_peak();

@@ -42,6 +42,10 @@ struct GenerateResult {
   size_t peak_bytes = 0;  // the accountant's peak while generating (weights included), what plan_generate predicts
 };
 
+// The longest prompt's length, after checking what generate and generate_speculative ask of their arguments: throws
+// std::invalid_argument for no prompts, an empty prompt or max_new_tokens <= 0.
+int64_t longest_prompt(const std::vector<std::vector<int32_t>>& prompts, int64_t max_new_tokens);
+
 // Prefills every prompt (each in its own slot), then decodes all unfinished sequences together, one token each per
 // step. on_token(prompt index, id) sees every new id as it is chosen; returning false ends that sequence (a stop
 // string). Sequence i draws from a generator seeded with sampling.seed + i, so its tokens do not depend on the other

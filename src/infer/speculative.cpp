@@ -362,14 +362,7 @@ GenerateResult generate_speculative(const model::ParamSet& params, const std::ve
                                 "one (a model trained from a '+mtp' preset, or a released Qwen3-Next / Qwen3.5 "
                                 "checkpoint with its mtp.* tensors)");
   if (opt.quant) throw std::invalid_argument("--speculative mtp does not run on quantized (--gguf-blocks) weights");
-  if (opt.max_new_tokens <= 0)
-    throw std::invalid_argument("max_new_tokens must be positive (got " + std::to_string(opt.max_new_tokens) + ")");
-  if (prompts.empty()) throw std::invalid_argument("no prompts");
-  int64_t longest = 0;
-  for (const auto& p : prompts) {
-    if (p.empty()) throw std::invalid_argument("an empty prompt (give at least one token)");
-    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
-  }
+  const int64_t longest = longest_prompt(prompts, opt.max_new_tokens);
   const int64_t B = static_cast<int64_t>(prompts.size()), V = cfg.vocab, N = draft;
   mem.reset_peak();
   // Verification writes up to N positions past the last one plain decoding would reach.
