@@ -206,25 +206,18 @@ TEST(SpeculativeRule, RejectionSamplingKeepsTheTargetDistribution) {
   }
 }
 
-// End to end, sampled (temperature 2 over a sharpened head) on a random model with a random MTP layer: the second new token,
-// which always comes out of a verification, follows the target's marginal sum_x1 p(x1) p(x2 | x1), computed from
-// plain decode logits. 16 prompts per call draw with seeds seed + i. One thread (the same bits at any count): 1,200
-// short generations stay fast on a loaded machine.
-TEST(Speculative, SampledTokensFollowTheTargetDistribution) {
-  struct OneThread {
-    int saved = omp_get_max_threads();
-    OneThread() { omp_set_num_threads(1); }
-    ~OneThread() { omp_set_num_threads(saved); }
-  } one_thread;
-  MemoryAccountant mem;
-  ParamSet ps(family("qwen3_next"), DType::F32, mem, MemCategory::Parameters, false);
-  model::init_params(ps, 3);
-  // A draft that overlaps the target without being it, so drafts are kept often and rejected often and the
-  // residual draw matters (a random MTP layer drafts other ids than the model's: rejected drafts are then replaced
-  // from p either way, and the test could not tell the rule from one without the residual). The decoder layers are
-  // zeroed (their residuals add nothing: the model is a bigram model, p(x_{t+2}) = f(x_{t+1})); the MTP layer's
-  // decoder layer too, and fc = [I | 2 I]: q = f of a blend of x_{t+1}'s and x_t's embeddings. The LM head is
-  // scaled so that the distributions are not flat.
+// One OpenMP thread while it lives.
+struct OneThread {
+  int saved = omp_get_max_threads();
+  OneThread() { omp_set_num_threads(1); }
+  ~OneThread() { omp_set_num_threads(saved); }
+};
+
+// Turns ps into a bigram model with a known draft: the decoder layers (the MTP layer's too) are zeroed, so their
+// residuals add nothing and p(x_{t+2}) = f(x_{t+1}); fc = [I | w I], so the MTP layer drafts f of x_{t+1}'s embedding
+// plus w times x_t's (w = 0: exactly the model's distribution); the LM head is scaled by 30 so that the
+// distributions are not flat.
+void make_bigram(ParamSet& ps, float w) {
   const int64_t H = ps.config().hidden;
   for (model::StackedParam& p : ps.all())
     if (p.name.rfind("mtp.layers.", 0) == 0 || p.name.rfind("local.", 0) == 0 || p.name.rfind("global.", 0) == 0 ||
@@ -234,10 +227,26 @@ TEST(Speculative, SampledTokensFollowTheTargetDistribution) {
   std::fill_n(fc, H * 2 * H, 0.0f);
   for (int64_t i = 0; i < H; ++i) {
     fc[i * 2 * H + i] = 1;
-    fc[i * 2 * H + H + i] = 2.0f;
+    fc[i * 2 * H + H + i] = w;
   }
   const TensorView& head = ps.global(model::g::kLmHead);
   for (int64_t i = 0; i < head.numel(); ++i) static_cast<float*>(head.data)[i] *= 30;
+}
+
+// End to end, sampled (temperature 2 over a sharpened head) on a random model with a random MTP layer: the second new token,
+// which always comes out of a verification, follows the target's marginal sum_x1 p(x1) p(x2 | x1), computed from
+// plain decode logits. 16 prompts per call draw with seeds seed + i. One thread (the same bits at any count): 1,200
+// short generations stay fast on a loaded machine.
+TEST(Speculative, SampledTokensFollowTheTargetDistribution) {
+  const OneThread one_thread;
+  MemoryAccountant mem;
+  ParamSet ps(family("qwen3_next"), DType::F32, mem, MemCategory::Parameters, false);
+  model::init_params(ps, 3);
+  // A draft that overlaps the target without being it, so drafts are kept often and rejected often and the
+  // residual draw matters (a random MTP layer drafts other ids than the model's: rejected drafts are then replaced
+  // from p either way, and the test could not tell the rule from one without the residual): q = f of a blend of
+  // x_{t+1}'s and x_t's embeddings.
+  make_bigram(ps, 2.0f);
   const int64_t V = ps.config().vocab;
   const std::vector<int32_t> prompt = {10, 20, 30, 40};
   Sampling s;
@@ -385,25 +394,12 @@ TEST(Speculative, PlanEqualsWhatGenerateMeasuresToTheByte) {
 // at batch 2, draft 3): the peak is then the decode step's (drafts, the verification of batch (draft + 1) rows, the
 // catch-up), and the plan equals it to the byte (at every batch and depth).
 TEST(Speculative, PlanEqualsTheWidestDecodeStepToTheByte) {
-  struct OneThread {  // (the attention tiles of a prefill piece grow with the threads)
-    int saved = omp_get_max_threads();
-    OneThread() { omp_set_num_threads(1); }
-    ~OneThread() { omp_set_num_threads(saved); }
-  } one_thread;
+  const OneThread one_thread;  // (the attention tiles of a prefill piece grow with the threads)
   for (const std::string fam : {"qwen3_next", "qwen3.5"}) {
     MemoryAccountant mem;
     ParamSet ps(family(fam), DType::F32, mem, MemCategory::Parameters, false);
     model::init_params(ps, 3);
-    const int64_t H = ps.config().hidden;
-    for (model::StackedParam& p : ps.all())
-      if (p.name.rfind("mtp.layers.", 0) == 0 || p.name.rfind("local.", 0) == 0 || p.name.rfind("global.", 0) == 0 ||
-          p.name.rfind("remainder.", 0) == 0)
-        std::memset(p.tensor.data(), 0, p.tensor.view().nbytes());
-    float* fc = static_cast<float*>(ps.all()[ps.mtp_index(model::g::kMtpFc)].tensor.data());
-    std::fill_n(fc, H * 2 * H, 0.0f);
-    for (int64_t i = 0; i < H; ++i) fc[i * 2 * H + i] = 1;
-    const TensorView& head = ps.global(model::g::kLmHead);
-    for (int64_t i = 0; i < head.numel(); ++i) static_cast<float*>(head.data)[i] *= 30;
+    make_bigram(ps, 0.0f);  // the draft is the model's own next-token distribution: every draft kept
     for (int64_t B : {1, 2, 4})
       for (int64_t n = 1; n <= kMaxDraft; ++n) {
         SCOPED_TRACE(fam + " batch " + std::to_string(B) + " draft " + std::to_string(n));
