@@ -622,11 +622,13 @@ void run_onednn(const void* A, const void* B, void* C, int64_t M, int64_t N, int
     char* Ct = static_cast<char*>(C) + (i0 * k.ldc + j0) * eout;
     run_onednn_call(At, Bt, Ct, mi, nj, K, ta, tb, k, varying_rows, in_dt, out_dt, true);
   };
-  if (tiles == 1) {  // one tile: on this thread alone (oneDNN takes omp_get_max_threads())
-    const int threads = omp_get_max_threads();
-    omp_set_num_threads(1);
+  if (tiles == 1) {  // one tile: on this thread alone (oneDNN takes omp_get_max_threads()), restored if it throws
+    struct OneThread {
+      int threads = omp_get_max_threads();
+      OneThread() { omp_set_num_threads(1); }
+      ~OneThread() { omp_set_num_threads(threads); }
+    } one;
     tile(0);
-    omp_set_num_threads(threads);
     return;
   }
 #pragma omp parallel for schedule(dynamic, 1)
