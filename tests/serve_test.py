@@ -27,6 +27,7 @@ Cases:
   load     SERVE_LOAD_CLIENTS (16) streaming clients for SERVE_LOAD_SECONDS (8): no failed request, every answer the
            expected tokens (none lost or repeated), resident memory flat (the issue's 64 x 60 s: set them)
 """
+import http.client
 import json
 import os
 import pathlib
@@ -419,6 +420,62 @@ def case_errors():
           and m['hybridscan_requests_total{status="429"}'] >= 1,
           f"requests by status: {m}")
     print("errors: 400s, 401, 413, 429 with Retry-After, a disconnect frees its slot, a stalled client is dropped")
+
+
+def case_trickle():
+    # Clients that send their request one byte at a time, each byte inside --timeout (so no single read times out),
+    # more of them than the pool has connection threads (--parallel + --queue + 16): each is dropped --request-timeout
+    # after a thread takes it, so those queued behind wait at most a turn per pool's worth, and a request arriving
+    # meanwhile is answered after at most all of them. Without the deadline the tricklers hold every thread for as long
+    # as they trickle (here 30 s; checked: /health then waits 29 s, and the checks below fail).
+    limit, count, trickle_for, pool = 3, 40, 30.0, 1 + 0 + 16
+    rounds = -(-count // pool)  # the tricklers take the pool's threads in turns of `limit` seconds
+    s = Server("--parallel", 1, "--queue", 0, "--ctx", 64, "--timeout", 2, "--request-timeout", limit)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 40\r\n\r\n"
+    held = [None] * count
+
+    def trickle(i):
+        t0 = time.time()
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.settimeout(0.5)
+            for k in range(10 ** 6):
+                if time.time() - t0 > trickle_for:
+                    break
+                try:
+                    sock.sendall(head[k % len(head):k % len(head) + 1])
+                    if sock.recv(1) == b"":  # the server closed it (an answer would be bytes: none is expected)
+                        break
+                except socket.timeout:
+                    continue  # nothing from the server yet: the next byte
+                except (BrokenPipeError, ConnectionResetError):
+                    break
+        held[i] = time.time() - t0
+
+    threads = [threading.Thread(target=trickle, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.time()
+    with urllib.request.urlopen(s.url + "/health", timeout=trickle_for + 10) as r:
+        check(r.status == 200, f"/health: {r.status}")
+    waited = time.time() - t0
+    for t in threads:
+        t.join()
+    check(waited < rounds * limit + 4, f"/health waited {waited:.1f} s behind {count} trickling clients (limit {limit} s)")
+    check(max(held) < rounds * limit + 3, f"a trickling client held its connection {max(held):.1f} s (limit {limit} s)")
+    dropped = s.metrics()["hybridscan_connections_timed_out_total"]
+    check(dropped >= count, f"{dropped} connections timed out, expected {count}")
+    # A kept-alive connection's later request gets its own deadline: two requests on one connection, 2 s apart
+    # (within the limit each), both answered.
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+    for k in range(2):
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        check(r.status == 200 and r.read() == b'{"status":"ok"}', f"kept-alive request {k}: {r.status}")
+        time.sleep(2)
+    conn.close()
+    print(f"trickle: {count} trickling clients dropped after {min(held):.1f}-{max(held):.1f} s (limit {limit} s); "
+          f"/health answered in {waited:.1f} s")
 
 
 def case_drain():

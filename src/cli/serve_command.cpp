@@ -82,6 +82,11 @@ void register_serve(CLI::App& app) {
   c->add_option("--max-body", a->max_body, "Largest request body (beyond it: 413)")->capture_default_str();
   c->add_option("--timeout", a->opt.read_timeout_s, "Seconds a client may stall sending or reading (then dropped)")
       ->capture_default_str();
+  c->add_option("--request-timeout", a->opt.request_timeout_s,
+                "Seconds a client has to send a whole request (from connecting, or from the previous answer on a "
+                "kept-alive connection); then it is dropped, however it trickles")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   add_dtype_option(c, "--weight-dtype", a->opt.weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
   c->add_option("--weights-memory", a->opt.weights_memory,
                 "Where the weights live: map (in place from the files' mapping), copy (into memory), auto (as generate)")

@@ -20,6 +20,7 @@
 #include "planner/plan.h"
 #include "serve/chat.h"
 #include "serve/chat_page.h"
+#include "serve/connection_deadlines.h"
 #include "serve/request.h"
 #include "tokenizer/tokenizer.h"
 
@@ -305,6 +306,7 @@ class Server {
   Model model_;
   std::unique_ptr<Engine> engine_;
   planner::ServePlan plan_;
+  ConnectionDeadlines deadlines_{std::chrono::seconds(opt_.request_timeout_s)};  // outlives http_'s task queue
   httplib::Server http_;
   Counters counters_;
   std::atomic<int64_t> next_id_{1};
@@ -613,6 +615,8 @@ std::string Server::metrics_text() {
          "the accountant)", weights_->mapped_bytes);
   metric("hybridscan_resident_bytes", "gauge", "The process's resident set now", resident_bytes());
   metric("hybridscan_resident_peak_bytes", "gauge", "The process's peak resident set", peak_resident_bytes());
+  metric("hybridscan_connections_timed_out_total", "counter",
+         "Connections dropped because a request did not arrive whole within --request-timeout", deadlines_.dropped());
   metric("hybridscan_uptime_seconds", "gauge", "Seconds since the server started",
          std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
   return o.str();
@@ -620,7 +624,10 @@ std::string Server::metrics_text() {
 
 int Server::run() {
   const EngineOptions& eo = engine_->options();
-  http_.new_task_queue = [n = static_cast<size_t>(eo.parallel + eo.queue + 16)] { return new httplib::ThreadPool(n); };
+  // The connection pool, each connection's requests under --request-timeout (serve/connection_deadlines.h).
+  http_.new_task_queue = [this, n = static_cast<size_t>(eo.parallel + eo.queue + 16)] {
+    return deadlines_.queue(new httplib::ThreadPool(n));
+  };
   http_.set_payload_max_length(opt_.max_body);
   http_.set_read_timeout(opt_.read_timeout_s, 0);
   http_.set_write_timeout(opt_.write_timeout_s, 0);
@@ -658,12 +665,18 @@ int Server::run() {
     }
     return httplib::Server::HandlerResponse::Unhandled;
   });
+  // Called once an answer is written: the connection's next request is due within --request-timeout.
   http_.set_logger([this](const httplib::Request&, const httplib::Response& res) {
+    ConnectionDeadlines::request_read();  // (an answer httplib wrote itself, e.g. 413: its request is done too)
+    ConnectionDeadlines::response_written();
     std::lock_guard<std::mutex> lk(counters_.mu);
     ++counters_.by_status[res.status];
   });
+  // Every handler: the request has been read whole (line, headers, body), so its deadline stops; API errors
+  // become OpenAI-style bodies.
   auto guard = [this](auto fn) {
     return [this, fn](const httplib::Request& req, httplib::Response& res) {
+      ConnectionDeadlines::request_read();
       try {
         fn(req, res);
       } catch (const ApiError& e) {
@@ -677,22 +690,22 @@ int Server::run() {
   http_.Post("/v1/completions", guard([this](const httplib::Request& q, httplib::Response& r) {
                completion(q, r, Endpoint::Completion);
              }));
-  http_.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  http_.Get("/v1/models", guard([this](const httplib::Request&, httplib::Response& res) {
     json m = {{"id", model_.name}, {"object", "model"}, {"created", 0}, {"owned_by", "hybridscan"},
               {"context_length", model_.context}};
     res.set_content(dump({{"object", "list"}, {"data", json::array({m})}}), "application/json");
-  });
-  http_.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  }));
+  http_.Get("/health", guard([this](const httplib::Request&, httplib::Response& res) {
     if (draining_) {
       res.status = 503;
       res.set_content(R"({"status":"draining"})", "application/json");
     } else {
       res.set_content(R"({"status":"ok"})", "application/json");
     }
-  });
-  http_.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  }));
+  http_.Get("/metrics", guard([this](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics_text(), "text/plain; version=0.0.4");
-  });
+  }));
   http_.Post("/tokenize", guard([this](const httplib::Request& q, httplib::Response& res) {
                const TokenizeRequest t = parse_tokenize(q.body);
                const std::string text = t.messages.is_null() ? t.content : chat_.render(t.messages, t.add_generation_prompt);
@@ -703,7 +716,9 @@ int Server::run() {
                model_.check(ids, "tokens");
                res.set_content(dump({{"content", model_.decode(ids)}}), "application/json");
              }));
-  http_.Get("/", [](const httplib::Request&, httplib::Response& res) { res.set_content(kChatPage, "text/html; charset=utf-8"); });
+  http_.Get("/", guard([](const httplib::Request&, httplib::Response& res) {
+    res.set_content(kChatPage, "text/html; charset=utf-8");
+  }));
 
   // SIGTERM / SIGINT (blocked in every thread by run_server): a thread of its own waits for them, stops admitting,
   // lets the running requests finish, then stops the listener.

@@ -19,6 +19,8 @@ struct ServeOptions {
   std::string api_key;            // empty: no key asked
   size_t max_body = 1 << 20;      // request bodies above this: 413
   int read_timeout_s = 10, write_timeout_s = 10;  // a client that stalls longer is dropped
+  int request_timeout_s = 30;  // a request (line, headers, body) not all in within this from the connection's start
+                               // or the previous answer: the connection is dropped
   std::string weight_dtype;       // empty: as stored
   std::string weights_memory = "auto";  // map | copy | auto (infer::parse_weights_memory)
   // Called once the port is bound (the port is known then: `port` 0 asks for a free one).
