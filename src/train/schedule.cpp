@@ -8,6 +8,9 @@
 
 #include "core/profile.h"
 #include "core/settings.h"
+#include "distributed/global_weights.h"
+#include "distributed/gradient_flights.h"
+#include "distributed/prefetch.h"
 #include "kernels/embedding.h"
 #include "kernels/lm_head.h"
 #include "kernels/matmul.h"
@@ -127,22 +130,12 @@ struct Runner {
   GradientSink* sink = nullptr;  // StepOptions::update
   double mtp_weight = 0;         // StepOptions::mtp_weight
 
-  // Prefetching: the layer_forward calls of a step are known up front (`calls`, layer indices in order), so when
-  // call k takes its weights, call k+1's gathers are started and run while k computes.
-  std::vector<size_t> calls;
-  size_t next_call = 0;
-  model::ComputeWeights<T> ahead;
-  bool have_ahead = false;
-  // A reduce-scatter left in flight while the next backward computes: its full gradients and requests (the requests
-  // last, so they are finished before the buffers are freed). With a sink: the gradient shards it completes and the
-  // call that hands them over, made once the requests are finished and before the shards are freed.
-  struct InFlight {
-    std::vector<Buffer> full;
-    std::vector<Buffer> shards;
-    std::function<void()> done;
-    std::vector<Collectives::Request> requests;
-  };
-  InFlight in_flight;
+  // Prefetching: the layer_forward calls of a step (layer indices in order), each taking its weights with the next
+  // call's gathers started.
+  distributed::InOrderPrefetch<model::ComputeWeights<T>> prefetcher;
+  // Gradient reduce-scatters (and the sink's hand-overs): one left in flight while the next backward computes when
+  // prefetching.
+  distributed::GradientFlights flights;
 
   Runner(const ParamSet& p, const Batch& bt, MemoryAccountant& m, Collectives* group, Collectives* batch_group)
       : params(p), c(p.config()), b(bt), mem(m), P(m.planning()), N(bt.batch * bt.seq), H(p.config().hidden),
@@ -174,52 +167,24 @@ struct Runner {
     profile::Scope profile_scope(sharded() ? profile::Phase::Communication : profile::Phase::Elementwise, "layer_weight_casts");
     return model::start_compute_weights<T>(c, params.layer(slots[i]), mem, comm);
   }
-  // The weights of layer_forward call number next_call (of layer i), with the next call's gathers started.
+  // The weights of layer i's next layer_forward call (prefetching: the call after it started).
   model::ComputeWeights<T> weights_for(size_t i) {
     if (!prefetching()) return start_weights(i);
-    if (next_call >= calls.size() || calls[next_call] != i) throw std::logic_error("schedule: layer calls out of order");
-    model::ComputeWeights<T> w = have_ahead ? std::move(ahead) : start_weights(i);
-    have_ahead = ++next_call < calls.size();
-    if (have_ahead) ahead = start_weights(calls[next_call]);
-    return w;
+    return prefetcher.take(i, [this](size_t k) { return start_weights(k); });
   }
   RouterStats run_layer(size_t i, const T* in, T* out, model::LayerSaved<T>* saved) {
     model::ComputeWeights<T> w = weights_for(i);
     return model::layer_forward<T>(ctx(), params.layer(slots[i]), in, out, saved, &w);
   }
 
-  // Finishes a reduce-scatter, hands its shards to the sink, then frees its buffers.
-  static void retire(InFlight& f) {
-    profile::Scope profile_scope(profile::Phase::Communication, "reduce_scatter_wait");
-    for (auto& q : f.requests) q.wait();
-    f.requests.clear();
-    if (f.done) f.done();
-    f = {};
-  }
-  // Hands a started reduce-scatter over: waited for now, or (prefetching) when the next one is handed over.
-  void submit(InFlight next) {
-    retire(in_flight);
-    if (prefetching()) in_flight = std::move(next);
-    else retire(next);
-  }
-  void finish_in_flight() { submit({}); }
+  // The group a tensor is sharded over (null: unsharded).
+  Collectives* shard_group() const { return sharded() ? comm : nullptr; }
 
-  // A global tensor (embedding, final norm, LM head) as E for compute: all-gathered when sharded, else cast when
-  // the storage dtype differs, else used in place.
+  // A global tensor (embedding, final norm, LM head) whole as E for compute (distributed::whole_weight).
   // `which`: an index into params.all(): a g::Global, or (the MTP layer's own tensors) ParamSet::mtp_index.
   template <typename E> model::Converted<E> global_weight(size_t which) {
     const model::StackedParam& sp = params.all().at(which);
-    if (!sharded()) {
-      profile::Scope profile_scope(profile::Phase::Elementwise, "global_weight_cast");  // a cast, when the dtypes differ
-      return model::as_type<E>(sp.tensor.view(), mem, MemCategory::WeightCasts, "weight_cast");
-    }
-    profile::Scope profile_scope(profile::Phase::Communication, "global_weight_gather");
-    model::Converted<E> r;
-    const int64_t n = hs::numel(sp.full_shape);
-    r.owned = mem.allocate_n<E>(static_cast<size_t>(comm->padded_elems(n)), MemCategory::WeightCasts, "gathered_weight");
-    comm->all_gather(sp.tensor.view(), r.owned.data(), dtype_of<E>(), n);
-    r.ptr = static_cast<const E*>(r.owned.data());
-    return r;
+    return distributed::whole_weight<E>(sp.tensor.view(), hs::numel(sp.full_shape), shard_group(), mem);
   }
 
   // Where a layer's backward accumulates its gradients: the gradient stacks themselves (or, with a sink, zeroed
@@ -264,7 +229,7 @@ struct Runner {
     return g;
   }
   void reduce_scatter(GradTarget& g) {
-    InFlight f;
+    distributed::GradientFlight f;
     for (size_t i = 0; i < g.full.size(); ++i)
       f.requests.push_back(
           comm->start_reduce_scatter(ptr<float>(g.full[i]), g.view.t[g.index[i]].numel(), g.shards[i]));
@@ -273,7 +238,7 @@ struct Runner {
       f.shards = std::move(g.own);
       f.done = [this, slot = g.slot, out = std::move(g.out)] { sink->layer(slot, out); };
     }
-    submit(std::move(f));
+    flights.submit(std::move(f));
   }
   // A global tensor's gradient: accumulated at `ptr` (this rank's shard, or a full temporary when sharded); with a
   // sink the shard is the step's own buffer (`own`).
@@ -301,7 +266,7 @@ struct Runner {
   }
   void reduce_scatter(GlobalGrad& g, size_t which) {
     if (!sharded() && !sink) return;
-    InFlight f;
+    distributed::GradientFlight f;
     if (sharded()) {
       const model::StackedParam& sp = params.all().at(which);
       f.requests.push_back(comm->start_reduce_scatter(ptr<float>(g.full), hs::numel(sp.full_shape), g.shard));
@@ -311,7 +276,7 @@ struct Runner {
       f.shards.push_back(std::move(g.own));
       f.done = [this, which, p = g.shard] { sink->global(static_cast<model::g::Global>(which), p); };
     }
-    submit(std::move(f));
+    flights.submit(std::move(f));
   }
 
   // The embedding or the LM head in vocabulary pieces (StepOptions::vocab_piece_bytes): when it is larger than a
@@ -326,118 +291,20 @@ struct Runner {
                                c.vocab);
   }
 
-  // Rows [k rows, min(V, (k + 1) rows)) of a global [V, H] tensor, piece by piece: the flat range of the FSDP layout
-  // gathered with all_gather_range (sharded) or cast (unsharded), and its fp32 gradient accumulated in a piece's
-  // buffer and reduce-scattered into the shard with reduce_scatter_range (sharded; unsharded it accumulates in
-  // place). Weights are asked for in `order` (a piece asked for twice in a row is the same piece): at most one piece
-  // is held, or, prefetching, one more whose gather runs while the current piece computes. A piece's gradient goes
-  // through submit(): in flight while the next piece computes when prefetching. The last gradient piece hands the
-  // shard to the sink.
-  template <typename E> struct RowPieces {
-    struct Piece {
-      int64_t k = -1;
-      Buffer w;
-      const E* ptr = nullptr;
-      std::vector<Collectives::Request> requests;  // after the buffer: finished before it is freed
-    };
-    Runner& r;
-    model::g::Global which;
-    const model::StackedParam& sp;
-    int64_t rows, V, H, n;
-    std::vector<int64_t> order;
-    size_t pos = 0;
-    Piece cur, ahead;
-    GlobalGrad* grad = nullptr;  // backward: where the pieces' gradients go
-    Buffer grad_piece;
-    int64_t grads_left = 0;
-
-    RowPieces(Runner& run, model::g::Global w, std::vector<int64_t> visit, GlobalGrad* g)
-        : r(run), which(w), sp(run.params.global_param(w)), rows(run.template piece_rows<E>()), V(run.c.vocab),
-          H(run.H), n(run.c.vocab * run.H), order(std::move(visit)), grad(g), grads_left(pieces()) {}
-    ~RowPieces() { finish(); }
-    int64_t pieces() const { return (V + rows - 1) / rows; }
-    int64_t first(int64_t k) const { return k * rows; }
-    int64_t count(int64_t k) const { return std::min(rows, V - k * rows); }
-    static void drop(Piece& q) {
-      for (auto& x : q.requests) x.wait();
-      q = {};
-    }
-    void finish() {
-      drop(ahead);
-      drop(cur);
-    }
-    Piece start(int64_t k) {
-      Piece q;
-      q.k = k;
-      const int64_t a = first(k) * H, len = count(k) * H;
-      const DType from = sp.tensor.dtype();
-      if (!r.sharded() && from == dtype_of<E>()) {
-        q.ptr = r.P ? nullptr : static_cast<const E*>(sp.tensor.data()) + a;
-        return q;
-      }
-      q.w = r.mem.template allocate_n<E>(static_cast<size_t>(len), MemCategory::WeightCasts,
-                                         r.sharded() ? "vocab_piece" : "vocab_piece_cast");
-      q.ptr = static_cast<const E*>(q.w.data());
-      if (r.P) return q;
-      if (r.sharded())
-        q.requests.push_back(
-            r.comm->start_all_gather_range(sp.tensor.view(), n, a, a + len, q.w.data(), dtype_of<E>()));
-      else
-        convert_elements(static_cast<const char*>(sp.tensor.data()) + static_cast<size_t>(a) * dtype_size(from), from,
-                         q.w.data(), dtype_of<E>(), len);
-      return q;
-    }
-    const E* weights(int64_t k) {
-      if (k == cur.k) return cur.ptr;
-      if (pos >= order.size() || order[pos] != k) throw std::logic_error("schedule: vocabulary pieces out of order");
-      ++pos;
-      drop(cur);
-      if (ahead.k == k) cur = std::move(ahead);
-      else cur = start(k);
-      {
-        profile::Scope profile_scope(profile::Phase::Communication, "vocab_piece_gather");
-        for (auto& x : cur.requests) x.wait();
-      }
-      cur.requests.clear();
-      if (r.prefetching() && pos < order.size()) ahead = start(order[pos]);
-      return cur.ptr;
-    }
-    // The fp32 gradient of piece k's rows: a zeroed buffer (sharded) or the shard's own rows.
-    float* grad_rows(int64_t k) {
-      if (!r.sharded()) return r.P ? nullptr : grad->shard + first(k) * H;
-      grad_piece = r.mem.template allocate_n<float>(static_cast<size_t>(count(k) * H), MemCategory::Gradients,
-                                                    "vocab_piece_grad", true);
-      return ptr<float>(grad_piece);
-    }
-    void grad_rows_done(int64_t k) {
-      const bool last = --grads_left == 0;
-      InFlight f;
-      if (r.sharded()) {
-        const int64_t a = first(k) * H, len = count(k) * H;
-        Buffer scratch = r.mem.template allocate_n<float>(static_cast<size_t>(r.comm->range_scratch_elems(len)),
-                                                          MemCategory::Workspace, "vocab_piece_scatter");
-        if (!r.P)
-          f.requests.push_back(r.comm->start_reduce_scatter_range(ptr<float>(grad_piece), n, a, a + len, grad->shard,
-                                                                  ptr<float>(scratch)));
-        f.full.push_back(std::move(grad_piece));
-        f.full.push_back(std::move(scratch));
-      }
-      if (last && r.sink) {
-        f.shards.push_back(std::move(grad->own));
-        f.done = [sink = r.sink, w = which, p = grad->shard] { sink->global(w, p); };
-      }
-      if (r.sharded() || (last && r.sink)) r.submit(std::move(f));
-    }
-  };
-
-  // The LM head's pieces as the kernel asks for them.
-  struct HeadPieces final : kernels::XentPieces<T> {
-    RowPieces<T>& p;
-    explicit HeadPieces(RowPieces<T>& rp) : p(rp) {}
-    const T* weights(int64_t k) override { return p.weights(k); }
-    float* grad(int64_t k) override { return p.grad_rows(k); }
-    void grad_done(int64_t k) override { p.grad_rows_done(k); }
-  };
+  // A global [V, H] table (embedding, LM head) in row pieces of piece_rows<E>() (distributed::RowPieces), visited in
+  // `order`; with `grad`, its gradient pieces go to the step's flights.
+  template <typename E>
+  distributed::RowPieces<E> row_pieces(model::g::Global which, std::vector<int64_t> order,
+                                       distributed::RowGradients* grad = nullptr) {
+    return distributed::RowPieces<E>(mem, shard_group(), params.global_param(which).tensor.view(), c.vocab, H,
+                                     piece_rows<E>(), std::move(order), prefetching(), flights, grad);
+  }
+  // Where a table's gradient pieces go: the shard of `g`, handed to the sink with the last piece.
+  distributed::RowGradients row_grads(GlobalGrad& g, model::g::Global which) {
+    distributed::RowGradients r{g.shard, &g.own, nullptr};
+    if (sink) r.complete = [s = sink, which, p = g.shard] { s->global(which, p); };
+    return r;
+  }
 
   Buffer embed(MemCategory cat, const int32_t* ids = nullptr) {
     if (!ids) ids = b.inputs;
@@ -446,7 +313,7 @@ struct Runner {
       const int64_t pieces = (c.vocab + piece_rows<T>() - 1) / piece_rows<T>();
       std::vector<int64_t> order(static_cast<size_t>(pieces));
       for (int64_t k = 0; k < pieces; ++k) order[static_cast<size_t>(k)] = k;
-      RowPieces<T> table(*this, model::g::kEmbed, order, nullptr);
+      distributed::RowPieces<T> table = row_pieces<T>(model::g::kEmbed, order);
       for (int64_t k = 0; k < pieces; ++k) {
         const T* rows = table.weights(k);
         if (!P)
@@ -486,16 +353,17 @@ struct Runner {
       if (backward)
         for (int64_t k = pieces - 1; k-- > 0;) order.push_back(k);
       if (!backward) {
-        RowPieces<T> wl(*this, model::g::kLmHead, order, nullptr);
-        HeadPieces src(wl);
+        distributed::RowPieces<T> wl = row_pieces<T>(model::g::kLmHead, order);
+        distributed::XentRowPieces<T> src(wl);
         return kernels::lm_head_xent_pieced(ptr<T>(xf), targets, N, H, c.vocab, rows, src, 0.f, nullptr, mem);
       }
       Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
       GlobalGrad dW = global_grad(grads, model::g::kLmHead, /*full=*/false);
       kernels::XentResult r;
       {
-        RowPieces<T> wl(*this, model::g::kLmHead, order, &dW);
-        HeadPieces src(wl);
+        distributed::RowGradients to = row_grads(dW, model::g::kLmHead);
+        distributed::RowPieces<T> wl = row_pieces<T>(model::g::kLmHead, order, &to);
+        distributed::XentRowPieces<T> src(wl);
         r = kernels::lm_head_xent_pieced(ptr<T>(xf), targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
                                          mem, 0, /*plan_backward=*/true);
       }
@@ -566,9 +434,9 @@ struct Runner {
     const model::LayerSlot slot{StackGroup::Mtp, 0, 0};
     next_ids = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "mtp.next_ids");
     Buffer targets = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "mtp.targets");
-    const int64_t local =
+    const int64_t on_rank =
         P ? N : model::mtp_shift(b.inputs, b.targets, b.batch, b.seq, ptr<int32_t>(next_ids), ptr<int32_t>(targets));
-    count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(local)));
+    count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(on_rank)));
     const size_t i_fc = params.mtp_index(model::g::kMtpFc), i_ne = params.mtp_index(model::g::kMtpNormEmbedding),
                  i_nh = params.mtp_index(model::g::kMtpNormHidden), i_n = params.mtp_index(model::g::kMtpNorm);
     Buffer e = embed(MemCategory::Workspace, ptr<int32_t>(next_ids));
@@ -631,6 +499,8 @@ struct Runner {
     auto keeps_input = [&](size_t i) {
       return i == L || policy != RematPolicy::Block || seg[i];
     };
+    flights.set_overlap(prefetching());
+    std::vector<size_t>& calls = prefetcher.calls;
     for (size_t i = 0; i < L; ++i) calls.push_back(i);
     if (policy == RematPolicy::Sublayer) {
       for (size_t i = L; i-- > 0;) calls.push_back(i);
@@ -727,7 +597,8 @@ struct Runner {
     if (sharded() && in_pieces<T>(model::g::kEmbed)) {
       // In vocabulary pieces: each piece's rows scatter-added (the same sums as the whole table) and reduce-scattered.
       GlobalGrad de = global_grad(grads, model::g::kEmbed, /*full=*/false);
-      RowPieces<T> table(*this, model::g::kEmbed, {}, &de);
+      distributed::RowGradients to = row_grads(de, model::g::kEmbed);
+      distributed::RowPieces<T> table = row_pieces<T>(model::g::kEmbed, {}, &to);
       for (int64_t k = 0; k < table.pieces(); ++k) {
         float* rows = table.grad_rows(k);
         if (!P)
@@ -744,7 +615,7 @@ struct Runner {
       if (!P && mtp_weight > 0) kernels::embedding_backward(ptr<int32_t>(mtp_ids), N, ptr<float>(mtp_dnext), c.vocab, H, de.ptr);
       reduce_scatter(de, model::g::kEmbed);
     }
-    finish_in_flight();
+    flights.finish();
     return r;
   }
 };
