@@ -53,7 +53,8 @@ std::unique_ptr<model::ParamSet> load_dir(const fs::path& dir, MemoryAccountant&
 
 bool is_shifted_norm(const std::string& n) {
   return n.find("layernorm") != std::string::npos || n.find("q_norm") != std::string::npos ||
-         n.find("k_norm") != std::string::npos || n == "norm.weight";
+         n.find("k_norm") != std::string::npos || n == "norm.weight" ||
+         (n.rfind("mtp.", 0) == 0 && n.find("norm") != std::string::npos);  // the MTP layer's (nextn.*norm)
 }
 
 class GgufImport : public ::testing::TestWithParam<std::string> {};
@@ -63,12 +64,12 @@ class GgufImport : public ::testing::TestWithParam<std::string> {};
 // rounding of w + 1: at most half an ulp of a number below 2, 2^-23 / 2 * 2 = 1.2e-7. A_log is stored as
 // fl(-exp(A_log)) and read as log(-x): exp's and log's roundings (about an ulp each) give 2 * 2^-23 relative to
 // values below 4 in magnitude: 1e-6 allows for both.
-TEST_P(GgufImport, ImportEqualsTheHuggingFaceCheckpoint) {
-  TempDir tmp(GetParam());
-  import_gguf(fixture(GetParam() + ".f32"), tmp.path);
+void expect_import_equals_the_checkpoint(const std::string& name) {
+  TempDir tmp(name);
+  import_gguf(fixture(name + ".f32"), tmp.path);
   MemoryAccountant mem;
   const auto ours = load_dir(tmp.path, mem);
-  const auto ref = load_dir(parity(GetParam()), mem);
+  const auto ref = load_dir(parity(name), mem);
   ASSERT_EQ(ours->all().size(), ref->all().size());
   for (size_t k = 0; k < ref->all().size(); ++k) {
     const auto& a = ours->all()[k];
@@ -83,6 +84,18 @@ TEST_P(GgufImport, ImportEqualsTheHuggingFaceCheckpoint) {
     for (int64_t i = 0; i < n; ++i) worst = std::max(worst, std::abs(double(x[i]) - y[i]));
     EXPECT_LE(worst, tol) << a.name;
   }
+}
+TEST_P(GgufImport, ImportEqualsTheHuggingFaceCheckpoint) { expect_import_equals_the_checkpoint(GetParam()); }
+
+// The multi-token-prediction layer (tests/fixtures/gguf/qwen3_5_moe_mtp_L5: a Qwen3.5 MoE whose mtp.* tensors
+// llama.cpp's converter kept as block 5 and its nextn.* tensors) comes back with the rest: every mtp.* tensor at the
+// same tolerances (its three norms are +1 like the others), and the config keeps the layer.
+TEST(GgufMtp, ImportKeepsTheMtpLayer) {
+  expect_import_equals_the_checkpoint("qwen3_5_moe_mtp_L5");
+  const GgufReader r(fixture("qwen3_5_moe_mtp_L5.f32"));
+  EXPECT_EQ(config_from_gguf(r, /*with_mtp=*/true).mtp_layers, 1);
+  EXPECT_EQ(config_from_gguf(r, /*with_mtp=*/true).layers, 5);
+  EXPECT_EQ(config_from_gguf(r).mtp_layers, 0);  // decoding from the blocks leaves it out
 }
 
 // The imported model's logits against transformers' on the parity fixture's inputs, at the parity test's tolerance
@@ -348,7 +361,10 @@ TEST_P(GgufExport, F32EqualsLlamaCppsConverterByteForByte) {
   expect_same_tensors(tmp.path / "m.gguf", fixture(GetParam() + ".f32"));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, GgufExport, ::testing::Values("qwen3_next_L5", "qwen3_5_L5", "qwen3_5_dense_L5"));
+// With the MTP layer: block_count 6, nextn_predict_layers 1, recurrent_layers false for it, and its tensors (the
+// full-attention layer with the MoE feed-forward, nextn.eh_proj and the three +1 norms) byte for byte.
+INSTANTIATE_TEST_SUITE_P(Families, GgufExport,
+                         ::testing::Values("qwen3_next_L5", "qwen3_5_L5", "qwen3_5_dense_L5", "qwen3_5_moe_mtp_L5"));
 
 TEST(GgufExportQuantized, Q8_0EqualsLlamaCppsConverterByteForByte) {
   TempDir tmp("export_q8");

@@ -215,11 +215,11 @@ void for_each_tensor(const ModelConfig& c, std::shared_ptr<Source> src,
   add("token_embd.weight", {V, H}, get("embed_tokens.weight"));
   add("output_norm.weight", {H}, shifted("norm.weight"));
   add("output.weight", {V, H}, get("lm_head.weight"));
-  for (int64_t i = 0; i < c.layers; ++i) {
-    const std::string b = "blk." + std::to_string(i) + ".", l = "layers." + std::to_string(i) + ".";
+  // One decoder layer: GGUF block prefix b ("blk.{i}."), the engine's Hugging Face prefix l ("layers.{i}.").
+  auto layer = [&](const std::string& b, const std::string& l, bool full_attention) {
     add(b + "attn_norm.weight", {H}, shifted(l + "input_layernorm.weight"));
     add(b + "post_attention_norm.weight", {H}, shifted(l + "post_attention_layernorm.weight"));
-    if (c.is_full_attention(i)) {
+    if (full_attention) {
       add(b + "attn_q.weight", {c.q_heads * 2 * c.head_dim, H}, get(l + "self_attn.q_proj.weight"));
       add(b + "attn_k.weight", {c.kv_heads * c.head_dim, H}, get(l + "self_attn.k_proj.weight"));
       add(b + "attn_v.weight", {c.kv_heads * c.head_dim, H}, get(l + "self_attn.v_proj.weight"));
@@ -273,6 +273,20 @@ void for_each_tensor(const ModelConfig& c, std::shared_ptr<Source> src,
       add(b + "ffn_up.weight", {c.intermediate, H}, get(l + "mlp.up_proj.weight"));
       add(b + "ffn_down.weight", {H, c.intermediate}, get(l + "mlp.down_proj.weight"));
     }
+  };
+  for (int64_t i = 0; i < c.layers; ++i)
+    layer("blk." + std::to_string(i) + ".", "layers." + std::to_string(i) + ".", c.is_full_attention(i));
+  // The multi-token-prediction layer as llama.cpp's converter writes it (its _QwenMtpMixin): one more block after
+  // the decoder's, a full-attention layer with the family's feed-forward, plus its nextn.* tensors (the 2H -> H
+  // projection and the three norms, +1 like every zero-centred norm).
+  for (int64_t m = 0; m < c.mtp_layers; ++m) {
+    const std::string b = "blk." + std::to_string(c.layers + m) + ".";
+    layer(b, "mtp.layers." + std::to_string(m) + ".", true);
+    if (m > 0) continue;
+    add(b + "nextn.eh_proj.weight", {H, 2 * H}, get("mtp.fc.weight"));
+    add(b + "nextn.enorm.weight", {H}, shifted("mtp.pre_fc_norm_embedding.weight"));
+    add(b + "nextn.hnorm.weight", {H}, shifted("mtp.pre_fc_norm_hidden.weight"));
+    add(b + "nextn.shared_head_norm.weight", {H}, shifted("mtp.norm.weight"));
   }
 }
 
@@ -304,7 +318,8 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
   w.set_string("general.architecture", a);
   w.set_string("general.type", "model");
   w.set_string("general.name", c.name);
-  w.set_u32(p + "block_count", static_cast<uint32_t>(c.layers));
+  w.set_u32(p + "block_count", static_cast<uint32_t>(c.layers + c.mtp_layers));
+  if (c.mtp_layers > 0) w.set_u32(p + "nextn_predict_layers", static_cast<uint32_t>(c.mtp_layers));
   int64_t ctx = 262144;
   const json& cj = d.config_json.contains("text_config") ? d.config_json["text_config"] : d.config_json;
   if (cj.contains("max_position_embeddings")) ctx = cj["max_position_embeddings"].get<int64_t>();
@@ -352,6 +367,7 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
     rec.type = ValueType::ARRAY;
     rec.array_type = ValueType::BOOL;
     for (int64_t i = 0; i < c.layers; ++i) rec.ints.push_back(c.is_full_attention(i) ? 0 : 1);
+    rec.ints.resize(static_cast<size_t>(c.layers + c.mtp_layers), 0);  // the MTP blocks: full attention
     w.set(p + "attention.recurrent_layers", rec);
   }
   w.set_u32(p + "full_attention_interval", static_cast<uint32_t>(c.cycle));

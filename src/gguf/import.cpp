@@ -79,14 +79,23 @@ void minus_one(std::vector<float>& x) {
 
 }  // namespace
 
-ModelConfig config_from_gguf(const GgufReader& r) {
+ModelConfig config_from_gguf(const GgufReader& r, bool with_mtp) {
   const std::string a = arch_of(r);
   const std::string p = a + ".";
   ModelConfig c;
   c.name = r.find_string("general.name").value_or("gguf");
   c.family = a == "qwen3next" ? Family::Qwen3Next : Family::Qwen3_5;
   c.hidden = r.get_int(p + "embedding_length");
-  c.layers = r.get_int(p + "block_count") - r.get_int(p + "nextn_predict_layers", 0);
+  const int64_t nextn = r.get_int(p + "nextn_predict_layers", 0);
+  c.layers = r.get_int(p + "block_count") - nextn;
+  if (with_mtp && nextn > 0) {
+    if (nextn != 1)
+      fail(r, p + "nextn_predict_layers is " + std::to_string(nextn) + ": Qwen3-Next / Qwen3.5 have one MTP layer");
+    if (!r.find_tensor("blk." + std::to_string(c.layers) + ".nextn.eh_proj.weight"))
+      fail(r, p + "nextn_predict_layers is 1 but tensor 'blk." + std::to_string(c.layers) +
+                  ".nextn.eh_proj.weight' (the MTP layer's projection) is missing");
+    c.mtp_layers = nextn;
+  }
   c.cycle = r.get_int(p + "full_attention_interval", 4);
   c.q_heads = r.get_int(p + "attention.head_count");
   c.kv_heads = r.get_int(p + "attention.head_count_kv");
@@ -155,9 +164,11 @@ std::vector<float> dequantize_tensor(const GgufReader& r, const TensorInfo& t) {
   return out;
 }
 
+static std::vector<float> read_layer_tensor(const GgufReader& r, const ModelConfig& c, int64_t i,
+                                            const std::string& s, const std::string& kind);
+
 std::vector<float> read_model_tensor(const GgufReader& r, const ModelConfig& c, const std::string& name) {
   const int64_t H = c.hidden, V = c.vocab;
-  const bool qwen35 = c.family == Family::Qwen3_5;
   if (name == "embed_tokens.weight") return load(r, "token_embd.weight", {V, H}, "the embedding");
   if (name == "norm.weight") {
     auto x = load(r, "output_norm.weight", {H}, "the final norm");
@@ -168,14 +179,39 @@ std::vector<float> read_model_tensor(const GgufReader& r, const ModelConfig& c, 
     if (!r.find_tensor("output.weight")) return load(r, "token_embd.weight", {V, H}, "the tied LM head");
     return load(r, "output.weight", {V, H}, "the LM head");
   }
+  // The multi-token-prediction layer: block `layers` of the file (llama.cpp's converter), a full-attention layer
+  // (mtp.layers.{m}.<spec name>) with the nextn.* tensors beside it.
+  if (name.rfind("mtp.", 0) == 0) {
+    const std::string b = "blk." + std::to_string(c.layers) + ".", kind = "the multi-token-prediction layer";
+    if (name == "mtp.fc.weight") return load(r, b + "nextn.eh_proj.weight", {H, 2 * H}, kind);
+    static const std::map<std::string, std::string> norms{{"mtp.pre_fc_norm_embedding.weight", "nextn.enorm.weight"},
+                                                          {"mtp.pre_fc_norm_hidden.weight", "nextn.hnorm.weight"},
+                                                          {"mtp.norm.weight", "nextn.shared_head_norm.weight"}};
+    if (const auto it = norms.find(name); it != norms.end()) {
+      auto x = load(r, b + it->second, {H}, kind);
+      minus_one(x);
+      return x;
+    }
+    if (name.rfind("mtp.layers.", 0) != 0) throw std::logic_error("read_model_tensor: unknown tensor " + name);
+    const size_t dot = name.find('.', 11);
+    const int64_t m = std::stoll(name.substr(11, dot - 11));
+    return read_layer_tensor(r, c, c.layers + m, name.substr(dot + 1), kind);
+  }
   // layers.{i}.<spec name>
   if (name.rfind("layers.", 0) != 0) throw std::logic_error("read_model_tensor: unknown tensor " + name);
   const size_t dot = name.find('.', 7);
   const int64_t i = std::stoll(name.substr(7, dot - 7));
-  const std::string s = name.substr(dot + 1);
+  return read_layer_tensor(r, c, i, name.substr(dot + 1),
+                           (c.is_full_attention(i) ? "full-attention layer " : "linear-attention layer ") +
+                               std::to_string(i));
+}
+
+// Tensor s (a layer spec's name) of the decoder layer in GGUF block i; kind names the layer in errors.
+static std::vector<float> read_layer_tensor(const GgufReader& r, const ModelConfig& c, int64_t i,
+                                            const std::string& s, const std::string& kind) {
+  const int64_t H = c.hidden;
+  const bool qwen35 = c.family == Family::Qwen3_5;
   const std::string b = "blk." + std::to_string(i) + ".";
-  const bool full = c.is_full_attention(i);
-  const std::string kind = full ? "full-attention layer " + std::to_string(i) : "linear-attention layer " + std::to_string(i);
   const int64_t hk = c.k_heads, hv = c.v_heads, r_ = hk > 0 ? hv / hk : 1, dv = c.dv, KD = c.key_dim(), VD = c.value_dim();
   const bool reorder = qwen35 && hk != hv;
 
@@ -270,7 +306,7 @@ std::vector<float> read_model_tensor(const GgufReader& r, const ModelConfig& c, 
   if (s == "mlp.gate_proj.weight") return load(r, b + "ffn_gate.weight", {c.intermediate, H}, kind);
   if (s == "mlp.up_proj.weight") return load(r, b + "ffn_up.weight", {c.intermediate, H}, kind);
   if (s == "mlp.down_proj.weight") return load(r, b + "ffn_down.weight", {H, c.intermediate}, kind);
-  throw std::logic_error("read_model_tensor: no GGUF source for " + name);
+  throw std::logic_error("read_model_tensor: no GGUF source for " + s + " of " + kind);
 }
 
 std::vector<std::string> verbatim_sources(const GgufReader& r, const ModelConfig& c, const std::string& name) {
@@ -371,7 +407,7 @@ ImportReport import_gguf(const fs::path& path, const fs::path& dir) {
   GgufReader r(path);
   ImportReport rep;
   rep.architecture = arch_of(r);
-  rep.config = config_from_gguf(r);
+  rep.config = config_from_gguf(r, /*with_mtp=*/true);
   const ModelConfig& c = rep.config;
   if (fs::exists(dir) && !fs::is_empty(dir)) throw std::runtime_error(dir.string() + " exists and is not empty");
   fs::create_directories(dir);
@@ -391,8 +427,8 @@ ImportReport import_gguf(const fs::path& path, const fs::path& dir) {
   for (const TensorInfo& t : r.tensors())
     if (int64_t i = -1; t.name.rfind("blk.", 0) == 0 &&
                         std::from_chars(t.name.data() + 4, t.name.data() + t.name.size(), i).ec == std::errc() &&
-                        i >= c.layers)
-      rep.notes.push_back("skipped " + t.name + " (a multi-token-prediction layer)");
+                        i >= c.layers + c.mtp_layers)
+      rep.notes.push_back("skipped " + t.name + " (a block past the decoder's and its multi-token-prediction layer)");
   checkpoint::ShardedWriter w(dir, decls, 5'000'000'000ull, {{"format", "hybridscan"}});
   for (const checkpoint::TensorDecl& d : decls) {
     const std::vector<float> x = read_model_tensor(r, c, d.name);

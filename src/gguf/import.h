@@ -22,7 +22,9 @@ namespace hs::gguf {
 
 // The engine's configuration from {arch}.* metadata. FormatError for another architecture (naming it and the three
 // that load), a missing key, or values that disagree with each other (recurrent_layers against the interval).
-model::ModelConfig config_from_gguf(const GgufReader& r);
+// with_mtp: the multi-token-prediction layer (nextn_predict_layers, its blk.{layers}.nextn.* tensors) becomes the
+// config's mtp_layers; without, it is left out (decoding from the quantized blocks has no use for it).
+model::ModelConfig config_from_gguf(const GgufReader& r, bool with_mtp = false);
 // config.json for the imported model: config_to_hf_json(c) plus the context length and end-of-sequence id.
 nlohmann::json hf_config_json(const GgufReader& r, const model::ModelConfig& c);
 
@@ -32,7 +34,7 @@ bool is_loadable_type(uint32_t type);
 std::vector<float> dequantize_tensor(const GgufReader& r, const TensorInfo& t);
 
 // One tensor of the native unscanned layout ("layers.{i}.linear_attn.in_proj_qkv.weight", "embed_tokens.weight",
-// ...), built from the GGUF tensors it comes from with the converter's transforms undone, as fp32, in the native
+// "mtp.layers.0.self_attn.q_proj.weight", "mtp.fc.weight", ...), built from the GGUF tensors it comes from with the converter's transforms undone, as fp32, in the native
 // shape. FormatError naming the GGUF tensor when it is missing or its shape disagrees with the metadata.
 std::vector<float> read_model_tensor(const GgufReader& r, const model::ModelConfig& c, const std::string& name);
 
