@@ -320,7 +320,7 @@ ExportReport export_gguf(const fs::path& from, const fs::path& to, QuantScheme s
   w.set_string("general.name", c.name);
   w.set_u32(p + "block_count", static_cast<uint32_t>(c.layers + c.mtp_layers));
   if (c.mtp_layers > 0) w.set_u32(p + "nextn_predict_layers", static_cast<uint32_t>(c.mtp_layers));
-  int64_t ctx = 262144;
+  int64_t ctx = 32768;  // config.json without max_position_embeddings: transformers' default for all three config classes
   const json& cj = d.config_json.contains("text_config") ? d.config_json["text_config"] : d.config_json;
   if (cj.contains("max_position_embeddings")) ctx = cj["max_position_embeddings"].get<int64_t>();
   w.set_u32(p + "context_length", static_cast<uint32_t>(ctx));
