@@ -102,6 +102,15 @@ def main():
         warnings.simplefilter("always")
         model = transformers.Qwen3NextForCausalLM(cfg)
     model.train()
+    if a.compile:
+        # transformers installs its output-capturing hooks on the first forward, under a threading.Lock that dynamo
+        # cannot enter: compiled as is, the first step breaks the graph there and the next recompiles once the hooks
+        # exist. Installed up front, neither happens.
+        try:
+            from transformers.utils.output_capturing import maybe_install_capturing_hooks
+            maybe_install_capturing_hooks(model)
+        except ImportError:
+            pass
     forward = torch.compile(model) if a.compile else model
 
     # Same optimizer work as hybridscan's default step: AdamW with decay on matrices/embeddings only, clip at 1.0.
