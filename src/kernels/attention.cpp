@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "kernels/cpu.h"
 #include "kernels/simd.h"

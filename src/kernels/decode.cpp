@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/compute.h"
 #include "kernels/conv.h"
 #include "kernels/cpu.h"
 #include "kernels/simd.h"
@@ -241,14 +242,16 @@ void attention_cached_forward(const KvCacheShape& c, int64_t q_heads, const T* q
   const int threads = omp_get_max_threads();
   Buffer ws = mem.allocate_n<float>(static_cast<size_t>(threads * c.capacity), MemCategory::Workspace,
                                     "attention_cached.scores");
-  if (mem.planning() || rows == 0) return;
-  int64_t cached = 0;  // positions read, over all rows
-  for (int64_t n = 0; n < rows; ++n) cached += int64_t{positions[n]} + 1;
+  if (rows == 0) return;
+  compute(mem, [&] {
+    int64_t cached = 0;  // positions read, over all rows
+    for (int64_t n = 0; n < rows; ++n) cached += int64_t{positions[n]} + 1;
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads) if (cached * q_heads * hd >= kParallelMinWork)
-  for (int64_t n = 0; n < rows; ++n)
-    for (int64_t h = 0; h < q_heads; ++h)
-      attention_head(c, q_heads, q, gate, kcache, vcache, out, slots, positions, seq, n, h,
-                     ws.as<float>() + omp_get_thread_num() * c.capacity);
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t h = 0; h < q_heads; ++h)
+        attention_head(c, q_heads, q, gate, kcache, vcache, out, slots, positions, seq, n, h,
+                       ws.as<float>() + omp_get_thread_num() * c.capacity);
+  });
 }
 
 template <typename T>

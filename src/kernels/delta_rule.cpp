@@ -16,6 +16,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "core/settings.h"
 #include "kernels/cpu.h"

@@ -23,8 +23,9 @@ int64_t default_xent_chunk(int64_t vocab);
 // If dx != nullptr also runs the backward of loss_total = grad_scale * loss_sum, accumulating dx [N, H]
 // and, unless dW == nullptr, dW [V, H]. chunk <= 0 picks default_xent_chunk(V). Workspace (via mem):
 // chunk x V fp32 logits, plus chunk x V in T for the logits' gradient when T is bf16 and dx != nullptr,
-// plus chunk floats; nothing else, whatever N is. Throws std::out_of_range for a target >= V. Planning mode (mem over
-// shapes, where dx is null): plan_backward says whether to account the backward's workspace.
+// plus chunk floats; nothing else, whatever N is. Throws std::out_of_range for a target >= V. plan_backward: the
+// backward runs even though dx is null, as over shapes in planning mode (every buffer null); callers pass it with a
+// real dx.
 template <typename T>
 XentResult lm_head_xent(const T* x, const T* W, const int32_t* targets, int64_t tokens, int64_t hidden, int64_t vocab,
                         float grad_scale, float* dx, float* dW, MemoryAccountant& mem, int64_t chunk = 0,

@@ -4,6 +4,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "kernels/common.h"
 #include "kernels/cpu.h"
@@ -43,9 +44,10 @@ template <typename T> struct PackedGateUp {
     const int64_t half = inter * hidden;
     copy = mem.allocate_n<T>(static_cast<size_t>(2 * half), MemCategory::Workspace, "swiglu.w_gate_up");
     ptr = copy.as<T>();
-    if (mem.planning()) return;
-    std::copy_n(w_gate, half, copy.as<T>());
-    std::copy_n(w_up, half, copy.as<T>() + half);
+    compute(mem, [&] {
+      std::copy_n(w_gate, half, copy.as<T>());
+      std::copy_n(w_up, half, copy.as<T>() + half);
+    });
   }
 };
 
@@ -80,24 +82,25 @@ void swiglu_backward_from(int64_t tokens, int64_t hidden, int64_t inter, const T
   PackedGateUp<T> wgu(w_gate, w_up, inter, hidden, mem);
   Buffer dw_gate_up = mem.allocate_n<float>(static_cast<size_t>(2 * inter * hidden), MemCategory::Workspace,
                                             "swiglu.dw_gate_up");
-  if (mem.planning() || tokens == 0) return;
-
-  const T* gu = saved.gate_up.as<T>();
-  T* dgu = d_gate_up.as<T>();
-  matmul(dyt, w_down, dact.as<float>(), tokens, inter, hidden, false, false);  // dact = dy W_down
-  // One pass recomputes act = silu(g) * u for dW_down and forms d(gate | up).
-  swiglu_act_grad_rows(tokens, inter, gu, dact.as<float>(), nullptr, act.as<T>(), dgu, row_dot);
-  matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
-  // Gate and up as one dense product each way (dx += d(gate|up) [W_gate; W_up], d[W_gate; W_up] = d(gate|up)^T x).
-  matmul(dgu, wgu.ptr, dx, tokens, hidden, 2 * inter, false, false, accumulate_dx);
-  float* dwgu = dw_gate_up.as<float>();
-  matmul(dgu, x, dwgu, 2 * inter, hidden, tokens, true, false, false);
-  const int64_t half = inter * hidden;
+  compute(mem, [&] {
+    if (tokens == 0) return;
+    const T* gu = saved.gate_up.as<T>();
+    T* dgu = d_gate_up.as<T>();
+    matmul(dyt, w_down, dact.as<float>(), tokens, inter, hidden, false, false);  // dact = dy W_down
+    // One pass recomputes act = silu(g) * u for dW_down and forms d(gate | up).
+    swiglu_act_grad_rows(tokens, inter, gu, dact.as<float>(), nullptr, act.as<T>(), dgu, row_dot);
+    matmul(dyt, act.as<T>(), dw_down, hidden, inter, tokens, true, false, true);  // dW_down += dy^T act
+    // Gate and up as one dense product each way (dx += d(gate|up) [W_gate; W_up], d[W_gate; W_up] = d(gate|up)^T x).
+    matmul(dgu, wgu.ptr, dx, tokens, hidden, 2 * inter, false, false, accumulate_dx);
+    float* dwgu = dw_gate_up.as<float>();
+    matmul(dgu, x, dwgu, 2 * inter, hidden, tokens, true, false, false);
+    const int64_t half = inter * hidden;
 #pragma omp parallel for simd schedule(static) if (half > 65536)
-  for (int64_t i = 0; i < half; ++i) {
-    dw_gate[i] += dwgu[i];
-    dw_up[i] += dwgu[half + i];
-  }
+    for (int64_t i = 0; i < half; ++i) {
+      dw_gate[i] += dwgu[i];
+      dw_up[i] += dwgu[half + i];
+    }
+  });
 }
 
 }  // namespace pieces
@@ -110,13 +113,13 @@ void swiglu_forward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, c
                                      saved ? MemCategory::Activations : MemCategory::Workspace, "swiglu.gate_up");
   Buffer act = mem.allocate_n<T>(static_cast<size_t>(tokens * inter), MemCategory::Workspace, "swiglu.act");
   PackedGateUp<T> wgu(w_gate, w_up, inter, hidden, mem);
-  if (!mem.planning()) {
+  compute(mem, [&] {
     T* gu = gate_up.as<T>();
     // Gate and up land side by side in one [tokens, 2I] block, the layout the MoE uses too.
     matmul(x, wgu.ptr, gu, tokens, 2 * inter, hidden, false, true);
     pieces::swiglu_act_rows(tokens, inter, gu, nullptr, act.as<T>());
     matmul(act.as<T>(), w_down, y, tokens, hidden, inter, false, true);
-  }
+  });
   if (saved) saved->gate_up = std::move(gate_up);
 }
 
@@ -129,7 +132,7 @@ void swiglu_backward(int64_t tokens, int64_t hidden, int64_t inter, const T* x, 
   // The products run in T, so a bf16 model multiplies bf16 gradients (as PyTorch autograd does).
   Buffer dy_cast;
   if constexpr (!std::is_same_v<T, float>) dy_cast = mem.allocate_n<T>(n_th, MemCategory::Workspace, "swiglu.dy");
-  const T* dyt = mem.planning() ? nullptr : in_storage_type<T>(dy, dy_cast, n_th);
+  const T* dyt = compute(mem, [&] { return in_storage_type<T>(dy, dy_cast, n_th); });
   pieces::swiglu_backward_from(tokens, hidden, inter, x, w_gate, w_up, w_down, saved, dyt, dx, dw_gate, dw_up,
                                dw_down, mem, row_dot, accumulate_dx);
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "kernels/common.h"
 #include "kernels/matmul.h"
@@ -383,8 +384,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
   stats.expert_counts.assign(static_cast<size_t>(E), 0.0);
   stats.prob_sums.assign(static_cast<size_t>(E), 0.0);
   stats.rows = N;
-  const bool real = !mem.planning();
-  if (real) {
+  compute(mem, [&] {
     float* p = probs.as<float>();
     int32_t* idx = topk_index.as<int32_t>();
     float* wts = topk_weight.as<float>();
@@ -404,23 +404,23 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 
     // Shared-expert gate, needed by the last expert of each token below.
     pieces::moe_shared_scale(N, H, x, w.shared_expert_gate, shared_scale.as<float>());
-  }
+  });
   if (!ep) {
-    if (real) {
-      const int32_t* idx = topk_index.as<int32_t>();
-      const float* wts = topk_weight.as<float>();
-      const int64_t* off = offset.as<int64_t>();
-      const int32_t* slots = row_slot.as<int32_t>();
-      T* gu = gate_up.as<T>();
-      T* xg = xe.as<T>();
-      // Expert e's input rows: gathered while the previous expert's outputs are combined, one parallel region for
-      // both (the two loops write different buffers), so each expert costs one region of its own here, not two.
-      auto gather_rows = [&](int64_t e, int64_t r) { std::copy_n(x + (slots[off[e] + r] / k) * H, H, xg + r * H); };
-      gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather", gather_rows);
-      for (int64_t e = 0; e < E; ++e) {
-        const typename ExpertStream<T>::Expert ex = experts.next(e);
+    const int32_t* idx = topk_index.as<int32_t>();
+    const float* wts = topk_weight.as<float>();
+    const int64_t* off = offset.as<int64_t>();
+    const int32_t* slots = row_slot.as<int32_t>();
+    T* gu = gate_up.as<T>();
+    T* xg = xe.as<T>();
+    // Expert e's input rows: gathered while the previous expert's outputs are combined, one parallel region for
+    // both (the two loops write different buffers), so each expert costs one region of its own here, not two.
+    auto gather_rows = [&](int64_t e, int64_t r) { std::copy_n(x + (slots[off[e] + r] / k) * H, H, xg + r * H); };
+    compute(mem, [&] { gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather", gather_rows); });
+    for (int64_t e = 0; e < E; ++e) {
+      const typename ExpertStream<T>::Expert ex = experts.next(e);
+      compute(mem, [&] {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
-        if (n == 0) continue;
+        if (n == 0) return;
         const int32_t* rows = slots + r0;
         T* gu_e = gu + r0 * 2 * I;
         rows_matmul(xg, ex.gate_up, gu_e, n, 2 * I, H, true);
@@ -442,9 +442,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
 #pragma omp for schedule(static)
           for (int64_t r = 0; r < n_next; ++r) gather_rows(nx, r);
         }
-      }
-    } else {
-      for (int64_t e = 0; e < E; ++e) experts.next(e);
+      });
     }
     experts.finish();
   } else {
@@ -452,29 +450,28 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
     ExpertRowExchange& xc = *w.exchange;
     const int64_t ranks = xc.ranks(), Xl = E / ranks;
     Buffer recv_counts = mem.allocate_n<int64_t>(static_cast<size_t>(E), keep, "moe.ep_counts");
-    if (real) {
+    compute(mem, [&] {
       std::vector<int64_t> sendc(static_cast<size_t>(E));
       for (int64_t e = 0; e < E; ++e) sendc[size_t(e)] = offset.as<int64_t>()[e + 1] - offset.as<int64_t>()[e];
       xc.exchange_counts(sendc.data(), recv_counts.as<int64_t>(), E);
-    }
-    const EpLayout L = ep_layout(real ? offset.as<int64_t>() : nullptr, real ? recv_counts.as<int64_t>() : nullptr,
-                                 ranks, E, static_cast<int64_t>(nk));
+    });
+    const EpLayout L = ep_layout(offset.as<int64_t>(), recv_counts.as<int64_t>(), ranks, E, static_cast<int64_t>(nk));
     const auto cap = static_cast<size_t>(L.capacity);
     Buffer own_x = mem.allocate_n<T>(cap * static_cast<size_t>(H), keep, "moe.ep_x");
     {
       Buffer x_send = mem.allocate_n<T>(nk * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_send");
-      if (real) {
+      compute(mem, [&] {
         const int32_t* slots = row_slot.as<int32_t>();
         T* xs = x_send.as<T>();
 #pragma omp parallel for schedule(static) if (static_cast<int64_t>(nk) * H > kMinParallelWork)
         for (int64_t r = 0; r < static_cast<int64_t>(nk); ++r) std::copy_n(x + (slots[r] / k) * H, H, xs + r * H);
-      }
+      });
       Buffer x_recv = mem.allocate_n<T>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_x_recv");
       Pending rows;
-      if (real) rows = xc.start_dispatch(L.routes, x_send.data(), x_recv.data(), H, sizeof(T));
+      compute(mem, [&] { rows = xc.start_dispatch(L.routes, x_send.data(), x_recv.data(), H, sizeof(T)); });
       shared_expert();
       rows.wait();
-      if (real) ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true);
+      compute(mem, [&] { ep_permute(L, x_recv.data(), own_x.data(), static_cast<size_t>(H) * sizeof(T), true); });
     }
     gate_up = mem.allocate_n<T>(cap * static_cast<size_t>(2 * I), keep, "moe.gate_up");
     Buffer y_own = mem.allocate_n<float>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y");
@@ -482,27 +479,28 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
       Buffer act_own = mem.allocate_n<T>(cap * static_cast<size_t>(I), MemCategory::Workspace, "moe.expert_act");
       for (int64_t j = 0; j < Xl; ++j) {
         const typename ExpertStream<T>::Expert ex = experts.next(j);
-        if (!real) continue;
-        const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
-        if (n == 0) continue;
-        T* gu_e = gate_up.as<T>() + o * 2 * I;
-        rows_matmul(own_x.as<T>() + o * H, ex.gate_up, gu_e, n, 2 * I, H, true);
-        pieces::swiglu_act_rows(n, I, gu_e, nullptr, act_own.as<T>());
-        rows_matmul(act_own.as<T>(), ex.down, y_own.as<float>() + o * H, n, H, I, true);
+        compute(mem, [&] {
+          const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
+          if (n == 0) return;
+          T* gu_e = gate_up.as<T>() + o * 2 * I;
+          rows_matmul(own_x.as<T>() + o * H, ex.gate_up, gu_e, n, 2 * I, H, true);
+          pieces::swiglu_act_rows(n, I, gu_e, nullptr, act_own.as<T>());
+          rows_matmul(act_own.as<T>(), ex.down, y_own.as<float>() + o * H, n, H, I, true);
+        });
       }
       experts.finish();
     }
     Buffer y_back = mem.allocate_n<float>(nk * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y_back");
     {
       Buffer y_send = mem.allocate_n<float>(cap * static_cast<size_t>(H), MemCategory::Workspace, "moe.ep_y_send");
-      if (real) {
+      compute(mem, [&] {
         ep_permute(L, y_own.data(), y_send.data(), static_cast<size_t>(H) * sizeof(float), false);
         y_own.reset();
         xc.start_combine(L.routes, y_send.data(), y_back.data(), H, sizeof(float)).wait();
-      }
+      });
     }
     y_own.reset();
-    if (real) {
+    compute(mem, [&] {
       const int64_t* off = offset.as<int64_t>();
       const int32_t* slots = row_slot.as<int32_t>();
       for (int64_t e = 0; e < E; ++e) {
@@ -511,7 +509,7 @@ RouterStats moe_forward(const MoeShape& s, const T* x, const MoeWeights<T>& w, T
         pieces::moe_add_expert_rows(n, H, k, slots + r0, topk_index.as<int32_t>(), topk_weight.as<float>(),
                         shared_scale.as<float>(), shared_out.as<T>(), y_back.as<float>() + r0 * H, acc.as<float>(), y);
       }
-    }
+    });
     if (saved) {
       saved->recv_counts = std::move(recv_counts);
       saved->own_x = std::move(own_x);
@@ -536,7 +534,6 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   check_shape(s);
   const int64_t N = s.tokens, H = s.hidden, E = s.experts, k = s.top_k, I = s.expert_inter;
   const auto nh = static_cast<size_t>(N * H);
-  const bool real = !mem.planning();
 
   // Shared expert: y_s = sig(z) S(x), z = x . w_sg. Its MLP sees dy * sig; dL/dz = sig (1 - sig) <dy, S>
   // = (1 - sig) * row_dot, where row_dot = <dact, act> = sig <dy, S> comes out of swiglu_backward.
@@ -546,19 +543,19 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   auto shared_expert = [&] {
     // dy * sig, rounded to T in the same pass (the MLP's products run in T).
     Buffer dy_shared = mem.allocate_n<T>(nh, MemCategory::Workspace, "moe.shared_dy");
-    const float* scale = real ? sv.shared_scale.as<float>() : nullptr;
-    if (real) {
+    const float* scale = sv.shared_scale.as<float>();
+    compute(mem, [&] {
       profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_dy");
       T* d = dy_shared.as<T>();
 #pragma omp parallel for schedule(static) if (N * H > kMinParallelWork)
       for (int64_t t = 0; t < N; ++t)
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) d[t * H + h] = from_f32<T>(scale[t] * dy[t * H + h]);
-    }
+    });
     pieces::swiglu_backward_from(N, H, s.shared_inter, x, w.shared_gate, w.shared_up, w.shared_down, sv.shared,
-                                 real ? dy_shared.as<T>() : nullptr, dx, g.shared_gate, g.shared_up, g.shared_down,
+                                 dy_shared.as<T>(), dx, g.shared_gate, g.shared_up, g.shared_down,
                                  mem, dz.as<float>(), accumulate_dx);  // the first writer of dx
-    if (real) {
+    compute(mem, [&] {
       profile::Scope sub(profile::Phase::MoeDispatch, "moe_shared_gate_grad");
       float* dzt = dz.as<float>();
       for (int64_t t = 0; t < N; ++t) dzt[t] *= 1.0f - scale[t];
@@ -575,7 +572,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         }
         for (int64_t j = 0; j < hn; ++j) g.shared_expert_gate[h0 + j] += col[j];
       }
-    }
+    });
   };
   if (!ep) shared_expert();  // expert parallel: while the dy rows travel to the owners, below
 
@@ -594,35 +591,36 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     Buffer dact = mem.allocate_n<float>(static_cast<size_t>(N * I), MemCategory::Workspace, "moe.expert_dact");
     Buffer dgu = mem.allocate_n<T>(static_cast<size_t>(N * 2 * I), MemCategory::Workspace, "moe.expert_dgate_up");
     Buffer dxe = mem.allocate_n<float>(nh, MemCategory::Workspace, "moe.expert_dx");
-    if (real) {
-      const int64_t* off = sv.expert_offset.as<int64_t>();
-      const int32_t* slots = sv.row_slot.as<int32_t>();
-      const int32_t* idx = sv.topk_index.as<int32_t>();
-      const float* wts = sv.topk_weight.as<float>();
-      const float* dzt = dz.as<float>();
-      const T* gu = sv.gate_up.as<T>();
-      float* dw = dweight.as<float>();
-      float* wr = wrow.as<float>();
-      float* rd = rdot.as<float>();
-      T* dyg = dy_rows.as<T>();
-      T* xg = x_rows.as<T>();
-      // Expert e's dy (cast to T) and x rows and routing weights: gathered while the previous expert's dx rows are
-      // added into dx, one parallel region for both (they write different buffers).
-      auto gather_rows = [&](int64_t e, int64_t r) {
-        const int32_t slot = slots[off[e] + r];
-        wr[r] = wts[slot];
-        const int64_t t = slot / k;
-        const float* src = dy + t * H;
-        T* dst = dyg + r * H;
+    const int64_t* off = sv.expert_offset.as<int64_t>();
+    const int32_t* slots = sv.row_slot.as<int32_t>();
+    const int32_t* idx = sv.topk_index.as<int32_t>();
+    const float* wts = sv.topk_weight.as<float>();
+    const float* dzt = dz.as<float>();
+    const T* gu = sv.gate_up.as<T>();
+    float* dw = dweight.as<float>();
+    float* wr = wrow.as<float>();
+    float* rd = rdot.as<float>();
+    T* dyg = dy_rows.as<T>();
+    T* xg = x_rows.as<T>();
+    // Expert e's dy (cast to T) and x rows and routing weights: gathered while the previous expert's dx rows are
+    // added into dx, one parallel region for both (they write different buffers).
+    auto gather_rows = [&](int64_t e, int64_t r) {
+      const int32_t slot = slots[off[e] + r];
+      wr[r] = wts[slot];
+      const int64_t t = slot / k;
+      const float* src = dy + t * H;
+      T* dst = dyg + r * H;
 #pragma omp simd
-        for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
-        std::copy_n(x + t * H, H, xg + r * H);
-      };
-      gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather_dy", gather_rows);
-      for (int64_t e = 0; e < E; ++e) {
-        const typename ExpertStream<T>::Expert ex = experts.next(e);
+      for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
+      std::copy_n(x + t * H, H, xg + r * H);
+    };
+    compute(mem,
+            [&] { gather_expert_rows(off, E, next_expert_with_rows(off, E, 0), H, "moe_gather_dy", gather_rows); });
+    for (int64_t e = 0; e < E; ++e) {
+      const typename ExpertStream<T>::Expert ex = experts.next(e);
+      compute(mem, [&] {
         const int64_t r0 = off[e], n = off[e + 1] - off[e];
-        if (n == 0) continue;
+        if (n == 0) return;
         const int32_t* rows = slots + r0;
         const T* gu_e = gu + r0 * 2 * I;
         rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
@@ -645,9 +643,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 #pragma omp for schedule(static)
           for (int64_t r = 0; r < n_next; ++r) gather_rows(nx, r);
         }
-      }
-    } else {
-      for (int64_t e = 0; e < E; ++e) experts.next(e);
+      });
     }
     experts.finish();
   } else {
@@ -655,8 +651,8 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     // weights' gradients back, combined in expert order as above.
     ExpertRowExchange& xc = *w.exchange;
     const int64_t ranks = xc.ranks(), Xl = E / ranks;
-    const EpLayout L = ep_layout(real ? sv.expert_offset.as<int64_t>() : nullptr,
-                                 real ? sv.recv_counts.as<int64_t>() : nullptr, ranks, E, static_cast<int64_t>(nk));
+    const EpLayout L =
+        ep_layout(sv.expert_offset.as<int64_t>(), sv.recv_counts.as<int64_t>(), ranks, E, static_cast<int64_t>(nk));
     const auto cap = static_cast<size_t>(L.capacity), uH = static_cast<size_t>(H), uI = static_cast<size_t>(I);
     Buffer dy_own = mem.allocate_n<T>(cap * uH, MemCategory::Workspace, "moe.ep_dy");
     Buffer w_own = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_weight");
@@ -665,7 +661,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       Buffer w_send = mem.allocate_n<float>(nk, MemCategory::Workspace, "moe.ep_weight_send");
       Buffer dy_recv = mem.allocate_n<T>(cap * uH, MemCategory::Workspace, "moe.ep_dy_recv");
       Buffer w_recv = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_weight_recv");
-      if (real) {
+      compute(mem, [&] {
         const int32_t* slots = sv.row_slot.as<int32_t>();
         const float* wts = sv.topk_weight.as<float>();
         T* ds = dy_send.as<T>();
@@ -678,19 +674,19 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
 #pragma omp simd
           for (int64_t h = 0; h < H; ++h) dst[h] = from_f32<T>(src[h]);
         }
-      }
+      });
       Pending dy_rows, w_rows;
-      if (real) {
+      compute(mem, [&] {
         dy_rows = xc.start_dispatch(L.routes, dy_send.data(), dy_recv.data(), H, sizeof(T));
         w_rows = xc.start_dispatch(L.routes, w_send.data(), w_recv.data(), 1, sizeof(float));
-      }
+      });
       shared_expert();  // the first writer of dx, as without expert parallelism
       dy_rows.wait();
       w_rows.wait();
-      if (real) {
+      compute(mem, [&] {
         ep_permute(L, dy_recv.data(), dy_own.data(), uH * sizeof(T), true);
         ep_permute(L, w_recv.data(), w_own.data(), sizeof(float), true);
-      }
+      });
     }
     Buffer dx_own = mem.allocate_n<float>(cap * uH, MemCategory::Workspace, "moe.ep_dx");
     Buffer rd_own = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_row_dot");
@@ -700,16 +696,17 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
       Buffer dgu = mem.allocate_n<T>(cap * 2 * uI, MemCategory::Workspace, "moe.expert_dgate_up");
       for (int64_t j = 0; j < Xl; ++j) {
         const typename ExpertStream<T>::Expert ex = experts.next(j);
-        if (!real) continue;
-        const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
-        if (n == 0) continue;
-        const T* dyg = dy_own.as<T>() + o * H;
-        rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
-        pieces::swiglu_act_grad_rows(n, I, sv.gate_up.as<T>() + o * 2 * I, dact.as<float>(), w_own.as<float>() + o,
-                                     actw.as<T>(), dgu.as<T>(), rd_own.as<float>() + o);
-        rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
-        rows_reduce_matmul(dgu.as<T>(), sv.own_x.as<T>() + o * H, ex.dgate_up, n, 2 * I, H);
-        rows_matmul(dgu.as<T>(), ex.gate_up, dx_own.as<float>() + o * H, n, H, 2 * I, false);
+        compute(mem, [&] {
+          const int64_t o = L.own_first[size_t(j)], n = L.own_first[size_t(j + 1)] - o;
+          if (n == 0) return;
+          const T* dyg = dy_own.as<T>() + o * H;
+          rows_matmul(dyg, ex.down, dact.as<float>(), n, I, H, false);  // dact = dy W_down
+          pieces::swiglu_act_grad_rows(n, I, sv.gate_up.as<T>() + o * 2 * I, dact.as<float>(), w_own.as<float>() + o,
+                                       actw.as<T>(), dgu.as<T>(), rd_own.as<float>() + o);
+          rows_reduce_matmul(dyg, actw.as<T>(), ex.ddown, n, H, I);  // dW_down += dy^T (w act)
+          rows_reduce_matmul(dgu.as<T>(), sv.own_x.as<T>() + o * H, ex.dgate_up, n, 2 * I, H);
+          rows_matmul(dgu.as<T>(), ex.gate_up, dx_own.as<float>() + o * H, n, H, 2 * I, false);
+        });
       }
       experts.finish();
     }
@@ -720,17 +717,17 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
     {
       Buffer dx_send = mem.allocate_n<float>(cap * uH, MemCategory::Workspace, "moe.ep_dx_send");
       Buffer rd_send = mem.allocate_n<float>(cap, MemCategory::Workspace, "moe.ep_row_dot_send");
-      if (real) {
+      compute(mem, [&] {
         ep_permute(L, dx_own.data(), dx_send.data(), uH * sizeof(float), false);
         ep_permute(L, rd_own.data(), rd_send.data(), sizeof(float), false);
         Pending dx_rows = xc.start_combine(L.routes, dx_send.data(), dx_back.data(), H, sizeof(float));
         xc.start_combine(L.routes, rd_send.data(), rd_back.data(), 1, sizeof(float)).wait();
         dx_rows.wait();
-      }
+      });
     }
     dx_own.reset();
     rd_own.reset();
-    if (real) {
+    compute(mem, [&] {
       const int64_t* off = sv.expert_offset.as<int64_t>();
       const int32_t* slots = sv.row_slot.as<int32_t>();
       float* dw = dweight.as<float>();
@@ -741,7 +738,7 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
         add_expert_dx(n, H, k, slots + r0, sv.topk_index.as<int32_t>(), dz.as<float>(), w.shared_expert_gate,
                       dx_back.as<float>() + r0 * H, dx);
       }
-    }
+    });
   }
 
   // Router: slot weights -> selected probabilities (through the renormalisation) plus the aux term on
@@ -751,39 +748,40 @@ void moe_backward(const MoeShape& s, const T* x, const MoeWeights<T>& w, const M
   Buffer dlogits_cast;
   if constexpr (!std::is_same_v<T, float>)
     dlogits_cast = mem.allocate_n<T>(ne, MemCategory::Workspace, "moe.dlogits_t");
-  if (!real) return;
-  profile::Scope router_scope(profile::Phase::MoeDispatch, "moe_router_backward");
-  const float* probs = sv.probs.as<float>();
-  const int32_t* idx = sv.topk_index.as<int32_t>();
-  const float* wts = sv.topk_weight.as<float>();
-  const float* dw = dweight.as<float>();
-  float* dl = dlogits.as<float>();
+  compute(mem, [&] {
+    profile::Scope router_scope(profile::Phase::MoeDispatch, "moe_router_backward");
+    const float* probs = sv.probs.as<float>();
+    const int32_t* idx = sv.topk_index.as<int32_t>();
+    const float* wts = sv.topk_weight.as<float>();
+    const float* dw = dweight.as<float>();
+    float* dl = dlogits.as<float>();
 #pragma omp parallel for schedule(static) if (N * E > kMinParallelWork)
-  for (int64_t t = 0; t < N; ++t) {
-    const float* p = probs + t * E;
-    float* d = dl + t * E;
-    for (int64_t e = 0; e < E; ++e) d[e] = aux_dprob ? aux_dprob[e] : 0.0f;
-    const int32_t* it = idx + t * k;
-    const float* wt = wts + t * k;
-    const float* dwt = dw + t * k;
-    if (s.norm_topk_prob) {
-      // w_j = p_j / S, S = sum of the selected p: dp_j = (dw_j - sum_i dw_i w_i) / S
-      float sum = 0.0f, dot = 0.0f;
-      for (int64_t j = 0; j < k; ++j) {
-        sum += p[it[j]];
-        dot += dwt[j] * wt[j];
+    for (int64_t t = 0; t < N; ++t) {
+      const float* p = probs + t * E;
+      float* d = dl + t * E;
+      for (int64_t e = 0; e < E; ++e) d[e] = aux_dprob ? aux_dprob[e] : 0.0f;
+      const int32_t* it = idx + t * k;
+      const float* wt = wts + t * k;
+      const float* dwt = dw + t * k;
+      if (s.norm_topk_prob) {
+        // w_j = p_j / S, S = sum of the selected p: dp_j = (dw_j - sum_i dw_i w_i) / S
+        float sum = 0.0f, dot = 0.0f;
+        for (int64_t j = 0; j < k; ++j) {
+          sum += p[it[j]];
+          dot += dwt[j] * wt[j];
+        }
+        for (int64_t j = 0; j < k; ++j) d[it[j]] += (dwt[j] - dot) / sum;
+      } else {
+        for (int64_t j = 0; j < k; ++j) d[it[j]] += dwt[j];
       }
-      for (int64_t j = 0; j < k; ++j) d[it[j]] += (dwt[j] - dot) / sum;
-    } else {
-      for (int64_t j = 0; j < k; ++j) d[it[j]] += dwt[j];
+      float pd = 0.0f;
+      for (int64_t e = 0; e < E; ++e) pd += p[e] * d[e];
+      for (int64_t e = 0; e < E; ++e) d[e] = p[e] * (d[e] - pd);
     }
-    float pd = 0.0f;
-    for (int64_t e = 0; e < E; ++e) pd += p[e] * d[e];
-    for (int64_t e = 0; e < E; ++e) d[e] = p[e] * (d[e] - pd);
-  }
-  const T* dlt = in_storage_type<T>(dl, dlogits_cast, ne);
-  matmul(dlt, x, g.router, E, H, N, true, false, true);    // dW_router += dlogits^T x
-  matmul(dlt, w.router, dx, N, H, E, false, false, true);  // dx += dlogits W_router
+    const T* dlt = in_storage_type<T>(dl, dlogits_cast, ne);
+    matmul(dlt, x, g.router, E, H, N, true, false, true);    // dW_router += dlogits^T x
+    matmul(dlt, w.router, dx, N, H, E, false, false, true);  // dx += dlogits W_router
+  });
 }
 
 double load_balance_loss(const std::vector<RouterStats>& layers, int64_t experts, std::vector<float>* dprob_sums) {
