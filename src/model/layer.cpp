@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "distributed/expert_exchange.h"
 #include "distributed/expert_pieces.h"
@@ -139,27 +140,32 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
                  bool keep) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
   const int64_t Hk = c.k_heads, Hv = c.v_heads;
   Alloc A{mem, keep};
   s.xn = A.make<T>(N * H, "gdn.xn");
   s.rstd1 = A.make<float>(N, "gdn.rstd1");
-  if (!P) rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
   s.qkv = A.make<T>(N * CD, "gdn.qkv");
   s.z = A.make<T>(N * VD, "gdn.z");
   s.b = A.make<T>(N * Hv, "gdn.b");
   s.a = A.make<T>(N * Hv, "gdn.a");
-  if (!P) {
+  s.q = A.make<T>(N * KD, "gdn.q");
+  s.k = A.make<T>(N * KD, "gdn.k");
+  s.v = A.make<T>(N * VD, "gdn.v");
+  s.qn = A.make<T>(N * KD, "gdn.qn");
+  s.kn = A.make<T>(N * KD, "gdn.kn");
+  s.rstdq = A.make<float>(N * Hk, "gdn.rstdq");
+  s.rstdk = A.make<float>(N * Hk, "gdn.rstdk");
+  s.beta = A.make<float>(N * Hv, "gdn.beta");
+  s.g = A.make<float>(N * Hv, "gdn.g");
+  s.o = A.make<T>(N * VD, "gdn.o");
+  compute(mem, [&] {
+    rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
     linear_forward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(s.qkv), N, CD, H);
     linear_forward(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(s.z), N, VD, H);
     linear_forward(ptr<T>(s.xn), w.mat(p::kB), ptr<T>(s.b), N, Hv, H);
     linear_forward(ptr<T>(s.xn), w.mat(p::kA), ptr<T>(s.a), N, Hv, H);
-  }
-  s.q = A.make<T>(N * KD, "gdn.q");
-  s.k = A.make<T>(N * KD, "gdn.k");
-  s.v = A.make<T>(N * VD, "gdn.v");
-  if (!P) {  // the conv's channels are [q | k | v]: written straight into the three tensors
+    // The conv's channels are [q | k | v]: written straight into the three tensors.
     const auto qkv = ColumnBlocks<T>().add(ptr<T>(s.q), KD).add(ptr<T>(s.k), KD).add(ptr<T>(s.v), VD);
     if (ctx.cache)
       causal_conv_silu_cached(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ptr<T>(ctx.cache->conv), ctx.slots, ctx.batch,
@@ -167,14 +173,6 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
     else
       causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ctx.batch, ctx.seq, CD, c.conv_width,
                                ctx.document_positions());
-  }
-  s.qn = A.make<T>(N * KD, "gdn.qn");
-  s.kn = A.make<T>(N * KD, "gdn.kn");
-  s.rstdq = A.make<float>(N * Hk, "gdn.rstdq");
-  s.rstdk = A.make<float>(N * Hk, "gdn.rstdk");
-  s.beta = A.make<float>(N * Hv, "gdn.beta");
-  s.g = A.make<float>(N * Hv, "gdn.g");
-  if (!P) {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
     l2norm_forward(L2NormPair<const T, T>{{ptr<T>(s.q), ptr<T>(s.k)},
                                           {ptr<T>(s.qn), ptr<T>(s.kn)},
@@ -183,27 +181,27 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
                    N * Hk, c.dk, 1e-6f);
     gdn_gates_forward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(s.beta),
                       ptr<float>(s.g), N, Hv);
-  }
-  s.o = A.make<T>(N * VD, "gdn.o");
+  });
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv, ctx.document_positions()};
   if (!ctx.cache) {
     delta_rule_forward(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
                        keep ? &s.delta : nullptr, mem, keep && ctx.keep_recomputables, delta_rule_products(ctx));
   } else if (ctx.seq == 1) {  // one token per sequence: the recurrent step (the chunked form would pad it to 64)
-    if (!P)
+    compute(mem, [&] {
       delta_rule_step(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g), ptr<T>(s.o),
                       ptr<float>(ctx.cache->state), ctx.slots);
+    });
   } else {
     delta_rule_forward_cached(ds, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.v), ptr<float>(s.beta), ptr<float>(s.g),
                               ptr<T>(s.o), ptr<float>(ctx.cache->state), ctx.slots, mem);
   }
   s.y = A.make<T>(N * VD, "gdn.y");
   s.rstdg = A.make<float>(N * Hv, "gdn.rstdg");
-  if (!P) {
+  compute(mem, [&] {
     gated_rmsnorm_forward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<T>(s.y), ptr<float>(s.rstdg), N * Hv, c.dv,
                           float(c.rms_eps));
     linear_forward(ptr<T>(s.y), w.mat(p::kOut), mix, N, H, VD);
-  }
+  });
 }
 
 template <typename T>
@@ -211,16 +209,16 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
                   const LayerSaved<T>& s, const float* dmix, const T* dmix_t, float* dh_in) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim();
   const int64_t Hk = c.k_heads, Hv = c.v_heads;
   Buffer dy = scratch<float>(mem, N * VD, "gdn.dy");
-  if (!P) linear_backward_from(ptr<T>(s.y), w.mat(p::kOut), dmix_t, ptr<float>(dy), G(gr, p::kOut), N, H, VD, false);
   Buffer d_o = scratch<float>(mem, N * VD, "gdn.do");
   Buffer dz = scratch<T>(mem, N * VD, "gdn.dz");  // in T: it only feeds the z projection's products
-  if (!P)
+  compute(mem, [&] {
+    linear_backward_from(ptr<T>(s.y), w.mat(p::kOut), dmix_t, ptr<float>(dy), G(gr, p::kOut), N, H, VD, false);
     gated_rmsnorm_backward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<float>(s.rstdg), ptr<float>(dy),
                            ptr<float>(d_o), ptr<T>(dz), G(gr, p::kGdnNorm), N * Hv, c.dv, /*accumulate=*/false);
+  });
   dy.reset();
   // Written whole by the delta rule's backward (accumulate = false): not cleared first.
   Buffer dqn = scratch<float>(mem, N * KD, "gdn.dqn");
@@ -237,7 +235,7 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   Buffer da = scratch<float>(mem, N * Hv, "gdn.da", true);
   Buffer dq = scratch<float>(mem, N * KD, "gdn.dq");
   Buffer dk = scratch<float>(mem, N * KD, "gdn.dk");
-  if (!P) {
+  compute(mem, [&] {
     const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
     l2norm_backward(L2NormBackwardPair<T>{{ptr<T>(s.q), ptr<T>(s.k)},
                                           {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
@@ -247,7 +245,7 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
                     N * Hk, c.dk, false);
     gdn_gates_backward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(dbeta),
                        ptr<float>(dg), ptr<float>(db), ptr<float>(da), G(gr, p::kALog), G(gr, p::kDtBias), N, Hv);
-  }
+  });
   dqn.reset();
   dkn.reset();
   dbeta.reset();
@@ -255,24 +253,27 @@ void gdn_backward(const LayerContext& ctx, const ComputeWeights<T>& w, const Lay
   // The conv reads its output gradient [dq | dk | dv] from the three tensors and writes dqkv in T, the in_proj
   // product's input (no gather into one fp32 array, no cast pass).
   Buffer dqkv = scratch<T>(mem, N * CD, "gdn.dqkv");
-  if (!P)
+  compute(mem, [&] {
     causal_conv_silu_backward<T, T>(
         ptr<T>(s.qkv), w.vec(p::kConv),
         ColumnBlocks<const float>().add(ptr<float>(dq), KD).add(ptr<float>(dk), KD).add(ptr<float>(dv), VD),
         ptr<T>(dqkv), G(gr, p::kConv), ctx.batch, ctx.seq, CD, c.conv_width, /*accumulate_dx=*/false,
         ctx.document_positions());
+  });
   dq.reset();
   dk.reset();
   dv.reset();
   Buffer dxn = scratch<float>(mem, N * H, "gdn.dxn");
-  if (!P)
+  compute(mem, [&] {
     linear_backward_from(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(dqkv), ptr<float>(dxn), G(gr, p::kQkv), N, CD, H, false);
-  if (!P) linear_backward_from(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H);
+    linear_backward_from(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(dz), ptr<float>(dxn), G(gr, p::kZ), N, VD, H);
+  });
   linear_backward(ptr<T>(s.xn), w.mat(p::kB), ptr<float>(db), ptr<float>(dxn), G(gr, p::kB), N, Hv, H, mem);
   linear_backward(ptr<T>(s.xn), w.mat(p::kA), ptr<float>(da), ptr<float>(dxn), G(gr, p::kA), N, Hv, H, mem);
-  if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
+  compute(mem, [&] {  // dh_in = dmix (the residual's gradient) + the norm's
     rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
                      H, /*accumulate=*/false, /*residual=*/dmix);
+  });
 }
 
 template <typename T>
@@ -280,34 +281,28 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
                        bool keep) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
   Alloc A{mem, keep};
   s.xn = A.make<T>(N * H, "attn.xn");
   s.rstd1 = A.make<float>(N, "attn.rstd1");
-  if (!P) rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
   s.q_raw = A.make<T>(N * nH * hd, "attn.q_raw");
   s.gate = A.make<T>(N * nH * hd, "attn.gate");
   s.k_raw = A.make<T>(N * nKV * hd, "attn.k_raw");
   s.vv = A.make<T>(N * nKV * hd, "attn.v");
   {
     Buffer qg = scratch<T>(mem, N * nH * 2 * hd, "attn.q_proj_out");
-    if (!P) {
+    compute(mem, [&] {
+      rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
       linear_forward(ptr<T>(s.xn), w.mat(p::kQ), ptr<T>(qg), N, nH * 2 * hd, H);
       split_query_gate(ptr<T>(qg), ptr<T>(s.q_raw), ptr<T>(s.gate), N, nH, hd);
       linear_forward(ptr<T>(s.xn), w.mat(p::kK), ptr<T>(s.k_raw), N, nKV * hd, H);
       linear_forward(ptr<T>(s.xn), w.mat(p::kV), ptr<T>(s.vv), N, nKV * hd, H);
-    }
+    });
   }
   s.qn = A.make<T>(N * nH * hd, "attn.q");
   s.kn = A.make<T>(N * nKV * hd, "attn.k");
   s.rstdq = A.make<float>(N * nH, "attn.rstdq");
   s.rstdk = A.make<float>(N * nKV, "attn.rstdk");
-  if (!P) {
-    rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
-    rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
-    rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
-  }
   s.attn_out = A.make<T>(N * nH * hd, "attn.out");
   AttentionShape as{ctx.batch, ctx.seq, nH, nKV, hd, ctx.document_positions()};
   // Decoding writes the keys and values into the cache. Rows that all start their sequences (whole prompts) still
@@ -319,11 +314,16 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
     return true;
   };
   const bool from_start = starts_sequences();
+  compute(mem, [&] {
+    rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
+    rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
+    rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
+    if (ctx.cache)
+      kv_cache_write({nKV, hd, ctx.cache->capacity}, ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(ctx.cache->k),
+                     ptr<T>(ctx.cache->v), ctx.slots, ctx.positions, ctx.batch, ctx.seq);
+  });
   if (ctx.cache) {
     const KvCacheShape kc{nKV, hd, ctx.cache->capacity};
-    if (!P)
-      kv_cache_write(kc, ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(ctx.cache->k), ptr<T>(ctx.cache->v), ctx.slots,
-                     ctx.positions, ctx.batch, ctx.seq);
     if (!from_start)
       attention_cached_forward(kc, nH, ptr<T>(s.qn), ptr<T>(s.gate), ptr<T>(ctx.cache->k), ptr<T>(ctx.cache->v),
                                ptr<T>(s.attn_out), ctx.slots, ctx.positions, ctx.batch, ctx.seq, mem);
@@ -331,7 +331,7 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   if (from_start)
     gated_attention_forward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), ptr<T>(s.attn_out),
                             keep ? &s.attn : nullptr, mem);
-  if (!P) linear_forward(ptr<T>(s.attn_out), w.mat(p::kO), mix, N, H, nH * hd);
+  compute(mem, [&] { linear_forward(ptr<T>(s.attn_out), w.mat(p::kO), mix, N, H, nH * hd); });
 }
 
 template <typename T>
@@ -339,12 +339,12 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
                         const LayerSaved<T>& s, const float* dmix, const T* dmix_t, float* dh_in) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
   Buffer dattn = scratch<float>(mem, N * nH * hd, "attn.dout");
-  if (!P)
+  compute(mem, [&] {
     linear_backward_from(ptr<T>(s.attn_out), w.mat(p::kO), dmix_t, ptr<float>(dattn), G(gr, p::kO), N, H, nH * hd,
                          false);
+  });
   Buffer dq = scratch<float>(mem, N * nH * hd, "attn.dq", true);
   Buffer dk = scratch<float>(mem, N * nKV * hd, "attn.dk", true);
   Buffer dv = scratch<float>(mem, N * nKV * hd, "attn.dv", true);
@@ -358,27 +358,28 @@ void attention_backward(const LayerContext& ctx, const ComputeWeights<T>& w, con
   // products (the same bits as norm, merge, then cast).
   Buffer dqg = scratch<T>(mem, N * nH * 2 * hd, "attn.dq_proj_out");
   Buffer dk_raw = scratch<T>(mem, N * nKV * hd, "attn.dk_raw");
-  if (!P) {
+  compute(mem, [&] {
     rope_backward(ptr<float>(dq), nH, ptr<float>(dk), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
     rmsnorm_backward_strided(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<float>(s.rstdq), ptr<float>(dq), ptr<T>(dqg),
                              2 * hd, G(gr, p::kQNorm), N * nH, hd);
     rmsnorm_backward_strided(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<float>(s.rstdk), ptr<float>(dk), ptr<T>(dk_raw), hd,
                              G(gr, p::kKNorm), N * nKV, hd);
     merge_gate(ptr<float>(dgate), ptr<T>(dqg), N, nH, hd);
-  }
+  });
   dq.reset();
   dk.reset();
   dgate.reset();
   Buffer dxn = scratch<float>(mem, N * H, "attn.dxn");
-  if (!P) {
+  compute(mem, [&] {
     linear_backward_from(ptr<T>(s.xn), w.mat(p::kQ), ptr<T>(dqg), ptr<float>(dxn), G(gr, p::kQ), N, nH * 2 * hd, H,
                          false);
     linear_backward_from(ptr<T>(s.xn), w.mat(p::kK), ptr<T>(dk_raw), ptr<float>(dxn), G(gr, p::kK), N, nKV * hd, H);
-  }
+  });
   linear_backward(ptr<T>(s.xn), w.mat(p::kV), ptr<float>(dv), ptr<float>(dxn), G(gr, p::kV), N, nKV * hd, H, mem);
-  if (!P)  // dh_in = dmix (the residual's gradient) + the norm's
+  compute(mem, [&] {  // dh_in = dmix (the residual's gradient) + the norm's
     rmsnorm_backward(h_in, w.vec(p::kInputNorm), ptr<float>(s.rstd1), ptr<float>(dxn), dh_in, G(gr, p::kInputNorm), N,
                      H, /*accumulate=*/false, /*residual=*/dmix);
+  });
 }
 
 }  // namespace
@@ -388,7 +389,6 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
                           LayerSaved<T>* saved, ComputeWeights<T>* weights) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const bool keep = saved != nullptr;
   const int64_t N = ctx.tokens(), H = c.hidden;
   LayerSaved<T> local;
@@ -408,9 +408,10 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     s.h_mid = A.make<T>(N * H, "layer.h_mid");
     s.x2 = A.make<T>(N * H, "ffn.xn");
     s.rstd2 = A.make<float>(N, "ffn.rstd");
-    if (!P)  // h_mid = h_in + mix and its post-attention norm, one pass
+    compute(mem, [&] {  // h_mid = h_in + mix and its post-attention norm, one pass
       add_rmsnorm_forward(h_in, ptr<T>(mix), ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N,
                           H, float(c.rms_eps));
+    });
   }
   const int f = ffn_offset(lw.kind);
   Buffer ffn_out = scratch<T>(mem, N * H, "ffn.out");
@@ -424,7 +425,7 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     swiglu_forward(N, H, c.intermediate, ptr<T>(s.x2), w.mat(f + p::kMlpGate), w.mat(f + p::kMlpUp),
                    w.mat(f + p::kMlpDown), ptr<T>(ffn_out), keep ? &s.mlp : nullptr, mem);
   }
-  if (!P) add(ptr<T>(s.h_mid), ptr<T>(ffn_out), h_out, N * H);
+  compute(mem, [&] { add(ptr<T>(s.h_mid), ptr<T>(ffn_out), h_out, N * H); });
   return stats;
 }
 
@@ -433,7 +434,6 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
                     const LayerSaved<T>& s, const float* dh_out, float* dh_in, const float* aux_dprob) {
   const ModelConfig& c = ctx.cfg;
   MemoryAccountant& mem = ctx.mem;
-  const bool P = mem.planning();
   const int64_t N = ctx.tokens(), H = c.hidden;
   const ComputeWeights<T>& w = s.weights;
   const std::vector<PackedWeight> packed = pack_weights(ctx, lw, w, WeightUse::BackwardData);
@@ -458,10 +458,11 @@ void layer_backward(const LayerContext& ctx, const LayerWeights& lw, const Layer
                       w.mat(f + p::kMlpDown), s.mlp, dh_out, ptr<float>(dx2), G(gr, f + p::kMlpGate),
                       G(gr, f + p::kMlpUp), G(gr, f + p::kMlpDown), mem, nullptr, /*accumulate_dx=*/false);
     }
-    if (!P)
+    compute(mem, [&] {
       rmsnorm_backward(ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<float>(s.rstd2), ptr<float>(dx2), ptr<float>(dh_mid),
                        G(gr, p::kPostNorm), N, H, /*accumulate=*/false, /*residual=*/dh_out,
                        std::is_same_v<T, float> ? nullptr : ptr<T>(dh_mid_t));
+    });
   }
   // Mixer branch: dh_in = dh_mid + d(Mixer(norm(h_in)))/dh_in (the mixer's last step writes dh_in whole).
   const T* dmix_t = std::is_same_v<T, float> ? ptr<T>(dh_mid) : ptr<T>(dh_mid_t);

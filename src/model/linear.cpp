@@ -1,5 +1,6 @@
 #include "model/linear.h"
 
+#include "core/compute.h"
 #include "core/profile.h"
 #include "kernels/matmul.h"
 
@@ -20,13 +21,13 @@ template <typename T>
 void linear_backward(const T* x, const T* W, const float* dy, float* dx, float* dW, int64_t N, int64_t out, int64_t in,
                      MemoryAccountant& mem, bool accumulate_dx) {
   if constexpr (std::is_same_v<T, float>) {
-    if (mem.planning()) return;
-    linear_backward_from(x, W, dy, dx, dW, N, out, in, accumulate_dx);
+    compute(mem, [&] { linear_backward_from(x, W, dy, dx, dW, N, out, in, accumulate_dx); });
   } else {
     Buffer dyc = mem.allocate_n<T>(static_cast<size_t>(N * out), MemCategory::Workspace, "linear.dy_cast");
-    if (mem.planning()) return;
-    cast(dy, dyc.as<T>(), N * out);
-    linear_backward_from(x, W, dyc.as<T>(), dx, dW, N, out, in, accumulate_dx);
+    compute(mem, [&] {
+      cast(dy, dyc.as<T>(), N * out);
+      linear_backward_from(x, W, dyc.as<T>(), dx, dW, N, out, in, accumulate_dx);
+    });
   }
 }
 
