@@ -4,6 +4,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "core/compute.h"
 #include "core/profile.h"
 
 namespace hs::distributed {
@@ -36,7 +37,7 @@ void convert_in_place(void* p, DType from, DType to, int64_t n) {
 template <typename T>
 PiecedExperts<T>::PiecedExperts(const StoredExperts& x, MemoryAccountant& mem, Collectives* comm,
                                 int64_t expert_parallel, size_t piece_bytes)
-    : mem_(mem), comm_(comm), P_(mem.planning()), sharded_(x.shards > 1), ep_(expert_parallel), x_(x) {
+    : mem_(mem), comm_(comm), sharded_(x.shards > 1), ep_(expert_parallel), x_(x) {
   if (sharded_ && (!comm_ || comm_->size() != x.shards))
     throw std::logic_error("sharded weights need the collectives of their group");
   local_ = x.experts / ep_;
@@ -56,17 +57,19 @@ template <typename T>
 typename PiecedExperts<T>::Expert PiecedExperts<T>::next(int64_t e) {
   const int64_t le = e, piece = le / per_piece_;
   if (piece != index_) advance(piece);
-  if (P_) return {};
-  const int64_t j = le - cur_.first;
-  Expert x{};
-  x.gate_up = cur_.w[0].empty() ? static_cast<const T*>(x_.gate_up.data) + le * n_[0]
-                                : ptr<T>(cur_.w[0]) + j * full_stride_[0];
-  x.down = cur_.w[1].empty() ? static_cast<const T*>(x_.down.data) + le * n_[1] : ptr<T>(cur_.w[1]) + j * full_stride_[1];
-  if (x_.backward) {
-    x.dgate_up = sharded_ ? ptr<float>(cur_.g[0]) + j * full_stride_[0] : grad(0) + le * n_[0];
-    x.ddown = sharded_ ? ptr<float>(cur_.g[1]) + j * full_stride_[1] : grad(1) + le * n_[1];
-  }
-  return x;
+  return compute(mem_, [&] {
+    const int64_t j = le - cur_.first;
+    Expert x{};
+    x.gate_up = cur_.w[0].empty() ? static_cast<const T*>(x_.gate_up.data) + le * n_[0]
+                                  : ptr<T>(cur_.w[0]) + j * full_stride_[0];
+    x.down = cur_.w[1].empty() ? static_cast<const T*>(x_.down.data) + le * n_[1]
+                               : ptr<T>(cur_.w[1]) + j * full_stride_[1];
+    if (x_.backward) {
+      x.dgate_up = sharded_ ? ptr<float>(cur_.g[0]) + j * full_stride_[0] : grad(0) + le * n_[0];
+      x.ddown = sharded_ ? ptr<float>(cur_.g[1]) + j * full_stride_[1] : grad(1) + le * n_[1];
+    }
+    return x;
+  });
 }
 
 template <typename T>
@@ -98,31 +101,32 @@ typename PiecedExperts<T>::Piece PiecedExperts<T>::start_weights(int64_t piece) 
     q.w[k] = mem_.allocate(static_cast<size_t>(q.count * full_stride_[k]) * elem, MemCategory::WeightCasts,
                            k ? "expert_piece:down_proj" : "expert_piece:gate_up_proj");
     q.convert[k] = ep_ > 1 && src.dtype != dtype_of<T>();
-    if (P_) continue;
-    if (ep_ > 1) {
-      const int64_t G = comm_->size(), s = shard_stride_[k];
-      for (int64_t j = 0; j < q.count; ++j) {
-        std::vector<int64_t> counts(static_cast<size_t>(G), s), sd, rd;
-        for (int64_t r = 0; r < G; ++r) {
-          sd.push_back(((r % ep_) * local_ + q.first + j) * s);
-          rd.push_back(r * s);
+    compute(mem_, [&] {
+      if (ep_ > 1) {
+        const int64_t G = comm_->size(), s = shard_stride_[k];
+        for (int64_t j = 0; j < q.count; ++j) {
+          std::vector<int64_t> counts(static_cast<size_t>(G), s), sd, rd;
+          for (int64_t r = 0; r < G; ++r) {
+            sd.push_back(((r % ep_) * local_ + q.first + j) * s);
+            rd.push_back(r * s);
+          }
+          char* to = static_cast<char*>(q.w[k].data()) + static_cast<size_t>(j * full_stride_[k]) * src_elem;
+          q.requests.push_back(comm_->start_all_to_all_v(src.data, counts, sd, to, counts, rd, src_elem));
         }
-        char* to = static_cast<char*>(q.w[k].data()) + static_cast<size_t>(j * full_stride_[k]) * src_elem;
-        q.requests.push_back(comm_->start_all_to_all_v(src.data, counts, sd, to, counts, rd, src_elem));
+        return;
       }
-      continue;
-    }
-    if (!sharded_) {  // the piece's experts are contiguous in both: one cast (one parallel pass) for all of them
-      const char* from = static_cast<const char*>(src.data) + q.first * n_[k] * src_elem;
-      convert_elements(from, src.dtype, q.w[k].data(), dtype_of<T>(), q.count * n_[k]);
-      continue;
-    }
-    for (int64_t j = 0; j < q.count; ++j) {
-      const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
-      T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
-      q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
-                                                   to, dtype_of<T>(), n_[k]));
-    }
+      if (!sharded_) {  // the piece's experts are contiguous in both: one cast (one parallel pass) for all of them
+        const char* from = static_cast<const char*>(src.data) + q.first * n_[k] * src_elem;
+        convert_elements(from, src.dtype, q.w[k].data(), dtype_of<T>(), q.count * n_[k]);
+        return;
+      }
+      for (int64_t j = 0; j < q.count; ++j) {
+        const char* from = static_cast<const char*>(src.data) + (q.first + j) * shard_stride_[k] * src_elem;
+        T* to = ptr<T>(q.w[k]) + j * full_stride_[k];
+        q.requests.push_back(comm_->start_all_gather(TensorView(const_cast<char*>(from), src.dtype, {shard_stride_[k]}),
+                                                     to, dtype_of<T>(), n_[k]));
+      }
+    });
   }
   return q;
 }
@@ -134,7 +138,7 @@ void PiecedExperts<T>::scatter(Piece& q) {
   for (int k = 0; k < 2; ++k) q.w[k].reset();
   drop(retiring_);
   if (!x_.backward || !sharded_) return;
-  if (!P_)
+  compute(mem_, [&] {
     for (int k = 0; k < 2; ++k)
       for (int64_t j = 0; j < q.count; ++j) {
         float* full = ptr<float>(q.g[k]) + j * full_stride_[k];
@@ -148,6 +152,7 @@ void PiecedExperts<T>::scatter(Piece& q) {
           q.requests.push_back(comm_->start_reduce_scatter(full, n_[k], grad(k) + (q.first + j) * shard_stride_[k]));
         }
       }
+  });
   retiring_ = std::move(q);
 }
 
@@ -161,10 +166,11 @@ void PiecedExperts<T>::advance(int64_t piece) {
   cur_ = index_ >= 0 && sharded_ ? std::move(ahead_) : start_weights(piece);
   for (auto& r : cur_.requests) r.wait();
   cur_.requests.clear();
-  if (!P_)
+  compute(mem_, [&] {
     for (int k = 0; k < 2; ++k)
       if (cur_.convert[k])
         convert_in_place(cur_.w[k].data(), weight(k).dtype, dtype_of<T>(), cur_.count * full_stride_[k]);
+  });
   index_ = piece;
   if (sharded_ && (piece + 1) * per_piece_ < local_) ahead_ = start_weights(piece + 1);
   if (x_.backward && sharded_)

@@ -67,7 +67,7 @@ class PiecedExperts final : public kernels::ExpertStream<T> {
 
   MemoryAccountant& mem_;
   Collectives* comm_;
-  bool P_, sharded_;
+  bool sharded_;
   int64_t ep_;
   StoredExperts x_;
   int64_t local_ = 0, per_piece_ = 1, index_ = -1;

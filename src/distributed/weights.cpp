@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "core/compute.h"
 #include "core/profile.h"
 
 namespace hs::distributed {
@@ -21,9 +22,10 @@ Converted<T> as_type(const TensorView& t, MemoryAccountant& mem, MemCategory cat
   }
   c.owned = mem.allocate_n<T>(static_cast<size_t>(t.numel()), cat, tag);
   c.ptr = c.owned.template as<T>();
-  if (mem.planning()) return c;
-  if (t.dtype == DType::F32) cast(static_cast<const float*>(t.data), c.owned.template as<T>(), t.numel());
-  else cast(static_cast<const bf16*>(t.data), c.owned.template as<T>(), t.numel());
+  compute(mem, [&] {
+    if (t.dtype == DType::F32) cast(static_cast<const float*>(t.data), c.owned.template as<T>(), t.numel());
+    else cast(static_cast<const bf16*>(t.data), c.owned.template as<T>(), t.numel());
+  });
   return c;
 }
 
