@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include "core/compute.h"
 #include "core/memory.h"
 #include "core/tensor.h"
 
@@ -40,6 +41,16 @@ TEST(MemoryAccountant, PlanningModeCountsTheSameWithoutMemory) {
   Buffer huge = plan.allocate(size_t(1) << 50, MemCategory::Parameters, "huge");
   EXPECT_EQ(huge.data(), nullptr);
   EXPECT_EQ(plan.live(MemCategory::Parameters), size_t(1) << 50);
+}
+
+TEST(MemoryAccountant, ComputeRunsOnlyOverRealBuffers) {
+  MemoryAccountant real(false), plan(true);
+  int calls = 0;
+  EXPECT_EQ(compute(real, [&] { return ++calls; }), 1);
+  EXPECT_EQ(compute(plan, [&] { return ++calls; }), 0);  // skipped: a value-initialised result
+  compute(real, [&] { ++calls; });
+  compute(plan, [&] { ++calls; });
+  EXPECT_EQ(calls, 2);
 }
 
 TEST(MemoryAccountant, MovedBufferReleasesOnce) {

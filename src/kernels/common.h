@@ -13,9 +13,10 @@
 //   backward is the first writer of an activation gradient it can take accumulate(_dx) = false and write it
 //   instead, so the caller clears nothing.
 // * Anything a kernel allocates (saved tensors, workspace) goes through the MemoryAccountant passed
-//   in: saved tensors as MemCategory::Activations, scratch as MemCategory::Workspace. In planning
-//   mode (mem.planning()) a kernel makes exactly the allocations it would make and returns without
-//   touching data, so the planner's peak equals the real one.
+//   in: saved tensors as MemCategory::Activations, scratch as MemCategory::Workspace. A kernel makes
+//   its allocations, then does its arithmetic inside compute(mem, [&] { ... }) (core/compute.h), which
+//   skips it in planning mode: the kernel never asks which mode it runs in, and makes the real run's
+//   allocations in either, so the planner's peak equals the real one.
 // * OpenMP parallelises the outer loops; no kernel calls matmul() from inside a parallel region
 //   (oneDNN runs its own threads).
 //   A forward loop over fewer than kParallelMinWork elements stays on the calling thread: a fork/join (a wake-up
