@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "core/compute.h"
 #include "core/profile.h"
 
 namespace hs::distributed {
@@ -43,20 +44,20 @@ template <typename E> typename RowPieces<E>::Piece RowPieces<E>::start(int64_t k
   Piece q;
   q.k = k;
   const int64_t a = first(k) * H_, len = count(k) * H_;
-  const bool planning = mem_.planning();
   if (!comm_ && t_.dtype == dtype_of<E>()) {
-    q.ptr = planning ? nullptr : static_cast<const E*>(t_.data) + a;
+    q.ptr = compute(mem_, [&] { return static_cast<const E*>(t_.data) + a; });
     return q;
   }
   q.w = mem_.template allocate_n<E>(static_cast<size_t>(len), MemCategory::WeightCasts,
                                     comm_ ? "vocab_piece" : "vocab_piece_cast");
   q.ptr = static_cast<const E*>(q.w.data());
-  if (planning) return q;
-  if (comm_)
-    q.requests.push_back(comm_->start_all_gather_range(t_, n_, a, a + len, q.w.data(), dtype_of<E>()));
-  else
-    convert_elements(static_cast<const char*>(t_.data) + static_cast<size_t>(a) * dtype_size(t_.dtype), t_.dtype,
-                     q.w.data(), dtype_of<E>(), len);
+  compute(mem_, [&] {
+    if (comm_)
+      q.requests.push_back(comm_->start_all_gather_range(t_, n_, a, a + len, q.w.data(), dtype_of<E>()));
+    else
+      convert_elements(static_cast<const char*>(t_.data) + static_cast<size_t>(a) * dtype_size(t_.dtype), t_.dtype,
+                       q.w.data(), dtype_of<E>(), len);
+  });
   return q;
 }
 
@@ -77,7 +78,7 @@ template <typename E> const E* RowPieces<E>::weights(int64_t k) {
 }
 
 template <typename E> float* RowPieces<E>::grad_rows(int64_t k) {
-  if (!comm_) return mem_.planning() ? nullptr : grad_->shard + first(k) * H_;
+  if (!comm_) return compute(mem_, [&] { return grad_->shard + first(k) * H_; });
   grad_piece_ = mem_.template allocate_n<float>(static_cast<size_t>(count(k) * H_), MemCategory::Gradients,
                                                 "vocab_piece_grad", true);
   return ptr<float>(grad_piece_);
@@ -90,9 +91,10 @@ template <typename E> void RowPieces<E>::grad_rows_done(int64_t k) {
     const int64_t a = first(k) * H_, len = count(k) * H_;
     Buffer scratch = mem_.template allocate_n<float>(static_cast<size_t>(comm_->range_scratch_elems(len)),
                                                      MemCategory::Workspace, "vocab_piece_scatter");
-    if (!mem_.planning())
+    compute(mem_, [&] {
       f.requests.push_back(comm_->start_reduce_scatter_range(ptr<float>(grad_piece_), n_, a, a + len, grad_->shard,
                                                              ptr<float>(scratch)));
+    });
     f.full.push_back(std::move(grad_piece_));
     f.full.push_back(std::move(scratch));
   }
