@@ -155,7 +155,8 @@ if [[ ! -x $DRIVER || bench/llama_mtp_spec.cpp -nt $DRIVER ]]; then
 fi
 
 # 4. Prompts (token ids = bytes).
-awk 'length($0) > 48 { s = substr($0, 1, 48); gsub(/^ +/, "", s); print s }' data/kjv-heldout.txt | head -n "$K" > "$OUT/prompts.txt"
+awk -v k="$K" 'length($0) > 48 { s = substr($0, 1, 48); gsub(/^ +/, "", s); print s; if (++n == k) exit }' \
+  data/kjv-heldout.txt > "$OUT/prompts.txt"
 python3 -c 'import sys; [print(",".join(str(b) for b in l.rstrip("\n").encode())) for l in open(sys.argv[1])]' \
   "$OUT/prompts.txt" > "$OUT/prompt_ids.txt"
 [ "$(wc -l < "$OUT/prompt_ids.txt")" -eq "$K" ] || die "data/kjv-heldout.txt gave fewer than $K prompts"
