@@ -82,7 +82,7 @@ else
       { cat "$OUT/train.err" >&2; die "training failed"; }
   fi
 fi
-"$BIN" inspect "$CK" 2>/dev/null | grep -q "^mtp\." ||
+"$BIN" inspect "$CK" 2>/dev/null | grep "^multi-token prediction" > /dev/null ||
   note "warning: inspect does not mention an MTP layer in $CK (generate --speculative mtp will say whether it has one)"
 
 # 2. GGUF export (ours), and the Hugging Face export through llama.cpp's converter for comparison.
