@@ -30,7 +30,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/hybridscan}
-usage() { sed -n 2,33p "$0"; }
+usage() { sed -n 2,29p "$0"; }
 LLAMA_BUILD=${LLAMA_BUILD:-} MODEL=small+mtp STEPS=200 NEW=128 K=8 DRAFTS="1 2" THREADS=2 DTYPE=bf16 CONVCHECK=1
 OUT=runs/speculative_llama_bench
 while [ $# -gt 0 ]; do
