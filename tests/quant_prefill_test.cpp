@@ -27,7 +27,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <filesystem>
+
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/convert.h"
 #include "gguf/export.h"
@@ -234,6 +237,34 @@ TEST(QuantPrefill, PlanEqualsWhatGenerateMeasures) {
     std::printf("%s: plan total %zu = measured peak %zu + quantized blocks %llu\n", fs::path(f).filename().c_str(),
                 plan.plan.total, res.peak_bytes, static_cast<unsigned long long>(w->quant->bytes));
   }
+}
+
+// The command line: plan --generate --gguf-blocks and generate --gguf-blocks --json report the same bytes (the
+// accounted peak plus the quantized blocks used in place) for a 16-token prompt in pieces of 8, and the same caches.
+TEST(QuantPrefill, PlanCommandEqualsGenerateCommand) {
+  TempDir dir;
+  const std::string f = fixture("qwen3_next_L5.q8_0");
+  auto run = [&](const std::string& args) {
+    const std::string out = (dir / "out").string();
+    EXPECT_EQ(std::system((test::binary() + " " + args + " >" + out + " 2>/dev/null").c_str()), 0) << args;
+    const auto bytes = test::read_bytes(out);
+    std::string s(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    const size_t end = s.find_last_not_of('\n'), start = s.rfind('\n', end);
+    return nlohmann::json::parse(s.substr(start == std::string::npos ? 0 : start + 1, end - start));
+  };
+  const auto g = run("generate --checkpoint " + f +
+                     " --gguf-blocks --prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 --max-new-tokens 5 "
+                     "--prefill-piece 8 --ignore-eos --json");
+  const auto p = run("plan --generate --model " + f + " --gguf-blocks --context 20 --batch 1 --prefill-piece 8 --json");
+  EXPECT_EQ(g["accounted_peak_bytes"].get<size_t>() + g["weights_mapped_bytes"].get<size_t>(),
+            p["total_bytes"].get<size_t>());
+  EXPECT_EQ(g["weights_mapped_bytes"], p["quantized_weights_bytes"]);
+  EXPECT_EQ(g["kv_cache_bytes"], p["kv_cache_bytes"]);
+  EXPECT_EQ(g["recurrent_state_bytes"], p["recurrent_state_bytes"]);
+  EXPECT_EQ(g["tokens"][0].size(), 5u);
+  std::printf("generate --gguf-blocks: accounted peak %zu + blocks %zu = plan --generate --gguf-blocks %zu\n",
+              g["accounted_peak_bytes"].get<size_t>(), g["weights_mapped_bytes"].get<size_t>(),
+              p["total_bytes"].get<size_t>());
 }
 
 }  // namespace
