@@ -7,7 +7,8 @@
 #   bench/qdecode_bench.sh [--rounds N] [--new N] [--prefill P] [--threads T] [--types "q8_0 q4_k"] [FILE.gguf ...]
 # Without files: hybridscan's random `small` model (seed 7) exported by qdecode_bench make-small at each type.
 # LLAMA_CPP_DIR: a llama.cpp tree built as bench/generate_bench.sh builds it (its build/bin has llama-bench); or
-# LLAMA_BIN: that build/bin itself. Never rebuilt here.
+# LLAMA_BIN: that build/bin itself. Never rebuilt here. LLAMA_BENCH_ARGS: more llama-bench flags (e.g. "--repack 0":
+# a native build on a CPU with AMX crashed in ggml_backend_amx_mul_mat on `small` with its default repacking).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=5 NEW=64 PREFILL=0 THREADS=2 TYPES="q8_0 q4_k" FILES=()
@@ -18,7 +19,7 @@ while [[ $# -gt 0 ]]; do
     --prefill) PREFILL=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --types) TYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) FILES+=("$1"); shift ;;
   esac
 done
@@ -41,11 +42,11 @@ for ((r = 0; r < ROUNDS; ++r)); do
   for f in "${FILES[@]}"; do
     if [[ $PREFILL -gt 0 ]]; then
       hs=$(OMP_NUM_THREADS=$THREADS "$QB" prefill "$f" "$PREFILL" | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tokens_per_s"])')
-      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p "$PREFILL" -n 0 -t "$THREADS" -r 1 -o json 2>/dev/null |
+      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p "$PREFILL" -n 0 -t "$THREADS" -r 1 ${LLAMA_BENCH_ARGS:-} -o json 2>/dev/null |
            python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["avg_ts"])')
     else
       hs=$(OMP_NUM_THREADS=$THREADS "$QB" run "$f" "$NEW" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tokens_per_s"])')
-      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p 0 -n "$NEW" -t "$THREADS" -r 1 -o json 2>/dev/null |
+      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p 0 -n "$NEW" -t "$THREADS" -r 1 ${LLAMA_BENCH_ARGS:-} -o json 2>/dev/null |
            python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["avg_ts"])')
     fi
     echo "$(basename "$f") $hs $ll" | tee -a "$RES"
