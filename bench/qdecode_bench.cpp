@@ -10,6 +10,7 @@
 //                                                  fused step per token); one JSON line with its tokens/s
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@
 #include "gguf/export.h"
 #include "infer/decoder.h"
 #include "infer/weights.h"
+#include "kernels/quant_gemv.h"
 #include "model/params.h"
 
 using namespace hs;
@@ -93,6 +95,34 @@ int main(int argc, char** argv) {
                 "\"prefill_tokens_per_s\": %.3f}\n",
                 std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n),
                 mode.c_str(), double(n) / s);
+    return 0;
+  }
+  if (cmd == "matmul" && argc == 8) {  // quant_matmul alone on random rows: TYPE M N K WAY REPS
+    const kernels::GgmlType t = gguf::parse_quant_scheme(argv[2]) == gguf::QuantScheme::Q8_0 ? kernels::GgmlType::Q8_0
+                                                                                               : kernels::GgmlType::Q4_K;
+    const int64_t M = std::atoll(argv[3]), N = std::atoll(argv[4]), K = std::atoll(argv[5]);
+    const std::string way = argv[6];
+    const int reps = std::atoi(argv[7]);
+    std::vector<float> w(static_cast<size_t>(K)), x(static_cast<size_t>(M * K)), y(static_cast<size_t>(M * N));
+    std::vector<uint8_t> W(static_cast<size_t>(N * kernels::ggml_row_bytes(t, K)));
+    uint32_t s = 1;
+    auto rnd = [&] { s = s * 1664525u + 1013904223u; return float(int32_t(s >> 8) - (1 << 23)) / float(1 << 23); };
+    for (int64_t n = 0; n < N; ++n) {
+      for (float& v : w) v = rnd();
+      kernels::quantize_row(t, w.data(), W.data() + n * kernels::ggml_row_bytes(t, K), K);
+    }
+    for (float& v : x) v = rnd();
+    const kernels::QuantMatmul how = way == "int8" ? kernels::QuantMatmul::Int8 : kernels::QuantMatmul::Dequantized;
+    kernels::quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, how);  // warm-up
+    std::vector<double> g;
+    for (int r = 0; r < reps; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      kernels::quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, how);
+      g.push_back(2.0 * M * N * K / std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 1e9);
+    }
+    std::sort(g.begin(), g.end());
+    std::printf("{\"type\": \"%s\", \"M\": %lld, \"N\": %lld, \"K\": %lld, \"way\": \"%s\", \"gflops_median\": %.1f}\n",
+                argv[2], (long long)M, (long long)N, (long long)K, way.c_str(), g[g.size() / 2]);
     return 0;
   }
   std::fprintf(stderr, "usage: qdecode_bench make-small q8_0|q4_k OUT.gguf | run FILE.gguf NEW [DEPTH] | "

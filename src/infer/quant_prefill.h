@@ -10,8 +10,7 @@
 // (converted to fp32 at load) go through kernels::matmul.
 //
 // Products take quant_matmul's Auto way: int8 for pieces of at most kGemvMaxRows rows (the decode arithmetic, so
-// each product row has the bits the fused step gives it), dequantized tiles through oneDNN for Q8_0 / Q4_0 with
-// more rows, int8 for the K-quants. A piece runs under kernels::SmallRowProducts as Decoder::run does, so a one-token
+// each product row has the bits the fused step gives it), dequantized fp32 tiles through oneDNN with more rows. A piece runs under kernels::SmallRowProducts as Decoder::run does, so a one-token
 // piece's fp32 products are gemv's: a prefill in one-token pieces gives the token-by-token steps' logits bit for bit
 // (tests/quant_prefill_test.cpp).
 //

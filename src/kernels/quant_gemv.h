@@ -97,12 +97,12 @@ void quant_gemv_ranges(const QuantizedRows& xq, const void* W, float* y, int64_t
 //    while all of x passes over them): the same bits as quant_gemv gives each row.
 //  * Dequantized: tiles of weight rows dequantized to x's dtype (fp32, or bf16: the weights rounded to bf16) and
 //    multiplied by kernels::matmul (oneDNN).
-// The default (Auto) is the one measured faster here (docs/quantization.md): int8 for M <= kGemvMaxRows (a few rows:
-// the decode product, each weight block read once; a dequantized tile would cost more than the product), else
-// dequantized for Q8_0 / Q4_0 and int8 for the K-quants.
+// The default (Auto) is the one measured faster (docs/quantization.md): int8 for M <= kGemvMaxRows (a few rows: the
+// decode product, each weight block read once; a dequantized tile would cost more than the product), else
+// dequantized, except int8 for the K-quants with bf16 x.
 enum class QuantMatmul { Auto, Int8, Dequantized };
-// The way Auto takes for these shapes (never Auto).
-QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how = QuantMatmul::Auto);
+// The way Auto takes for these shapes and activations (never Auto).
+QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_activations);
 // Scratch bytes quant_matmul needs for these shapes and way (x in T): the quantized activation rows (int8) or one
 // dequantized tile of weight rows (dequantized).
 template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how);

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/matmul.h"
@@ -37,18 +38,20 @@ template <typename T> void dequantize_tile(GgmlType t, const uint8_t* W, int64_t
 
 }  // namespace
 
-QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how) {
+QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_activations) {
   if (how != QuantMatmul::Auto) return how;
-  // A few rows: the decode product (each weight block read once for all rows). More: measured here (M = 512,
-  // N = K = 2048, bf16 x, 2 threads, medians of 5 alternated runs): Q8_0 244 GFLOP/s dequantized against 82 int8;
-  // Q4_K 59 dequantized (its dequantization is the slower part) against 83 int8.
+  // A few rows: the decode product (each weight block read once for all rows). More (M = 512, N = K = 2048, 2
+  // threads): with bf16 x (AMD EPYC, medians of 5 alternated runs) Q8_0 244 GFLOP/s dequantized against 82 int8, Q4_K
+  // 59 dequantized (its dequantization is the slower part) against 83 int8; with fp32 x (Intel Xeon with AVX-512 and
+  // AMX, loaded machine, medians of 5, two runs) Q8_0 44-61 dequantized against 16-25 int8, Q4_K 45-49 against 26-27.
   if (M <= kGemvMaxRows) return QuantMatmul::Int8;
+  if (fp32_activations) return QuantMatmul::Dequantized;
   return (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
 }
 
 template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how) {
   if (M <= 0 || N <= 0) return 0;
-  if (quant_matmul_way(t, M, how) == QuantMatmul::Int8) return quantized_rows_bytes(t, M, K);
+  if (quant_matmul_way(t, M, how, std::is_same_v<T, float>) == QuantMatmul::Int8) return quantized_rows_bytes(t, M, K);
   return std::min(N, kDequantTileRows) * K * static_cast<int64_t>(sizeof(T));
 }
 
@@ -62,7 +65,7 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
   if (ldy == 0) ldy = N;
   const auto* w = static_cast<const uint8_t*>(W);
   const int64_t rb = ggml_row_bytes(t, K);
-  how = quant_matmul_way(t, M, how);
+  how = quant_matmul_way(t, M, how, std::is_same_v<T, float>);
   if (workspace && workspace_bytes < quant_matmul_workspace_bytes<T>(t, M, N, K, how))
     throw std::invalid_argument("quant_matmul: a workspace of " + std::to_string(workspace_bytes) + " bytes, " +
                                 std::to_string(quant_matmul_workspace_bytes<T>(t, M, N, K, how)) + " needed");
