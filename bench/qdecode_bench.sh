@@ -2,20 +2,24 @@
 # Decode tokens/s at batch 1 of a GGUF file run from its quantized blocks (bench/qdecode_bench.cpp) against
 # llama.cpp's llama-bench on the same file (-p 0 -n NEW: decoding from an empty context; ours: one prompt token, then
 # NEW steps), alternating the two engines within each round; medians and the spread (min..max) of the rounds.
-#   bench/qdecode_bench.sh [--rounds N] [--new N] [--threads T] [--types "q8_0 q4_k"] [FILE.gguf ...]
+# --prefill P measures the prefill of a P-token prompt instead (ours: qdecode_bench prefill, in pieces on the
+# quantized blocks; llama-bench -p P -n 0).
+#   bench/qdecode_bench.sh [--rounds N] [--new N] [--prefill P] [--threads T] [--types "q8_0 q4_k"] [FILE.gguf ...]
 # Without files: hybridscan's random `small` model (seed 7) exported by qdecode_bench make-small at each type.
 # LLAMA_CPP_DIR: a llama.cpp tree built as bench/generate_bench.sh builds it (its build/bin has llama-bench); or
-# LLAMA_BIN: that build/bin itself. Never rebuilt here.
+# LLAMA_BIN: that build/bin itself. Never rebuilt here. LLAMA_BENCH_ARGS: more llama-bench flags (e.g. "--repack 0":
+# a native build on a CPU with AMX crashed in ggml_backend_amx_mul_mat on `small` with its default repacking).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROUNDS=5 NEW=64 THREADS=2 TYPES="q8_0 q4_k" FILES=()
+ROUNDS=5 NEW=64 PREFILL=0 THREADS=2 TYPES="q8_0 q4_k" FILES=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --rounds) ROUNDS=$2; shift 2 ;;
     --new) NEW=$2; shift 2 ;;
+    --prefill) PREFILL=$2; shift 2 ;;
     --threads) THREADS=$2; shift 2 ;;
     --types) TYPES=$2; shift 2 ;;
-    -h|--help) sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) FILES+=("$1"); shift ;;
   esac
 done
@@ -36,9 +40,15 @@ RES=$WORK/results.txt
 : > "$RES"
 for ((r = 0; r < ROUNDS; ++r)); do
   for f in "${FILES[@]}"; do
-    hs=$(OMP_NUM_THREADS=$THREADS "$QB" run "$f" "$NEW" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tokens_per_s"])')
-    ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p 0 -n "$NEW" -t "$THREADS" -r 1 -o json 2>/dev/null |
-         python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["avg_ts"])')
+    if [[ $PREFILL -gt 0 ]]; then
+      hs=$(OMP_NUM_THREADS=$THREADS "$QB" prefill "$f" "$PREFILL" | python3 -c 'import json,sys; print(json.load(sys.stdin)["prefill_tokens_per_s"])')
+      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p "$PREFILL" -n 0 -t "$THREADS" -r 1 ${LLAMA_BENCH_ARGS:-} -o json 2>/dev/null |
+           python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["avg_ts"])')
+    else
+      hs=$(OMP_NUM_THREADS=$THREADS "$QB" run "$f" "$NEW" | python3 -c 'import json,sys; print(json.load(sys.stdin)["decode_tokens_per_s"])')
+      ll=$("$LLAMA_BIN/llama-bench" -m "$f" -p 0 -n "$NEW" -t "$THREADS" -r 1 ${LLAMA_BENCH_ARGS:-} -o json 2>/dev/null |
+           python3 -c 'import json,sys; print(json.load(sys.stdin)[0]["avg_ts"])')
+    fi
     echo "$(basename "$f") $hs $ll" | tee -a "$RES"
   done
 done

@@ -19,6 +19,8 @@ Cases:
   errors   400 for malformed JSON, wrong types, an unknown model, max_tokens <= 0 or past the context, a prompt longer
            than the context; 401 without the API key; 413 over --max-body; 429 with Retry-After past slots + queue; a
            client that disconnects frees its slot; a client that stalls is dropped; the server keeps serving
+  gguf     serve --gguf-blocks (a Q8_0 .gguf from its quantized blocks): greedy answers equal generate --gguf-blocks's,
+           cold and restored from the prefix cache
   drain    SIGTERM: the running stream finishes (all its tokens, then [DONE]), new requests are refused, exit 0
   plan     plan --serve gives the peak /metrics reports as planned, and the accountant's peak stays within it
   page     the chat page at / in headless Chromium (Debian's chromium + chromium-driver, driven over WebDriver's HTTP
@@ -141,6 +143,8 @@ def ask(client, *, chat, stream, prompt=None, messages=None, **kw):
     extra = {"return_tokens": True}
     if "top_k" in kw:  # not an OpenAI parameter: the client sends it in the body's extras
         extra["top_k"] = kw.pop("top_k")
+    if "ignore_eos" in kw:
+        extra["ignore_eos"] = kw.pop("ignore_eos")
     if chat:
         r = client.chat.completions.create(model=MODEL, messages=messages, stream=stream, extra_body=extra, **kw)
     else:
@@ -216,6 +220,33 @@ def case_greedy():
     models = c.models.list()
     check([m.id for m in models.data] == [MODEL], f"/v1/models: {models}")
     print("greedy: 1, 4 and 16 concurrent clients and chat equal generate's tokens")
+
+
+def case_gguf():
+    """serve --gguf-blocks on a Q8_0 .gguf file: greedy answers equal generate --gguf-blocks's (the same 64-token
+    prefill pieces on the quantized blocks, then fused steps), with the prefix cache's hit changing nothing."""
+    global MODEL
+    f = HERE / "fixtures" / "gguf" / "qwen3_next_L5.q8_0.gguf"
+    MODEL = f.name  # the served model's name: the file's
+    s = Server("--gguf-blocks", "--parallel", 4, "--ctx", 256, "--cache-bytes", "4MiB", "--prefill-chunk", 64, ckpt=f)
+    c = s.client()
+    lengths = [5, 70, 130]
+    prompts = [prompt_ids(n, i) for i, n in enumerate(lengths)]
+    cmd = [BINARY, "generate", "--checkpoint", str(f), "--gguf-blocks", "--max-new-tokens", "12", "--json",
+           "--threads", "2", "--prefill-piece", "64", "--ignore-eos"]
+    for p in prompts:
+        cmd += ["--prompt-ids", ",".join(map(str, p))]
+    r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=ENV, timeout=300)
+    check(r.returncode == 0, f"generate --gguf-blocks: {r.stderr}")
+    want = json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
+    for rnd in range(2):  # the second round restores the cached prefixes
+        got = run_concurrently([lambda p=p: ask(c, chat=False, stream=False, prompt=p, max_tokens=12, temperature=0,
+                                                 ignore_eos=True) for p in prompts])
+        for i, (ids, _, _, _) in enumerate(got):
+            check(ids == want[i], f"round {rnd}, prompt {i} ({lengths[i]} tokens): {ids} != generate's {want[i]}")
+    m = s.metrics()
+    check(m["hybridscan_cache_hits_total"] >= 2, f"no prefix-cache hits in the second round: {m}")
+    print("gguf: serve --gguf-blocks equals generate --gguf-blocks, cold and from the prefix cache")
 
 
 def case_batching():

@@ -1,4 +1,5 @@
 // convert, inspect and eval: the checkpoint-facing subcommands.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -12,10 +13,46 @@
 #include "cli/step_options.h"
 #include "gguf/export.h"
 #include "gguf/import.h"
+#include "infer/decoder.h"
+#include "infer/weights.h"
 #include "train/data.h"
 #include "train/evaluate.h"
 
 namespace hs::cli {
+
+namespace {
+// eval --gguf-blocks: the windows of train::evaluate_tokens, each prefilled whole through the decoder on the file's
+// quantized blocks (infer/quant_prefill.h) with the logits of every position; cross-entropy from each row's
+// log-sum-exp in double. One window at a time (the decoder's one slot; --batch does not apply).
+train::EvalResult evaluate_gguf_blocks(const infer::InferenceWeights& w, const dataset::TokenSource& tokens,
+                                       int64_t seq, MemoryAccountant& mem) {
+  const int64_t V = w.params->config().vocab;
+  infer::Decoder dec(*w.params, DType::F32, 1, seq, mem, 512, w.quant.get());
+  std::vector<float> logits(static_cast<size_t>(seq * V));
+  train::EvalResult r;
+  double sum = 0;
+  const int64_t n = train::eval_batch_count(tokens.size(), seq, 1);
+  for (int64_t i = 0; i < n; ++i) {
+    const train::TokenBatch tb = train::eval_batch(tokens, seq, 1, i);
+    dec.reset(0);
+    dec.prefill(0, tb.inputs, logits.data(), /*all_logits=*/true);
+    for (int64_t p = 0; p < tb.seq; ++p) {
+      const int32_t t = tb.targets[static_cast<size_t>(p)];
+      if (t < 0) continue;
+      const float* row = logits.data() + p * V;
+      const double mx = *std::max_element(row, row + V);
+      double z = 0;
+      for (int64_t v = 0; v < V; ++v) z += std::exp(double(row[v]) - mx);
+      sum += std::log(z) + mx - double(row[t]);
+      ++r.count;
+      r.text_bytes += tokens.text_bytes(t);
+    }
+  }
+  r.ce = r.count ? sum / static_cast<double>(r.count) : 0.0;
+  r.bits_per_byte = r.text_bytes ? sum / std::log(2.0) / static_cast<double>(r.text_bytes) : 0.0;
+  return r;
+}
+}  // namespace
 
 void register_convert(CLI::App& app) {
   struct Args {
@@ -125,6 +162,7 @@ void register_eval(CLI::App& app) {
     std::string checkpoint, compute = "fp32";
     train::DataOptions data;
     int64_t seq = 512, batch = 8;
+    bool gguf_blocks = false;
   };
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("eval", "Cross-entropy and bits per byte of a checkpoint (native or Hugging Face) "
@@ -141,19 +179,35 @@ void register_eval(CLI::App& app) {
   c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
   c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
   add_dtype_option(c, "--compute-dtype", a->compute, "fp32 | bf16");
+  c->add_flag("--gguf-blocks", a->gguf_blocks,
+              "With a .gguf file: evaluate from its quantized blocks (as generate --gguf-blocks: each window prefilled "
+              "on the blocks, fp32 compute, one window at a time) instead of dequantizing every tensor at load");
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
+    if (a->gguf_blocks && !gguf::is_gguf_path(a->checkpoint))
+      throw std::invalid_argument("--gguf-blocks evaluates a .gguf file from its quantized blocks; " + a->checkpoint +
+                                  " is not one");
+    if (a->gguf_blocks && a->compute != "fp32")
+      throw std::invalid_argument("--gguf-blocks computes in fp32: leave --compute-dtype at fp32");
     const gguf::CheckpointPath source(a->checkpoint);  // a .gguf file is imported for the run
     checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     // The data is checked against the model before any weight is read.
     const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(source.path())});
     MemoryAccountant mem;
-    model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
-    for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
-    train::EvalResult e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, parse_dtype(a->compute), mem);
+    train::EvalResult e;
+    if (a->gguf_blocks) {
+      const auto w = infer::load_gguf_weights(a->checkpoint, mem);
+      for (const auto& n : w->notes) std::fprintf(stderr, "eval: %s\n", n.c_str());
+      e = evaluate_gguf_blocks(*w, t.tokens, a->seq, mem);
+    } else {
+      model::ParamSet params(d.config, DType::F32, mem, MemCategory::Parameters, false);
+      for (const auto& n : checkpoint::load_parameters(d, params)) std::fprintf(stderr, "eval: %s\n", n.c_str());
+      e = train::evaluate_tokens(params, t.tokens, a->seq, a->batch, parse_dtype(a->compute), mem);
+    }
     nlohmann::json j = {{"cross_entropy", e.ce}, {"tokens", e.count}, {"text_bytes", e.text_bytes},
-                        {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq}};
+                        {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq},
+                        {"gguf_blocks", a->gguf_blocks}};
     if (!a->data.text.empty()) j["text"] = a->data.text;
     if (!a->data.data.empty()) j["data"] = a->data.data;
     if (!t.tokenizer.empty()) j["tokenizer"] = t.tokenizer;

@@ -308,8 +308,8 @@ void register_generate(CLI::App& app) {
   add_dtype_option(c, "--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
   c->add_flag("--gguf-blocks", a->gguf_blocks,
               "With a .gguf file: decode from its quantized blocks (the products on Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K "
-              "blocks, activations quantized per row as llama.cpp does; prompts prefill one token at a time) instead "
-              "of dequantizing every tensor at load (docs/gguf.md)");
+              "blocks, activations quantized per row as llama.cpp does; prompts prefill in --prefill-piece pieces with "
+              "batched products on the blocks) instead of dequantizing every tensor at load (docs/gguf.md)");
   c->add_option("--weights-memory", a->weights_memory,
                 "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
                 "cache, 4 KiB pages, outside the accountant), copy (all but the embedding table read once into "

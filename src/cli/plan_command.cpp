@@ -20,7 +20,8 @@ struct PlanArgs {
   std::string chip;
   int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
   std::string cache_bytes = "1GiB";
-  bool compare = false, json = false, generate = false, fit = false, serve = false;
+  bool compare = false, json = false, generate = false, fit = false, serve = false, gguf_blocks = false;
+  int64_t prefill_piece = 512;
   SpeculativeArgs spec;  // --speculative, --draft (plan --generate)
 };
 
@@ -43,7 +44,45 @@ std::string gb(size_t b) {
   return s;
 }
 
+// plan --generate --gguf-blocks: what generate --gguf-blocks runs (the file's quantized blocks in place, the rest
+// converted to fp32, prompts prefilled in --prefill-piece pieces on the blocks), planned by running that decoder over
+// shapes: equal to generate's accounted peak plus the blocks (its weights_mapped_bytes) when a prompt fills two pieces.
+void plan_quantized_generation(const PlanArgs& a) {
+  if (!gguf::is_gguf_path(a.step.model))
+    throw std::invalid_argument("--gguf-blocks plans a .gguf file run from its quantized blocks; " + a.step.model +
+                                " is not one");
+  if (!a.spec.speculative.empty()) throw std::invalid_argument("--speculative mtp does not run with --gguf-blocks");
+  if (a.prefill_piece <= 0) throw std::invalid_argument("--prefill-piece must be positive");
+  planner::GeneratePlanRequest r;
+  r.context = a.context;
+  r.batch = a.step.batch;
+  r.piece = a.prefill_piece;
+  const planner::QuantizedGeneratePlan q = planner::plan_generate_gguf(a.step.model, r);
+  const planner::GeneratePlan& p = q.plan;
+  if (a.json) {
+    std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
+                                        {"recurrent_state_bytes", p.recurrent_state}, {"workspace_bytes", p.workspace},
+                                        {"total_bytes", p.total}, {"context", r.context}, {"batch", r.batch},
+                                        {"prefill_piece", r.piece}, {"weights_run_as", "gguf blocks"},
+                                        {"quantized_weights_bytes", q.quantized_bytes},
+                                        {"converted_weights_bytes", q.converted_bytes}})
+                            .dump()
+                            .c_str());
+    return;
+  }
+  const gguf::GgufReader file(a.step.model);
+  std::printf("%s\ngenerate --gguf-blocks: %lld sequences x %lld positions, prefill pieces of %lld, one device\n",
+              model::describe(gguf::config_from_gguf(file)).c_str(), (long long)r.batch, (long long)r.context,
+              (long long)r.piece);
+  for (const auto& [what, bytes] :
+       {std::pair{"quantized blocks", size_t(q.quantized_bytes)}, {"converted (fp32)", q.converted_bytes},
+        {"kv cache", p.kv_cache}, {"recurrent state", p.recurrent_state}, {"workspace", p.workspace},
+        {"total", p.total}})
+    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+}
+
 void plan_generation(const PlanArgs& a) {
+  if (a.gguf_blocks) return plan_quantized_generation(a);
   planner::GeneratePlanRequest r;
   // GGUF weights (a .gguf --model, or a GGUF type for --weight-dtype) are dequantized at load today: the run holds
   // them in fp32 (bf16 where the file's embedding is BF16), which is what plan_generate plans and generate measures.
@@ -215,6 +254,7 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
   if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
+  if (a.gguf_blocks && !a.generate) throw std::invalid_argument("--gguf-blocks is for plan --generate");
   if (!a.generate && (!a.spec.speculative.empty() || a.spec.draft != -1))
     throw std::invalid_argument("--speculative and --draft are for plan --generate");
   if (a.generate) {
@@ -274,6 +314,11 @@ void register_plan(CLI::App& app) {
   c->add_option("--weight-dtype", a->step.weight_dtype,
                 "Weight storage: fp32 | bf16; with --generate also f16 | q8_0 | q4_k | q5_k | q6_k | mixed (GGUF)")
       ->check(CLI::IsMember({"fp32", "bf16", "f16", "q8_0", "q4_k", "q5_k", "q6_k", "mixed"}))
+      ->capture_default_str();
+  c->add_flag("--gguf-blocks", a->gguf_blocks,
+              "--generate with a .gguf --model: plan generate --gguf-blocks (the quantized blocks used in place, the "
+              "prompt prefilled in --prefill-piece pieces on them) instead of the file dequantized at load");
+  c->add_option("--prefill-piece", a->prefill_piece, "--generate --gguf-blocks: prompt tokens per prefill pass")
       ->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->add_flag("--fit", a->fit,

@@ -57,9 +57,13 @@ void run_serve(ServeArgs a) {
 void register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* c = app.add_subcommand("serve", "Serve a checkpoint over an OpenAI-compatible HTTP API (docs/serving.md)");
-  c->add_option("--checkpoint", a->opt.checkpoint, "Checkpoint directory (native or Hugging Face)")
+  c->add_option("--checkpoint", a->opt.checkpoint,
+                "Checkpoint directory (native or Hugging Face) or .gguf file (dequantized at load unless --gguf-blocks)")
       ->required()
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingPath);
+  c->add_flag("--gguf-blocks", a->opt.gguf_blocks,
+              "With a .gguf file: serve from its quantized blocks (as generate --gguf-blocks: decode steps and "
+              "prefill pieces on the blocks, fp32 compute) instead of dequantizing every tensor at load");
   c->add_option("--chat-template", a->opt.chat_template,
                 "A chat template (.jinja file, or a directory holding one) for chat requests instead of the "
                 "checkpoint's own (chat_template.jinja or tokenizer_config.json's chat_template)")

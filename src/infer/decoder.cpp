@@ -10,6 +10,8 @@
 #include "kernels/gemv.h"
 #include "kernels/matmul.h"
 #include "kernels/norms.h"
+#include "kernels/quant.h"
+#include "infer/quant_prefill.h"
 #include "model/linear.h"
 
 namespace hs::infer {
@@ -170,14 +172,16 @@ void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits,
   row_slots_[0] = static_cast<int32_t>(slot);
   if (pending_[static_cast<size_t>(slot)])
     throw std::logic_error("decoder: slot " + std::to_string(slot) + " was verified and not accepted");
-  if (quant_) {  // one token at a time through the fused step (decoder.h)
-    if (hidden) throw std::invalid_argument("decoder: no hidden states from a quantized model's prefill");
+  if (quant_ && hidden) throw std::invalid_argument("decoder: no hidden states from a quantized model's prefill");
+  if (quant_) {
     for (int64_t i = 0; i < n; ++i) {
       const int32_t id = ids[static_cast<size_t>(i)];
       if (id < 0 || id >= cfg_.vocab)
         throw std::out_of_range("decoder: token id " + std::to_string(id) + " is outside the vocabulary of " +
                                 std::to_string(cfg_.vocab));
     }
+  }
+  if (quant_ && quant_prefill_ == QuantPrefill::TokenByToken) {  // a fused step per token (the reference)
     for (int64_t i = 0; i < n; ++i) {
       const int32_t pos = static_cast<int32_t>(len);
       float* out = all_logits ? (logits ? logits + i * cfg_.vocab : nullptr) : i + 1 == n ? logits : nullptr;
@@ -192,7 +196,8 @@ void Decoder::prefill(int64_t slot, std::span<const int32_t> ids, float* logits,
     // Logits of every token, or only of the last piece's last token.
     float* out = all_logits ? (logits ? logits + off * cfg_.vocab : nullptr) : off + m == n ? logits : nullptr;
     void* hid = hidden ? static_cast<char*>(hidden) + off * cfg_.hidden * dtype_size(compute_) : nullptr;
-    if (compute_ == DType::F32) run<float>(1, m, row_slots_.data(), ids.data() + off, out, all_logits, hid);
+    if (quant_) run_quant(m, ids.data() + off, out, all_logits);
+    else if (compute_ == DType::F32) run<float>(1, m, row_slots_.data(), ids.data() + off, out, all_logits, hid);
     else run<bf16>(1, m, row_slots_.data(), ids.data() + off, out, all_logits, hid);
     len += m;
   }
@@ -339,6 +344,54 @@ void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_
   if (P || !logits) return;
   kernels::rmsnorm_forward(x, wn.ptr, ptr<T>(xf), ptr<float>(rstd), rows, H, float(cfg_.rms_eps));
   kernels::matmul(ptr<T>(xf), wl.ptr, logits, rows, V, H, false, true);
+}
+
+// A piece of a quantized model's prompt (slot row_slots_[0], positions_), layer by layer on the quantized blocks
+// (infer/quant_prefill.h): the embedding's rows dequantized on lookup, the head's product on its blocks.
+void Decoder::run_quant(int64_t seq, const int32_t* ids, float* logits, bool all_logits) {
+  const bool P = mem_.planning();
+  const int64_t N = seq, H = cfg_.hidden, V = cfg_.vocab;
+  const kernels::SmallRowProducts small_rows;  // a one-token piece's fp32 products on gemv, as the fused step's
+  Buffer h = mem_.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.embed");
+  if (!P) {
+    if (quant_->embed) {
+#pragma omp parallel for schedule(static)
+      for (int64_t i = 0; i < N; ++i)
+        kernels::dequantize_row(quant_->embed->type, quant_->embed->row(ids[i]), ptr<float>(h) + i * H, H);
+    } else {
+      const TensorView& e = params_.global(model::g::kEmbed);
+      if (e.dtype == DType::F32) kernels::embedding_forward(ids, N, static_cast<const float*>(e.data), V, H, ptr<float>(h));
+      else kernels::embedding_forward(ids, N, static_cast<const bf16*>(e.data), V, H, ptr<float>(h));
+    }
+  }
+  for (size_t i = 0; i < order_.size(); ++i) {
+    model::LayerContext ctx{cfg_, mem_, 1, seq, positions_.data(), nullptr, 1, false, &caches_[i], row_slots_.data()};
+    Buffer out = mem_.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "h.layer_out");
+    quant_layer_prefill(ctx, params_.layer(order_[i]),
+                        quant_->layers[static_cast<size_t>(model::layer_of_slot(cfg_, order_[i]))], ptr<float>(h),
+                        ptr<float>(out), quant_matmul_);
+    h = std::move(out);
+  }
+  const int64_t rows = all_logits ? N : 1;
+  const float* x = ptr<float>(h) + (N - rows) * H;  // every row, or the last
+  Buffer xf = mem_.allocate_n<float>(static_cast<size_t>(rows * H), MemCategory::Workspace, "final_norm.out");
+  Buffer rstd = mem_.allocate_n<float>(static_cast<size_t>(rows), MemCategory::Workspace, "final_norm.rstd");
+  const TensorView& fn = params_.global(model::g::kFinalNorm);
+  // The head's scratch is taken whether or not logits are wanted (planning passes none), as the layered path takes
+  // its head's buffers.
+  const QuantMatrix* head = quant_->lm_head ? &*quant_->lm_head : nullptr;
+  const int64_t bytes = head ? kernels::quant_matmul_workspace_bytes<float>(head->type, rows, V, H, quant_matmul_) : 0;
+  Buffer ws = mem_.allocate(static_cast<size_t>(bytes), MemCategory::Workspace, "quant_matmul.workspace");
+  if (P || !logits) return;
+  kernels::rmsnorm_forward(x, static_cast<const float*>(fn.data), ptr<float>(xf), ptr<float>(rstd), rows, H,
+                           float(cfg_.rms_eps));
+  if (head) {
+    kernels::quant_matmul(head->type, ptr<float>(xf), head->data, logits, rows, V, H, 0, 0, quant_matmul_, ws.data(),
+                          bytes);
+  } else {
+    kernels::matmul(ptr<float>(xf), static_cast<const float*>(params_.global(model::g::kLmHead).data), logits, rows, V,
+                    H, false, true);
+  }
 }
 
 }  // namespace hs::infer

@@ -13,6 +13,7 @@
 
 #include "core/memory.h"
 #include "infer/fused_step.h"
+#include "kernels/quant_gemv.h"
 #include "model/layer.h"
 #include "model/params.h"
 
@@ -25,8 +26,8 @@ class Decoder {
   // layer pass (longer prompts are fed in pieces).
   //
   // quant: the matrices kept in a GGUF file's blocks (load_gguf_weights; their ParamSet views hold no data). Compute
-  // must be fp32; every step runs fused (the layered path cannot read them), and a prefill runs its tokens one at a
-  // time through the same fused step (not the chunked kernels: correct, but a prompt costs a step per token).
+  // must be fp32; every step runs fused (the layered path cannot read them), and a prefill runs in pieces, layer by
+  // layer with the chunked kernels and batched products on the blocks (infer/quant_prefill.h, kernels::quant_matmul).
   //
   // draft: positions past the next one that verify() may feed a slot in one step (speculative decoding, 0: none):
   // each slot gets `draft` more conv windows and delta-rule states, which hold the recurrent part after each of them.
@@ -74,6 +75,14 @@ class Decoder {
   void set_fused(bool on) { use_fused_ = on; }
   bool fused() const { return (use_fused_ || quant_) && (fused32_ || fused16_); }
   bool quantized() const { return quant_ != nullptr; }
+  // A quantized model's prefill: in pieces through quant_matmul (Chunked, the default; `how` its products' way, Auto
+  // unless a test or benchmark forces one), or a fused step per token (TokenByToken: the reference the chunked
+  // prefill is tested against, and what every prefill was before it).
+  enum class QuantPrefill { Chunked, TokenByToken };
+  void set_quant_prefill(QuantPrefill p, kernels::QuantMatmul how = kernels::QuantMatmul::Auto) {
+    quant_prefill_ = p;
+    quant_matmul_ = how;
+  }
 
   // Snapshots of a slot's caches, for a prefix cache (src/serve/prefix_cache.h): the recurrent part (every Gated
   // DeltaNet layer's conv window and delta-rule state, which sum up the whole sequence) and the attention layers'
@@ -96,6 +105,7 @@ class Decoder {
   template <typename T>
   void run(int64_t batch, int64_t seq, const int32_t* slots, const int32_t* ids, float* logits, bool all_logits,
            void* hidden = nullptr);
+  void run_quant(int64_t seq, const int32_t* ids, float* logits, bool all_logits);
   void check_step(std::span<const int32_t> slots, int64_t n, std::span<const int32_t> ids);
   int32_t state_slot(int64_t slot, int64_t j) const {  // the recurrent part after position j of a verification
     return static_cast<int32_t>(j == 0 ? slot : slots_ + slot * draft_ + j - 1);
@@ -115,6 +125,8 @@ class Decoder {
   std::unique_ptr<FusedStep<bf16>> fused16_;
   bool use_fused_ = true;
   const QuantWeights* quant_ = nullptr;
+  QuantPrefill quant_prefill_ = QuantPrefill::Chunked;
+  kernels::QuantMatmul quant_matmul_ = kernels::QuantMatmul::Auto;
 };
 
 }  // namespace hs::infer

@@ -379,9 +379,20 @@ template <typename T> void quantize_rows(GgmlType t, const T* x, int64_t M, int6
   out.M = M;
   out.K = K;
   out.row_bytes = k_quant ? K / kQKK * static_cast<int64_t>(sizeof(BlockQ8_K)) : K / kQK * static_cast<int64_t>(sizeof(Act32));
-  if (out.data.size() < static_cast<size_t>(M * out.row_bytes)) out.data.resize(static_cast<size_t>(M * out.row_bytes));
+  uint8_t* base = out.external;
+  if (base) {
+    if (out.external_bytes < static_cast<size_t>(M * out.row_bytes))
+      throw std::invalid_argument("quantize_rows: the caller's storage holds " + std::to_string(out.external_bytes) +
+                                  " bytes, " + std::to_string(M * out.row_bytes) + " needed");
+  } else {
+    if (out.data.size() < static_cast<size_t>(M * out.row_bytes)) out.data.resize(static_cast<size_t>(M * out.row_bytes));
+    base = out.data.data();
+  }
+  // Rows are independent: many rows (a prefill's) are split over threads; a few (a decode step's, quantized by one
+  // thread inside the fused step's parallel region) stay on the calling thread.
+#pragma omp parallel for schedule(static) if (M > kGemvMaxRows)
   for (int64_t m = 0; m < M; ++m) {
-    uint8_t* dst = out.data.data() + m * out.row_bytes;
+    uint8_t* dst = base + m * out.row_bytes;
     if (!k_quant) {
       quantize_act32_row(x + m * ldx, K, reinterpret_cast<Act32*>(dst));
     } else if constexpr (std::is_same_v<T, float>) {
@@ -393,6 +404,11 @@ template <typename T> void quantize_rows(GgmlType t, const T* x, int64_t M, int6
       quantize_row(GgmlType::Q8_K, row.data(), dst, K);
     }
   }
+}
+
+int64_t quantized_rows_bytes(GgmlType t, int64_t M, int64_t K) {
+  const bool k_quant = act_is_q8k(t);
+  return M * (k_quant ? K / kQKK * static_cast<int64_t>(sizeof(BlockQ8_K)) : K / kQK * static_cast<int64_t>(sizeof(Act32)));
 }
 
 void dequantize_quantized_row(const QuantizedRows& xq, int64_t m, float* out) {

@@ -58,8 +58,14 @@ struct QuantizedRows {
   int64_t M = 0, K = 0;
   int64_t row_bytes = 0;
   std::vector<uint8_t> data;  // reused across calls (no allocation once large enough)
-  const uint8_t* row(int64_t m) const { return data.data() + m * row_bytes; }
+  // When set, the rows are written here instead (external_bytes must hold M * row_bytes; quantize_rows throws
+  // std::invalid_argument otherwise): memory the caller accounts for (the prefill's workspace).
+  uint8_t* external = nullptr;
+  size_t external_bytes = 0;
+  const uint8_t* row(int64_t m) const { return (external ? external : data.data()) + m * row_bytes; }
 };
+// Bytes of M activation rows of K elements quantized for weights of type t (QuantizedRows::row_bytes * M).
+int64_t quantized_rows_bytes(GgmlType t, int64_t M, int64_t K);
 // x (fp32 or bf16; rows ldx apart, 0: K) quantized for products with weights of type t. K must be a multiple of t's
 // block. Throws std::invalid_argument for a type without products.
 template <typename T> void quantize_rows(GgmlType t, const T* x, int64_t M, int64_t K, int64_t ldx, QuantizedRows& out);
@@ -91,12 +97,21 @@ void quant_gemv_ranges(const QuantizedRows& xq, const void* W, float* y, int64_t
 //    while all of x passes over them): the same bits as quant_gemv gives each row.
 //  * Dequantized: tiles of weight rows dequantized to x's dtype (fp32, or bf16: the weights rounded to bf16) and
 //    multiplied by kernels::matmul (oneDNN).
-// The default (Auto) is the one measured faster here (docs/quantization.md): dequantized for Q8_0 / Q4_0, int8 for
-// the K-quants.
+// The default (Auto) is the one measured faster (docs/quantization.md): int8 for M <= kGemvMaxRows (a few rows: the
+// decode product, each weight block read once; a dequantized tile would cost more than the product), else
+// dequantized, except int8 for the K-quants with bf16 x.
 enum class QuantMatmul { Auto, Int8, Dequantized };
+// The way Auto takes for these shapes and activations (never Auto).
+QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_activations);
+// Scratch bytes quant_matmul needs for these shapes and way (x in T): the quantized activation rows (int8) or one
+// dequantized tile of weight rows (dequantized).
+template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how);
+// workspace: null (quant_matmul allocates its scratch itself), or at least quant_matmul_workspace_bytes bytes,
+// 64-byte aligned (std::invalid_argument if too small).
 template <typename T>
 void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, int64_t N, int64_t K, int64_t ldx = 0,
-                  int64_t ldy = 0, QuantMatmul how = QuantMatmul::Auto);
+                  int64_t ldy = 0, QuantMatmul how = QuantMatmul::Auto, void* workspace = nullptr,
+                  int64_t workspace_bytes = 0);
 
 namespace reference {
 // The sums quant_gemv rounds, in double: y[m, n] = sum_k w_k x_k with w the dequantized weights (dequantize_row) and x

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/matmul.h"
@@ -37,9 +38,26 @@ template <typename T> void dequantize_tile(GgmlType t, const uint8_t* W, int64_t
 
 }  // namespace
 
+QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_activations) {
+  if (how != QuantMatmul::Auto) return how;
+  // A few rows: the decode product (each weight block read once for all rows). More (M = 512, N = K = 2048, 2
+  // threads): with bf16 x (AMD EPYC, medians of 5 alternated runs) Q8_0 244 GFLOP/s dequantized against 82 int8, Q4_K
+  // 59 dequantized (its dequantization is the slower part) against 83 int8; with fp32 x (Intel Xeon with AVX-512 and
+  // AMX, loaded machine, medians of 5, two runs) Q8_0 44-61 dequantized against 16-25 int8, Q4_K 45-49 against 26-27.
+  if (M <= kGemvMaxRows) return QuantMatmul::Int8;
+  if (fp32_activations) return QuantMatmul::Dequantized;
+  return (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
+}
+
+template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how) {
+  if (M <= 0 || N <= 0) return 0;
+  if (quant_matmul_way(t, M, how, std::is_same_v<T, float>) == QuantMatmul::Int8) return quantized_rows_bytes(t, M, K);
+  return std::min(N, kDequantTileRows) * K * static_cast<int64_t>(sizeof(T));
+}
+
 template <typename T>
 void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, int64_t N, int64_t K, int64_t ldx,
-                  int64_t ldy, QuantMatmul how) {
+                  int64_t ldy, QuantMatmul how, void* workspace, int64_t workspace_bytes) {
   if (!quant_gemv_supports(t))
     throw std::invalid_argument(std::string("no quantized products for ") + ggml_type_info(t).name + " weights");
   if (M <= 0 || N <= 0) return;
@@ -47,34 +65,49 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
   if (ldy == 0) ldy = N;
   const auto* w = static_cast<const uint8_t*>(W);
   const int64_t rb = ggml_row_bytes(t, K);
-  // Measured here (M = 512, N = K = 2048, bf16 x, 2 threads, medians of 5 alternated runs): Q8_0 244 GFLOP/s
-  // dequantized against 82 int8; Q4_K 59 dequantized (its dequantization is the slower part) against 83 int8.
-  if (how == QuantMatmul::Auto)
-    how = (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
+  how = quant_matmul_way(t, M, how, std::is_same_v<T, float>);
+  if (workspace && workspace_bytes < quant_matmul_workspace_bytes<T>(t, M, N, K, how))
+    throw std::invalid_argument("quant_matmul: a workspace of " + std::to_string(workspace_bytes) + " bytes, " +
+                                std::to_string(quant_matmul_workspace_bytes<T>(t, M, N, K, how)) + " needed");
   if (how == QuantMatmul::Int8) {
     QuantizedRows xq;
+    if (workspace) {
+      xq.external = static_cast<uint8_t*>(workspace);
+      xq.external_bytes = static_cast<size_t>(workspace_bytes);
+    }
     quantize_rows(t, x, M, K, ldx, xq);
     const cpu::Level isa = quant_gemv_level();
     const int64_t tiles = (N + kInt8TileRows - 1) / kInt8TileRows;
+    if (tiles == 1) {  // nothing to split over threads at the tile's granularity: one call, no fork
+      quant_gemv_rows(xq, w, y, ldy, 0, N, isa);
+      return;
+    }
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < tiles; ++i)
       quant_gemv_rows(xq, w, y, ldy, i * kInt8TileRows, std::min(N, (i + 1) * kInt8TileRows), isa);
     return;
   }
-  std::vector<T> tile(static_cast<size_t>(std::min(N, kDequantTileRows) * K));
+  std::vector<T> own;
+  T* tile = static_cast<T*>(workspace);
+  if (!tile) {
+    own.resize(static_cast<size_t>(std::min(N, kDequantTileRows) * K));
+    tile = own.data();
+  }
   for (int64_t n0 = 0; n0 < N; n0 += kDequantTileRows) {
     const int64_t rows = std::min(kDequantTileRows, N - n0);
-    dequantize_tile(t, w + n0 * rb, rows, K, tile.data());
+    dequantize_tile(t, w + n0 * rb, rows, K, tile);
     MatmulLayout ld;
     ld.lda = ldx;
     ld.ldc = ldy;
-    matmul(x, tile.data(), y + n0, M, rows, K, false, true, false, ld);
+    matmul(x, tile, y + n0, M, rows, K, false, true, false, ld);
   }
 }
 
 template void quant_matmul<float>(GgmlType, const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, QuantMatmul);
+                                  int64_t, QuantMatmul, void*, int64_t);
 template void quant_matmul<bf16>(GgmlType, const bf16*, const void*, float*, int64_t, int64_t, int64_t, int64_t,
-                                 int64_t, QuantMatmul);
+                                 int64_t, QuantMatmul, void*, int64_t);
+template int64_t quant_matmul_workspace_bytes<float>(GgmlType, int64_t, int64_t, int64_t, QuantMatmul);
+template int64_t quant_matmul_workspace_bytes<bf16>(GgmlType, int64_t, int64_t, int64_t, QuantMatmul);
 
 }  // namespace hs::kernels

@@ -126,11 +126,12 @@ QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const Gen
   QuantizedGeneratePlan q;
   q.converted_bytes = mem.live_total();
   q.quantized_bytes = w->quant->bytes;
-  // As plan_generate, through the quantized decoder (its prefill is a step per token).
+  // As plan_generate, through the quantized decoder: two prefill pieces (the first attends with the flash kernel,
+  // later ones against the cache), then a step of all sequences.
   infer::Decoder dec(*w->params, DType::F32, r.batch, r.context, mem, r.piece, w->quant.get());
   Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.batch * c.vocab), MemCategory::Workspace,
                                         "generate.logits");
-  const std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(1, std::min<int64_t>(2, r.context - 1))), 0);
+  const std::vector<int32_t> prompt(static_cast<size_t>(std::max<int64_t>(1, std::min(2 * r.piece, r.context - 1))), 0);
   dec.prefill(0, prompt, nullptr);
   std::vector<int32_t> slots(static_cast<size_t>(r.batch)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);

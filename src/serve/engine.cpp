@@ -16,8 +16,9 @@ int64_t since_ns(std::chrono::steady_clock::time_point t0) {
 
 // The decoder prefills in pieces of PrefixCache::kChunk: a prompt restored at a chunk edge then runs the same pieces
 // (the same kernels on the same rows) as one prefilled from the start, so a cache hit changes no bit.
-Engine::Engine(const model::ParamSet& params, DType compute, const EngineOptions& opt, MemoryAccountant& mem)
-    : opt_(opt), mem_(mem), dec_(params, compute, opt.parallel, opt.context, mem, PrefixCache::kChunk) {
+Engine::Engine(const model::ParamSet& params, DType compute, const EngineOptions& opt, MemoryAccountant& mem,
+               const infer::QuantWeights* quant)
+    : opt_(opt), mem_(mem), dec_(params, compute, opt.parallel, opt.context, mem, PrefixCache::kChunk, quant) {
   if (opt.prefill_chunk <= 0 || opt.prefill_chunk % PrefixCache::kChunk != 0)
     throw std::invalid_argument("the prefill chunk (" + std::to_string(opt.prefill_chunk) +
                                 ") must be a positive multiple of " + std::to_string(PrefixCache::kChunk));

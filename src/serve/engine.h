@@ -75,7 +75,9 @@ struct EngineMetrics {
 class Engine {
  public:
   enum class Admit { Ok, Full, Draining };
-  Engine(const model::ParamSet& params, DType compute, const EngineOptions& opt, MemoryAccountant& mem);
+  // quant: a GGUF model's matrices kept in its quantized blocks (infer::load_gguf_weights; compute fp32), or null.
+  Engine(const model::ParamSet& params, DType compute, const EngineOptions& opt, MemoryAccountant& mem,
+         const infer::QuantWeights* quant = nullptr);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "checkpoint/convert.h"
+#include "gguf/import.h"
 #include "infer/policy.h"
 #include "infer/weights.h"
 #include "planner/plan.h"
@@ -299,6 +300,7 @@ class Server {
   std::vector<int32_t> prompt_ids(const CompletionRequest& r) const;
 
   ServeOptions opt_;
+  gguf::CheckpointPath source_;  // a .gguf file imported for the run (its config, tokenizer and chat template)
   checkpoint::CheckpointDir dir_;
   ChatFormat chat_;
   MemoryAccountant mem_;
@@ -315,7 +317,8 @@ class Server {
 };
 
 Server::Server(const ServeOptions& opt)
-    : opt_(opt), dir_(checkpoint::open_checkpoint_dir(opt.checkpoint)), chat_(dir_.path, opt.chat_template) {
+    : opt_(opt), source_(opt.checkpoint.string()), dir_(checkpoint::open_checkpoint_dir(source_.path())),
+      chat_(dir_.path, opt.chat_template) {
   const model::ModelConfig& cfg = dir_.config;
   model_.name = std::filesystem::weakly_canonical(opt.checkpoint).filename().string();
   if (model_.name.empty()) model_.name = "hybridscan";
@@ -331,19 +334,28 @@ Server::Server(const ServeOptions& opt)
     throw std::invalid_argument("a context of " + std::to_string(eo.context) + " positions is past the model's " +
                                 std::to_string(model_ctx) + " (max_position_embeddings)");
   model_.context = eo.context;
-  weights_ = infer::load_weights(dir_, opt.weight_dtype.empty() ? std::nullopt
-                                                                : std::optional<DType>(parse_dtype(opt.weight_dtype)),
-                                 mem_, infer::parse_weights_memory(opt.weights_memory));
+  if (opt.gguf_blocks && !gguf::is_gguf_path(opt.checkpoint.string()))
+    throw std::invalid_argument("--gguf-blocks serves a .gguf file from its quantized blocks; " +
+                                opt.checkpoint.string() + " is not one");
+  if (opt.gguf_blocks && !opt.weight_dtype.empty())
+    throw std::invalid_argument("--gguf-blocks keeps the file's own types: leave --weight-dtype unset");
+  weights_ = opt.gguf_blocks
+                 ? infer::load_gguf_weights(opt.checkpoint.string(), mem_)
+                 : infer::load_weights(dir_, opt.weight_dtype.empty() ? std::nullopt
+                                                                      : std::optional<DType>(parse_dtype(opt.weight_dtype)),
+                                       mem_, infer::parse_weights_memory(opt.weights_memory));
   const model::ParamSet& params = *weights_->params;
-  const DType compute = params.global(model::g::kLmHead).dtype;
+  const infer::QuantWeights* quant = weights_->quant.get();
+  const DType compute = quant ? DType::F32 : params.global(model::g::kLmHead).dtype;  // quantized: fp32 compute
   planner::ServePlanRequest pr;
   pr.model = cfg;
   pr.context = eo.context;
   pr.parallel = eo.parallel;
   pr.cache_bytes = eo.cache_bytes;
   pr.weight_dtype = compute;
-  plan_ = planner::plan_serve(pr);
-  engine_ = std::make_unique<Engine>(params, compute, eo, mem_);
+  // plan_serve plans dense weights; the quantized path is not planned for serving yet (0: none).
+  if (!quant) plan_ = planner::plan_serve(pr);
+  engine_ = std::make_unique<Engine>(params, compute, eo, mem_, quant);
 }
 
 std::vector<int32_t> Server::prompt_ids(const CompletionRequest& r) const {
@@ -610,7 +622,8 @@ std::string Server::metrics_text() {
   metric("hybridscan_memory_accounted_bytes", "gauge", "Bytes live in the memory accountant", mem_.live_total());
   metric("hybridscan_memory_accounted_peak_bytes", "gauge", "The memory accountant's peak", mem_.peak_total());
   metric("hybridscan_memory_planned_peak_bytes", "gauge",
-         "The peak plan --serve gives for these options (weights counted whole)", plan_.total);
+         "The peak plan --serve gives for these options (weights counted whole; 0 with --gguf-blocks: not planned)",
+         plan_.total);
   metric("hybridscan_weights_mapped_bytes", "gauge", "Weight bytes used in place from the checkpoint's files (outside "
          "the accountant)", weights_->mapped_bytes);
   metric("hybridscan_resident_bytes", "gauge", "The process's resident set now", resident_bytes());
@@ -745,7 +758,8 @@ int Server::run() {
   });
   std::fprintf(stderr, "serve: %s on http://%s:%d (%lld slots of %lld positions, prefix cache %s; planned peak %s)\n",
                model_.name.c_str(), opt_.host.c_str(), port, (long long)eo.parallel, (long long)eo.context,
-               format_bytes(double(eo.cache_bytes)).c_str(), format_bytes(double(plan_.total)).c_str());
+               format_bytes(double(eo.cache_bytes)).c_str(),
+               weights_->quant ? "not planned with --gguf-blocks" : format_bytes(double(plan_.total)).c_str());
   if (opt_.on_listening) opt_.on_listening(port);
   const bool ok = http_.listen_after_bind();
   if (!draining_) kill(getpid(), SIGTERM);  // the listener ended on its own: let the signal thread finish

@@ -11,7 +11,7 @@
 namespace hs::serve {
 
 struct ServeOptions {
-  std::filesystem::path checkpoint;
+  std::filesystem::path checkpoint;  // a checkpoint directory or a .gguf file
   std::filesystem::path chat_template;  // a .jinja file for chat requests; empty: the checkpoint's own
   std::string host = "127.0.0.1";
   int port = 8080;
@@ -22,6 +22,9 @@ struct ServeOptions {
   int request_timeout_s = 30;  // a request (line, headers, body) not all in within this from the connection's start
                                // or the previous answer: the connection is dropped
   std::string weight_dtype;       // empty: as stored
+  // A .gguf checkpoint run from its quantized blocks (infer::load_gguf_weights, as generate --gguf-blocks); without
+  // it a .gguf file is dequantized at load (imported for the run).
+  bool gguf_blocks = false;
   std::string weights_memory = "auto";  // map | copy | auto (infer::parse_weights_memory)
   // Called once the port is bound (the port is known then: `port` 0 asks for a free one).
   std::function<void(int port)> on_listening;
