@@ -31,6 +31,7 @@
 #include "infer/weights.h"
 #include "kernels/quant_gemv.h"
 #include "model/params.h"
+#include "gguf_files.h"
 #include "test_util.h"
 
 namespace hs::infer {
@@ -40,27 +41,9 @@ namespace fs = std::filesystem;
 
 using test::TempDir;
 
-// A random `small` model (hidden 256: every matrix a whole number of Q4_K super-blocks) written as GGUF of `scheme`.
-std::string small_gguf(const TempDir& t, gguf::QuantScheme scheme) {
-  MemoryAccountant mem;
-  model::ParamSet ps(model::preset("small"), DType::F32, mem, MemCategory::Parameters, false);
-  model::init_params(ps, 7);
-  checkpoint::TrainingState st;
-  st.params = &ps;
-  st.state = nlohmann::json::object();
-  checkpoint::save_native(t / "native", st);
-  const fs::path out = t / ("small." + gguf::quant_scheme_name(scheme) + ".gguf");
-  gguf::export_gguf(t / "native", out, scheme);
-  return out.string();
-}
-
-std::string fixture(const std::string& name) { return test::source_dir() + "/tests/fixtures/gguf/" + name + ".gguf"; }
-// Qwen3.5 (k_heads 2, v_heads 4: the V-head reorder) at Q8_0, from the parity fixture.
-std::string qwen35_q8(const TempDir& t) {
-  const fs::path out = t / "qwen3_5_L5.q8_0.gguf";
-  gguf::export_gguf(test::source_dir() + "/tests/fixtures/parity/qwen3_5_L5", out, gguf::QuantScheme::Q8_0);
-  return out.string();
-}
+using test::qwen35_q8;
+using test::small_gguf;
+std::string fixture(const std::string& name) { return test::gguf_fixture(name); }
 
 void check_matrices(const std::string& file, int64_t& checked) {
   MemoryAccountant mem;
