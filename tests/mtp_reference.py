@@ -47,9 +47,11 @@ for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
     norms[n] = m
 fc = torch.nn.Parameter(tensors["mtp.fc.weight"].clone())
 
-# The decoder's last hidden state h_t: the input of its final norm.
+# The decoder's last hidden state h_t as the MTP layer reads it: the output of its final norm (vLLM's
+# Qwen3NextModel.forward returns the normed state, which its MTP proposer passes on; llama.cpp's qwen3next graph
+# feeds build_norm(cur, output_norm) to its nextn layer).
 captured = {}
-model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("h", args[0]))
+model.model.norm.register_forward_hook(lambda mod, args, out: captured.__setitem__("h", out))
 model.model(input_ids=inputs)
 h = captured["h"]
 
@@ -72,7 +74,7 @@ loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), mtp_targets.reshape
                        reduction="sum") / counted.sum()
 loss.backward()
 
-grads = {}  # the decoder's final norm is not on the MTP path: its gradient is zero
+grads = {}  # (a parameter no path reaches, had there been one, gets a zero gradient)
 for name, p in model.named_parameters():
     grads[name] = (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
 for name, p in layer.named_parameters():

@@ -323,7 +323,13 @@ void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_
     model::layer_forward<T>(ctx, params_.layer(order_[i]), ptr<T>(h), ptr<T>(out), nullptr);
     h = std::move(out);
   }
-  if (hidden && !P) std::copy_n(ptr<T>(h), N * H, static_cast<T*>(hidden));
+  model::Converted<float> wn = model::as_type<float>(params_.global(model::g::kFinalNorm), mem_,
+                                                     MemCategory::WeightCasts, "weight_cast");
+  if (hidden) {  // the final norm's output at every row
+    Buffer rstd_all = mem_.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
+    if (!P) kernels::rmsnorm_forward(ptr<T>(h), wn.ptr, static_cast<T*>(hidden), ptr<float>(rstd_all), N, H,
+                                     float(cfg_.rms_eps));
+  }
   // The head runs on the rows whose logits are wanted: all, or each row's last token.
   const int64_t rows = all_logits ? N : batch;
   Buffer last;
@@ -337,8 +343,6 @@ void Decoder::run(int64_t batch, int64_t seq, const int32_t* slots, const int32_
   }
   Buffer xf = mem_.allocate_n<T>(static_cast<size_t>(rows * H), MemCategory::Workspace, "final_norm.out");
   Buffer rstd = mem_.allocate_n<float>(static_cast<size_t>(rows), MemCategory::Workspace, "final_norm.rstd");
-  model::Converted<float> wn = model::as_type<float>(params_.global(model::g::kFinalNorm), mem_,
-                                                     MemCategory::WeightCasts, "weight_cast");
   model::Converted<T> wl = model::as_type<T>(params_.global(model::g::kLmHead), mem_, MemCategory::WeightCasts,
                                              "weight_cast");
   if (P || !logits) return;

@@ -48,8 +48,8 @@ class Decoder {
   void reset(int64_t slot);
   // Continues the sequence of `slot` with `ids`. logits: fp32 [ids.size(), V] when all_logits, else [V] for the last
   // id. Throws std::out_of_range when the sequence would pass the capacity or an id is outside the vocabulary.
-  // hidden: when given, [ids.size(), H] in the compute dtype, the last layer's output at each id (before the final
-  // norm: what the MTP layer reads).
+  // hidden: when given, [ids.size(), H] in the compute dtype, the final norm's output at each id (what the MTP layer
+  // reads).
   void prefill(int64_t slot, std::span<const int32_t> ids, float* logits, bool all_logits = false,
                void* hidden = nullptr);
   // One token for each of the (distinct) slots, all at once; logits fp32 [slots.size(), V]. Up to kGemvMaxRows

@@ -548,8 +548,8 @@ struct FusedStep<T>::Impl {
       model::add(w.hmid, w.ffn, w.h, B * H);
       if (li + 1 < order.size()) input_norm(w, li + 1, B);
       else {
-        if (ex && ex->hidden) std::copy_n(w.h, B * H, static_cast<T*>(ex->hidden));
         kernels::rmsnorm_forward(w.h, final_norm.ptr, w.xf, w.rstd, B, H, float(c.rms_eps));
+        if (ex && ex->hidden) std::copy_n(w.xf, B * H, static_cast<T*>(ex->hidden));
       }
     });
   }

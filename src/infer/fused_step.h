@@ -71,7 +71,7 @@ struct StepExtras {
   const int32_t* state_from = nullptr;
   int64_t chain = 1;
   const void* input = nullptr;  // [B, H] in T: the first layer's input instead of the ids' embedding
-  void* hidden = nullptr;       // [B, H] in T: the last layer's output (before the final norm)
+  void* hidden = nullptr;       // [B, H] in T: the final norm's output (what the MTP layer reads, docs/model.md)
 };
 
 template <typename T>

@@ -104,9 +104,9 @@ struct MtpDrafter::Impl {
         Buffer xf = mem.allocate_n<T>(static_cast<size_t>(H), MemCategory::Workspace, "mtp.norm_out");
         if (mem.planning()) continue;
         const T* last = ptr<T>(out) + (k - 1) * H;
-        if (hidden_last) std::copy_n(last, H, hidden_last);
         float rstd;
         kernels::rmsnorm_forward(last, w_norm.ptr, ptr<T>(xf), &rstd, 1, H, float(cfg.rms_eps));
+        if (hidden_last) std::copy_n(ptr<T>(xf), H, hidden_last);
         kernels::gemv(ptr<T>(xf), static_cast<const T*>(params.global(model::g::kLmHead).data), logits, 1, V, H);
       }
     }

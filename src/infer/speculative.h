@@ -26,8 +26,8 @@ namespace hs::infer {
 
 inline constexpr int64_t kMaxDraft = 3;
 
-// The MTP layer as a draft model: its own keys and values per slot, run from the decoder's last hidden state h_t
-// (before the final norm) and the next token x_{t+1}: m = fc([norm(embed(x_{t+1})); norm(h_t)]), one full-attention
+// The MTP layer as a draft model: its own keys and values per slot, run from the decoder's hidden state h_t
+// (the final norm's output) and the next token x_{t+1}: m = fc([norm(embed(x_{t+1})); norm(h_t)]), one full-attention
 // decoder layer at position t, mtp.norm, the shared LM head. Throws std::invalid_argument when the checkpoint has
 // no MTP layer or its weights are not stored in the compute dtype (the steps run fused).
 class MtpDrafter {
@@ -36,7 +36,7 @@ class MtpDrafter {
              int64_t piece = 512);
   ~MtpDrafter();
   // Positions [start, start + n) of a slot filled to `start`: h [n, H] (compute dtype) and next_ids [n]; with head,
-  // logits [V] and the layer's output (before mtp.norm) [H] of the last position (hidden_last optional). A prompt fed
+  // logits [V] and the layer's normed output (mtp.norm's, what a further draft reads as h) [H] of the last position (hidden_last optional). A prompt fed
   // in pieces of at most `piece` positions (head on the last) has the bits of one call.
   void prefill(int64_t slot, int64_t start, const void* h, const int32_t* next_ids, int64_t n, float* logits,
                void* hidden_last, bool head = true);

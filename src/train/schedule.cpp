@@ -338,8 +338,12 @@ struct Runner {
   // Final norm + LM head + cross-entropy. With grads: dh_last receives d loss / d h_last (fp32).
   // backward false: the loss only. grads: the gradient set, or null with a sink.
   // norm / targets: the MTP layer's head passes mtp.norm and its targets (x_{t+2}).
+  // also (backward only): another consumer of the normed state xf, run after the LM head's backward with xf and
+  // d loss / d xf (fp32, accumulated into), before the norm's backward: the MTP layer, which reads xf.
+  using XfConsumer = std::function<void(const T* xf, float* dxf)>;
   kernels::XentResult head(const T* h_last, float grad_scale, bool backward, ParamSet* grads, float* dh_last,
-                           float* logits, size_t norm = model::g::kFinalNorm, const int32_t* targets = nullptr) {
+                           float* logits, size_t norm = model::g::kFinalNorm, const int32_t* targets = nullptr,
+                           const XfConsumer* also = nullptr) {
     if (!targets) targets = b.targets;
     Buffer xf = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.out");
     Buffer rstd = mem.allocate_n<float>(static_cast<size_t>(N), MemCategory::Workspace, "final_norm.rstd");
@@ -367,18 +371,23 @@ struct Runner {
         r = kernels::lm_head_xent_pieced(ptr<T>(xf), targets, N, H, c.vocab, rows, src, grad_scale, ptr<float>(dxf),
                                          mem, 0, /*plan_backward=*/true);
       }
+      if (also) (*also)(ptr<T>(xf), ptr<float>(dxf));
       final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last, norm);
       return r;
     }
-    model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
-    if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
-    if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
-    Buffer dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
-    GlobalGrad dW = global_grad(grads, model::g::kLmHead);
-    kernels::XentResult r =
-        kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
-                              /*plan_backward=*/true);
-    reduce_scatter(dW, model::g::kLmHead);
+    Buffer dxf;
+    kernels::XentResult r;
+    {  // (the head's weight and its whole gradient are released before `also` runs)
+      model::Converted<T> wl = global_weight<T>(model::g::kLmHead);
+      if (logits && !P) kernels::matmul(ptr<T>(xf), wl.ptr, logits, N, c.vocab, H, false, true);
+      if (!backward) return kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, 0.f, nullptr, nullptr, mem);
+      dxf = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "final_norm.dout", true);
+      GlobalGrad dW = global_grad(grads, model::g::kLmHead);
+      r = kernels::lm_head_xent(ptr<T>(xf), wl.ptr, targets, N, H, c.vocab, grad_scale, ptr<float>(dxf), dW.ptr, mem, 0,
+                                /*plan_backward=*/true);
+      reduce_scatter(dW, model::g::kLmHead);
+    }
+    if (also) (*also)(ptr<T>(xf), ptr<float>(dxf));
     final_norm_backward(h_last, wn, rstd, dxf, grads, dh_last, norm);
     return r;
   }
@@ -423,13 +432,14 @@ struct Runner {
       for (float& v : *dprob) v *= static_cast<float>(c.router_aux_coef);
   }
 
-  // The multi-token-prediction layer at depth 1 (docs/model.md), forward and backward at once, run right after the
-  // decoder's head while the last hidden state h_last is still held: whatever the remat policy, its intermediates
-  // live only while it runs (it is computed once and never recomputed). Adds weight / (its counted targets) times
-  // its cross-entropy's gradient: into dh (d loss / d h_last, accumulated), into the gradients of its own tensors
-  // and of the LM head, and, for the embedding's backward at the end of the step, into d_next [N, H] (written) at the
-  // ids next_ids. Its router's statistics are not part of the load-balance loss.
-  kernels::XentResult mtp(const T* h_last, double weight, ParamSet* grads, float* dh, Buffer& next_ids, Buffer& d_next,
+  // The multi-token-prediction layer at depth 1 (docs/model.md), forward and backward at once, run inside the
+  // decoder's head (its XfConsumer) on the final norm's output xf, after the LM head's backward and before the
+  // norm's: whatever the remat policy, its intermediates live only while it runs (it is computed once and never
+  // recomputed). Adds weight / (its counted targets) times its cross-entropy's gradient: into dxf (d loss / d xf,
+  // accumulated), into the gradients of its own tensors and of the LM head, and, for the embedding's backward at the
+  // end of the step, into d_next [N, H] (written) at the ids next_ids. Its router's statistics are not part of the
+  // load-balance loss.
+  kernels::XentResult mtp(const T* xf, double weight, ParamSet* grads, float* dxf, Buffer& next_ids, Buffer& d_next,
                           int64_t& count) {
     const model::LayerSlot slot{StackGroup::Mtp, 0, 0};
     next_ids = mem.allocate_n<int32_t>(static_cast<size_t>(N), MemCategory::Workspace, "mtp.next_ids");
@@ -445,7 +455,7 @@ struct Runner {
     {
       model::Converted<T> fc = global_weight<T>(i_fc);
       model::Converted<float> we = global_weight<float>(i_ne), wh = global_weight<float>(i_nh);
-      model::mtp_input_forward<T>(mem, ptr<T>(e), h_last, we.ptr, wh.ptr, fc.ptr, ptr<T>(m), N, H,
+      model::mtp_input_forward<T>(mem, ptr<T>(e), xf, we.ptr, wh.ptr, fc.ptr, ptr<T>(m), N, H,
                                   static_cast<float>(c.rms_eps), in_saved);
     }
     Buffer out = mem.allocate_n<T>(static_cast<size_t>(N * H), MemCategory::Workspace, "mtp.out");
@@ -468,8 +478,8 @@ struct Runner {
     model::Converted<T> fc = global_weight<T>(i_fc);
     model::Converted<float> we = global_weight<float>(i_ne), wh = global_weight<float>(i_nh);
     GlobalGrad dfc = global_grad(grads, i_fc), dwe = global_grad(grads, i_ne), dwh = global_grad(grads, i_nh);
-    model::mtp_input_backward<T>(mem, ptr<T>(e), h_last, we.ptr, wh.ptr, fc.ptr, in_saved, ptr<float>(dm),
-                                 ptr<float>(d_next), dh, dwe.ptr, dwh.ptr, dfc.ptr, N, H);
+    model::mtp_input_backward<T>(mem, ptr<T>(e), xf, we.ptr, wh.ptr, fc.ptr, in_saved, ptr<float>(dm),
+                                 ptr<float>(d_next), dxf, dwe.ptr, dwh.ptr, dfc.ptr, N, H);
     reduce_scatter(dfc, i_fc);
     reduce_scatter(dwe, i_ne);
     reduce_scatter(dwh, i_nh);
@@ -532,14 +542,19 @@ struct Runner {
     const int64_t count = static_cast<int64_t>(batch_comm->all_reduce_sum(static_cast<double>(count_targets(b, P))));
     Buffer dh = mem.allocate_n<float>(static_cast<size_t>(N * H), MemCategory::Workspace, "dh");
     std::vector<float> dprob;
-    finish(r, head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, true, grads, ptr<float>(dh), nullptr),
-           c.moe() ? &dprob : nullptr);
     Buffer mtp_ids, mtp_dnext;  // the MTP layer's next-token ids and their embedding gradient
+    kernels::XentResult mtp_x;
+    int64_t mtp_n = 0;
+    const XfConsumer with_mtp = [&](const T* xf, float* dxf) {
+      mtp_x = mtp(xf, mtp_weight, grads, dxf, mtp_ids, mtp_dnext, mtp_n);
+    };
+    finish(r,
+           head(ptr<T>(kept[L]), count ? 1.0f / static_cast<float>(count) : 0.f, true, grads, ptr<float>(dh), nullptr,
+                model::g::kFinalNorm, nullptr, mtp_weight > 0 ? &with_mtp : nullptr),
+           c.moe() ? &dprob : nullptr);
     if (mtp_weight > 0) {
-      int64_t n = 0;
-      const kernels::XentResult x = mtp(ptr<T>(kept[L]), mtp_weight, grads, ptr<float>(dh), mtp_ids, mtp_dnext, n);
-      r.mtp_count = n;
-      r.mtp_ce = n ? batch_comm->all_reduce_sum(x.loss_sum) / static_cast<double>(n) : 0.0;
+      r.mtp_count = mtp_n;
+      r.mtp_ce = mtp_n ? batch_comm->all_reduce_sum(mtp_x.loss_sum) / static_cast<double>(mtp_n) : 0.0;
       r.loss += mtp_weight * r.mtp_ce;
     }
     kept[L].reset();
