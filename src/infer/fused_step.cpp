@@ -27,6 +27,7 @@
 #include "kernels/norms.h"
 #include "kernels/quant_gemv.h"
 #include "kernels/rope.h"
+#include "model/layer_recipe.h"
 #include "model/linear.h"
 
 namespace hs::infer {
@@ -277,7 +278,7 @@ struct FusedStep<T>::Impl {
     T *h, *hmid, *xn, *mix;
     // Gated DeltaNet
     T *qkv, *z, *b, *a, *q, *k, *v, *qn, *kn, *o, *y;
-    float *rstd, *beta, *g;
+    float *rstd, *rstd2, *beta, *g;  // rstd2: the keys' (the queries' in rstd)
     // attention
     T *qg, *qraw, *gate, *kraw, *vv, *aq, *ak, *attn;
     float* scores;  // [threads, capacity]
@@ -310,6 +311,7 @@ struct FusedStep<T>::Impl {
     w.o = cv.take<T>(B * c.value_dim());
     w.y = cv.take<T>(B * c.value_dim());
     w.rstd = cv.take<float>(B * std::max({c.k_heads, c.v_heads, nH, nKV, int64_t{1}}));
+    w.rstd2 = cv.take<float>(B * std::max({c.k_heads, nKV, int64_t{1}}));
     w.beta = cv.take<float>(B * c.v_heads);
     w.g = cv.take<float>(B * c.v_heads);
     w.qg = cv.take<T>(B * nH * 2 * hd);
@@ -340,6 +342,25 @@ struct FusedStep<T>::Impl {
     return w;
   }
 
+  // The buffer of a recipe activation (model/layer_recipe.h) in this step's work.
+  static T* act(const Work& w, model::recipe::Act x) {
+    using model::recipe::Act;
+    switch (x) {
+      case Act::kXn: return w.xn;
+      case Act::kQkv: return w.qkv;
+      case Act::kZ: return w.z;
+      case Act::kB: return w.b;
+      case Act::kA: return w.a;
+      case Act::kY: return w.y;
+      case Act::kQGate: return w.qg;
+      case Act::kKRaw: return w.kraw;
+      case Act::kV: return w.vv;
+      case Act::kAttn: return w.attn;
+      case Act::kMix: return w.mix;
+    }
+    return nullptr;
+  }
+
   // Thread 0's work before layer li's mixer products: its input norm of h into xn.
   void input_norm(const Work& w, size_t li, int64_t B) {
     kernels::rmsnorm_forward(w.h, cw[li].vec(p::kInputNorm), w.xn, w.rstd, B, cfg.hidden, float(cfg.rms_eps));
@@ -350,11 +371,13 @@ struct FusedStep<T>::Impl {
     const model::ModelConfig& c = cfg;
     const model::ComputeWeights<T>& W = cw[li];
     model::LayerCache& cache = caches[li];
-    const int64_t H = c.hidden, CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hk = c.k_heads,
+    const int64_t CD = c.conv_dim(), KD = c.key_dim(), VD = c.value_dim(), Hk = c.k_heads,
                   Hv = c.v_heads;
-    Job<T> jobs[4] = {mj(w.xn, li, p::kQkv, w.qkv, B, CD, H), mj(w.xn, li, p::kZ, w.z, B, VD, H),
-                      mj(w.xn, li, p::kB, w.b, B, Hv, H), mj(w.xn, li, p::kA, w.a, B, Hv, H)};
-    tm.products("gdn.in_proj", jobs, 4);
+    Job<T> jobs[4];
+    int n = 0;
+    for (const model::recipe::Product& m : model::recipe::gdn_in(c))
+      jobs[n++] = mj(act(w, m.in), li, static_cast<size_t>(m.weight), act(w, m.out), B, m.cols, m.depth);
+    tm.products("gdn.in_proj", jobs, n);
     // The conv over each row's window, the q/k norms and the gates (thread 0: a few thousand values per row).
     const bool chained = ex && ex->state_slots;
     const int32_t* sslots = chained ? ex->state_slots : slots;
@@ -374,10 +397,8 @@ struct FusedStep<T>::Impl {
         kernels::causal_conv_silu_cached(w.qkv, W.vec(p::kConv), cols, ptr<T>(cache.conv), slots, B, 1, CD,
                                          c.conv_width);
       }
-      const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-      kernels::l2norm_forward(w.q, w.qn, w.rstd, B * Hk, c.dk, 1e-6f, qscale);
-      kernels::l2norm_forward(w.k, w.kn, w.rstd, B * Hk, c.dk, 1e-6f, 1.0f);
-      kernels::gdn_gates_forward(w.b, w.a, W.vec(p::kALog), W.vec(p::kDtBias), w.beta, w.g, B, Hv);
+      model::recipe::gdn_norms_gates(c, W.vec(p::kALog), W.vec(p::kDtBias), w.q, w.k, w.b, w.a, w.qn, w.kn, w.rstd,
+                                     w.rstd2, w.beta, w.g, B);
     });
     // Per (row, value head): the delta-rule step and the gated norm of its output.
     const kernels::DeltaRuleShape ds{B, 1, Hk, Hv, c.dk, c.dv};
@@ -402,19 +423,20 @@ struct FusedStep<T>::Impl {
                                        w.rstd + u0, u1 - u0, c.dv, float(c.rms_eps));
       });
     }
-    const QuantMatrix* qo = qmat(li, p::kOut);
-    const T* yin = w.y;
+    const model::recipe::Product m = model::recipe::gdn_out(c);
+    const QuantMatrix* qo = qmat(li, static_cast<size_t>(m.weight));
+    const T* yin = act(w, m.in);
     if (qo && qo->col_hk > 0) {  // the activations in the file's column order (QuantMatrix::col_hk)
       tm.serial("gdn.out_permute", [&] {
         for (int64_t row = 0; row < B; ++row)
           for (int64_t g = 0; g < qo->col_hk; ++g)
             for (int64_t j = 0; j < qo->col_r; ++j)
-              std::copy_n(w.y + row * VD + (g * qo->col_r + j) * qo->col_block, qo->col_block,
+              std::copy_n(yin + row * VD + (g * qo->col_r + j) * qo->col_block, qo->col_block,
                           w.o + row * VD + (j * qo->col_hk + g) * qo->col_block);
       });
       yin = w.o;  // free after the gated norm
     }
-    Job<T> out = mj(yin, li, p::kOut, w.mix, B, H, VD);
+    Job<T> out = mj(yin, li, static_cast<size_t>(m.weight), act(w, m.out), B, m.cols, m.depth);
     tm.products("gdn.out_proj", &out, 1);
   }
 
@@ -423,28 +445,25 @@ struct FusedStep<T>::Impl {
     const model::ModelConfig& c = cfg;
     const model::ComputeWeights<T>& W = cw[li];
     model::LayerCache& cache = caches[li];
-    const int64_t H = c.hidden, nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
-    Job<T> jobs[3] = {mj(w.xn, li, p::kQ, w.qg, B, nH * 2 * hd, H), mj(w.xn, li, p::kK, w.kraw, B, nKV * hd, H),
-                      mj(w.xn, li, p::kV, w.vv, B, nKV * hd, H)};
-    tm.products("attn.qkv_proj", jobs, 3);
+    const int64_t nH = c.q_heads, nKV = c.kv_heads, hd = c.head_dim;
+    Job<T> jobs[3];
+    int n = 0;
+    for (const model::recipe::Product& m : model::recipe::attention_in(c))
+      jobs[n++] = mj(act(w, m.in), li, static_cast<size_t>(m.weight), act(w, m.out), B, m.cols, m.depth);
+    tm.products("attn.qkv_proj", jobs, n);
     const kernels::KvCacheShape kc{nKV, hd, cache.capacity};
     tm.serial("attn.norms_rope_cache", [&] {
-      // [rows, heads, 2hd]: per head hd query values then hd gate values (split_query_gate of the layered path).
-      for (int64_t u = 0; u < B * nH; ++u) {
-        std::copy_n(w.qg + u * 2 * hd, hd, w.qraw + u * hd);
-        std::copy_n(w.qg + u * 2 * hd + hd, hd, w.gate + u * hd);
-      }
-      kernels::rmsnorm_forward(w.qraw, W.vec(p::kQNorm), w.aq, w.rstd, B * nH, hd, float(c.rms_eps));
-      kernels::rmsnorm_forward(w.kraw, W.vec(p::kKNorm), w.ak, w.rstd, B * nKV, hd, float(c.rms_eps));
-      kernels::rope_forward(w.aq, positions, B, nH, hd, c.rotary_dim(), float(c.rope_theta));
-      kernels::rope_forward(w.ak, positions, B, nKV, hd, c.rotary_dim(), float(c.rope_theta));
+      model::recipe::split_query_gate(c, w.qg, w.qraw, w.gate, B);
+      model::recipe::attention_norms_rope(c, W.vec(p::kQNorm), W.vec(p::kKNorm), w.qraw, w.kraw, w.aq, w.ak, w.rstd,
+                                          w.rstd2, positions, B);
       kernels::kv_cache_write(kc, w.ak, w.vv, ptr<T>(cache.k), ptr<T>(cache.v), slots, positions, B, 1);
     });
     tm.units("attn.cached", B * nH, 1, [&](int64_t u0, int64_t u1) {
       kernels::attention_cached_range(kc, nH, w.aq, w.gate, ptr<T>(cache.k), ptr<T>(cache.v), w.attn, slots,
                                       positions, 1, u0, u1, w.scores + tm.tid * cache.capacity);
     });
-    Job<T> out = mj(w.attn, li, p::kO, w.mix, B, H, nH * hd);
+    const model::recipe::Product m = model::recipe::attention_out(c);
+    Job<T> out = mj(act(w, m.in), li, static_cast<size_t>(m.weight), act(w, m.out), B, m.cols, m.depth);
     tm.products("attn.o_proj", &out, 1);
   }
 
@@ -476,8 +495,7 @@ struct FusedStep<T>::Impl {
     const bool serial_router = c.moe() && c.experts * H * int64_t(sizeof(T)) <= kSerialRouterBytes;
     const int64_t* off = w.off + li * (c.experts + 1);  // this layer's routing (see Phase)
     tm.serial("ffn.add_norm_route", [&] {
-      model::add(w.h, w.mix, w.hmid, B * H);
-      kernels::rmsnorm_forward(w.hmid, W.vec(p::kPostNorm), w.xn, w.rstd, B, H, float(c.rms_eps));
+      model::recipe::residual_post_norm(c, W.vec(p::kPostNorm), w.h, w.mix, w.hmid, w.xn, w.rstd, B);
       if (serial_router) route(w, li, B, false);
     });
     if (!c.moe()) {

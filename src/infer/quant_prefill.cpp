@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels/attention.h"
@@ -14,6 +15,7 @@
 #include "kernels/moe.h"
 #include "kernels/norms.h"
 #include "kernels/rope.h"
+#include "model/layer_recipe.h"
 #include "model/linear.h"
 
 namespace hs::infer {
@@ -63,11 +65,22 @@ struct Layer {
     Buffer xn = f32(mem, N * H, "gdn.xn"), rstd = f32(mem, N, "gdn.rstd1");
     if (!P) rmsnorm_forward(h_in, cw.vec(p::kInputNorm), ptr<float>(xn), ptr<float>(rstd), N, H, float(c.rms_eps));
     Buffer qkv = f32(mem, N * CD, "gdn.qkv"), z = f32(mem, N * VD, "gdn.z"), b = f32(mem, N * Hv, "gdn.b"),
-           a = f32(mem, N * Hv, "gdn.a");
-    product(p::kQkv, ptr<float>(xn), ptr<float>(qkv), N, CD, H);
-    product(p::kZ, ptr<float>(xn), ptr<float>(z), N, VD, H);
-    product(p::kB, ptr<float>(xn), ptr<float>(b), N, Hv, H);
-    product(p::kA, ptr<float>(xn), ptr<float>(a), N, Hv, H);
+           a = f32(mem, N * Hv, "gdn.a"), y;
+    auto act = [&](model::recipe::Act x) -> float* {
+      using model::recipe::Act;
+      switch (x) {
+        case Act::kXn: return ptr<float>(xn);
+        case Act::kQkv: return ptr<float>(qkv);
+        case Act::kZ: return ptr<float>(z);
+        case Act::kB: return ptr<float>(b);
+        case Act::kA: return ptr<float>(a);
+        case Act::kY: return ptr<float>(y);
+        case Act::kMix: return mix;
+        default: throw std::logic_error("quantized prefill: no buffer for this activation");
+      }
+    };
+    for (const model::recipe::Product& m : model::recipe::gdn_in(c))
+      product(static_cast<size_t>(m.weight), act(m.in), act(m.out), N, m.cols, m.depth);
     xn.reset();
     Buffer q = f32(mem, N * KD, "gdn.q"), k = f32(mem, N * KD, "gdn.k"), v = f32(mem, N * VD, "gdn.v");
     if (!P) {  // the conv's channels are [q | k | v]
@@ -78,16 +91,10 @@ struct Layer {
     qkv.reset();
     Buffer qn = f32(mem, N * KD, "gdn.qn"), kn = f32(mem, N * KD, "gdn.kn"), rq = f32(mem, N * Hk, "gdn.rstdq"),
            rk = f32(mem, N * Hk, "gdn.rstdk"), beta = f32(mem, N * Hv, "gdn.beta"), g = f32(mem, N * Hv, "gdn.g");
-    if (!P) {
-      const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-      l2norm_forward(L2NormPair<const float, float>{{ptr<float>(q), ptr<float>(k)},
-                                                    {ptr<float>(qn), ptr<float>(kn)},
-                                                    {ptr<float>(rq), ptr<float>(rk)},
-                                                    {qscale, 1.0f}},
-                     N * Hk, c.dk, 1e-6f);
-      gdn_gates_forward(ptr<float>(b), ptr<float>(a), cw.vec(p::kALog), cw.vec(p::kDtBias), ptr<float>(beta),
-                        ptr<float>(g), N, Hv);
-    }
+    if (!P)
+      model::recipe::gdn_norms_gates(c, cw.vec(p::kALog), cw.vec(p::kDtBias), ptr<float>(q), ptr<float>(k), ptr<float>(b),
+                                     ptr<float>(a), ptr<float>(qn), ptr<float>(kn), ptr<float>(rq), ptr<float>(rk),
+                                     ptr<float>(beta), ptr<float>(g), N);
     Buffer o = f32(mem, N * VD, "gdn.o");
     const DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv};
     if (ctx.seq == 1) {  // the recurrent step (the chunked form would pad one token to a chunk)
@@ -98,23 +105,25 @@ struct Layer {
       delta_rule_forward_cached(ds, ptr<float>(qn), ptr<float>(kn), ptr<float>(v), ptr<float>(beta), ptr<float>(g),
                                 ptr<float>(o), ptr<float>(ctx.cache->state), ctx.slots, mem);
     }
-    Buffer y = f32(mem, N * VD, "gdn.y"), rg = f32(mem, N * Hv, "gdn.rstdg");
+    y = f32(mem, N * VD, "gdn.y");
+    Buffer rg = f32(mem, N * Hv, "gdn.rstdg");
     if (!P)
       gated_rmsnorm_forward(ptr<float>(o), ptr<float>(z), cw.vec(p::kGdnNorm), ptr<float>(y), ptr<float>(rg), N * Hv,
                             c.dv, float(c.rms_eps));
-    const float* yin = ptr<float>(y);
-    const QuantMatrix* qo = ql.one(p::kOut);
+    const model::recipe::Product m = model::recipe::gdn_out(c);
+    const float* yin = act(m.in);
+    const QuantMatrix* qo = ql.one(static_cast<size_t>(m.weight));
     if (qo && qo->col_hk > 0) {  // the activations in the file's column order (QuantMatrix::col_hk)
       if (!P)
 #pragma omp parallel for schedule(static)
         for (int64_t row = 0; row < N; ++row)
           for (int64_t gi = 0; gi < qo->col_hk; ++gi)
             for (int64_t j = 0; j < qo->col_r; ++j)
-              std::copy_n(ptr<float>(y) + row * VD + (gi * qo->col_r + j) * qo->col_block, qo->col_block,
+              std::copy_n(yin + row * VD + (gi * qo->col_r + j) * qo->col_block, qo->col_block,
                           ptr<float>(o) + row * VD + (j * qo->col_hk + gi) * qo->col_block);
       yin = ptr<float>(o);
     }
-    product(p::kOut, yin, mix, N, H, VD);
+    product(static_cast<size_t>(m.weight), yin, act(m.out), N, m.cols, m.depth);
   }
 
   void attention(const float* h_in, float* mix) const {
@@ -125,31 +134,32 @@ struct Layer {
     Buffer xn = f32(mem, N * H, "attn.xn"), rstd = f32(mem, N, "attn.rstd1");
     if (!P) rmsnorm_forward(h_in, cw.vec(p::kInputNorm), ptr<float>(xn), ptr<float>(rstd), N, H, float(c.rms_eps));
     Buffer q_raw = f32(mem, N * nH * hd, "attn.q_raw"), gate = f32(mem, N * nH * hd, "attn.gate"),
-           k_raw = f32(mem, N * nKV * hd, "attn.k_raw"), vv = f32(mem, N * nKV * hd, "attn.v");
-    {
-      Buffer qg = f32(mem, N * nH * 2 * hd, "attn.q_proj_out");
-      product(p::kQ, ptr<float>(xn), ptr<float>(qg), N, nH * 2 * hd, H);
-      if (!P)  // [N, heads, 2hd]: per head hd query values then hd gate values
-#pragma omp parallel for schedule(static)
-        for (int64_t u = 0; u < N * nH; ++u) {
-          std::copy_n(ptr<float>(qg) + u * 2 * hd, hd, ptr<float>(q_raw) + u * hd);
-          std::copy_n(ptr<float>(qg) + u * 2 * hd + hd, hd, ptr<float>(gate) + u * hd);
-        }
-      product(p::kK, ptr<float>(xn), ptr<float>(k_raw), N, nKV * hd, H);
-      product(p::kV, ptr<float>(xn), ptr<float>(vv), N, nKV * hd, H);
-    }
+           k_raw = f32(mem, N * nKV * hd, "attn.k_raw"), vv = f32(mem, N * nKV * hd, "attn.v"), qg, out;
+    auto act = [&](model::recipe::Act x) -> float* {
+      using model::recipe::Act;
+      switch (x) {
+        case Act::kXn: return ptr<float>(xn);
+        case Act::kQGate: return ptr<float>(qg);
+        case Act::kKRaw: return ptr<float>(k_raw);
+        case Act::kV: return ptr<float>(vv);
+        case Act::kAttn: return ptr<float>(out);
+        case Act::kMix: return mix;
+        default: throw std::logic_error("quantized prefill: no buffer for this activation");
+      }
+    };
+    qg = f32(mem, N * nH * 2 * hd, "attn.q_proj_out");
+    for (const model::recipe::Product& m : model::recipe::attention_in(c))
+      product(static_cast<size_t>(m.weight), act(m.in), act(m.out), N, m.cols, m.depth);
+    if (!P) model::recipe::split_query_gate(c, ptr<float>(qg), ptr<float>(q_raw), ptr<float>(gate), N);
+    qg.reset();
     xn.reset();
     Buffer qn = f32(mem, N * nH * hd, "attn.q"), kn = f32(mem, N * nKV * hd, "attn.k"),
            rq = f32(mem, N * nH, "attn.rstdq"), rk = f32(mem, N * nKV, "attn.rstdk");
-    if (!P) {
-      rmsnorm_forward(ptr<float>(q_raw), cw.vec(p::kQNorm), ptr<float>(qn), ptr<float>(rq), N * nH, hd,
-                      float(c.rms_eps));
-      rmsnorm_forward(ptr<float>(k_raw), cw.vec(p::kKNorm), ptr<float>(kn), ptr<float>(rk), N * nKV, hd,
-                      float(c.rms_eps));
-      rope_forward(ptr<float>(qn), nH, ptr<float>(kn), nKV, ctx.positions, N, hd, c.rotary_dim(),
-                   float(c.rope_theta));
-    }
-    Buffer out = f32(mem, N * nH * hd, "attn.out");
+    if (!P)
+      model::recipe::attention_norms_rope(c, cw.vec(p::kQNorm), cw.vec(p::kKNorm), ptr<float>(q_raw), ptr<float>(k_raw),
+                                          ptr<float>(qn), ptr<float>(kn), ptr<float>(rq), ptr<float>(rk), ctx.positions,
+                                          N);
+    out = f32(mem, N * nH * hd, "attn.out");
     // As the layered path: a piece that starts its sequence takes the flash kernel over its own keys, later pieces
     // attend to the cache; the keys and values go into the cache either way.
     bool from_start = true;
@@ -168,7 +178,8 @@ struct Layer {
                                ptr<float>(ctx.cache->v), ptr<float>(out), ctx.slots, ctx.positions, ctx.batch, ctx.seq,
                                mem);
     }
-    product(p::kO, ptr<float>(out), mix, N, H, nH * hd);
+    const model::recipe::Product m = model::recipe::attention_out(c);
+    product(static_cast<size_t>(m.weight), act(m.in), act(m.out), N, m.cols, m.depth);
   }
 
   void dense_ffn(const float* x2, float* ffn) const {
@@ -296,8 +307,8 @@ void quant_layer_prefill(const model::LayerContext& ctx, const model::LayerWeigh
     if (lw.kind == model::LayerKind::LinearAttention) L.gdn(h_in, ptr<float>(mix));
     else L.attention(h_in, ptr<float>(mix));
     if (!P)  // h_mid = h_in + mix and its post-attention norm, one pass
-      add_rmsnorm_forward(h_in, ptr<float>(mix), ptr<float>(h_mid), cw.vec(p::kPostNorm), ptr<float>(x2),
-                          ptr<float>(rstd2), N, H, float(c.rms_eps));
+      model::recipe::residual_post_norm(c, cw.vec(p::kPostNorm), h_in, ptr<float>(mix), ptr<float>(h_mid),
+                                        ptr<float>(x2), ptr<float>(rstd2), N);
   }
   Buffer ffn = f32(mem, N * H, "ffn.out");
   if (c.moe()) L.moe_ffn(ptr<float>(x2), ptr<float>(ffn));

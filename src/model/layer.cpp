@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 
 #include "core/compute.h"
 #include "core/profile.h"
@@ -13,6 +14,7 @@
 #include "kernels/gdn_gates.h"
 #include "kernels/norms.h"
 #include "kernels/rope.h"
+#include "model/layer_recipe.h"
 #include "model/linear.h"
 
 namespace hs::model {
@@ -104,18 +106,6 @@ MoeShape moe_shape(const ModelConfig& c, int64_t N) {
 }
 float* G(const LayerWeights& g, size_t i) { return static_cast<float*>(g[i].data); }
 
-// [N, heads, 2*hd] (per head: hd query rows then hd gate rows) <-> q [N, heads, hd], gate [N, heads, hd].
-template <typename S, typename D>
-void split_query_gate(const S* qg, D* q, D* gate, int64_t N, int64_t heads, int64_t hd) {
-  profile::Scope profile_scope(profile::Phase::Elementwise, "split_query_gate");
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t j = 0; j < hd; ++j) {
-        q[(n * heads + h) * hd + j] = from_f32<D>(to_f32(qg[(n * heads + h) * 2 * hd + j]));
-        gate[(n * heads + h) * hd + j] = from_f32<D>(to_f32(qg[(n * heads + h) * 2 * hd + hd + j]));
-      }
-}
 // The gate's gradient into the gate rows of the q_proj output gradient [N, heads, 2*hd] (the query rows are written
 // by the q norm's backward), rounded to T.
 template <typename D>
@@ -159,12 +149,21 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   s.beta = A.make<float>(N * Hv, "gdn.beta");
   s.g = A.make<float>(N * Hv, "gdn.g");
   s.o = A.make<T>(N * VD, "gdn.o");
+  auto act = [&](recipe::Act x) -> T* {
+    switch (x) {
+      case recipe::Act::kXn: return ptr<T>(s.xn);
+      case recipe::Act::kQkv: return ptr<T>(s.qkv);
+      case recipe::Act::kZ: return ptr<T>(s.z);
+      case recipe::Act::kB: return ptr<T>(s.b);
+      case recipe::Act::kA: return ptr<T>(s.a);
+      case recipe::Act::kY: return ptr<T>(s.y);
+      case recipe::Act::kMix: return mix;
+      default: throw std::logic_error("gdn_forward: no buffer for this activation");
+    }
+  };
   compute(mem, [&] {
     rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
-    linear_forward(ptr<T>(s.xn), w.mat(p::kQkv), ptr<T>(s.qkv), N, CD, H);
-    linear_forward(ptr<T>(s.xn), w.mat(p::kZ), ptr<T>(s.z), N, VD, H);
-    linear_forward(ptr<T>(s.xn), w.mat(p::kB), ptr<T>(s.b), N, Hv, H);
-    linear_forward(ptr<T>(s.xn), w.mat(p::kA), ptr<T>(s.a), N, Hv, H);
+    for (const recipe::Product& m : recipe::gdn_in(c)) linear_forward(act(m.in), w.mat(m.weight), act(m.out), N, m.cols, m.depth);
     // The conv's channels are [q | k | v]: written straight into the three tensors.
     const auto qkv = ColumnBlocks<T>().add(ptr<T>(s.q), KD).add(ptr<T>(s.k), KD).add(ptr<T>(s.v), VD);
     if (ctx.cache)
@@ -173,14 +172,9 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
     else
       causal_conv_silu_forward(ptr<T>(s.qkv), w.vec(p::kConv), qkv, ctx.batch, ctx.seq, CD, c.conv_width,
                                ctx.document_positions());
-    const float qscale = 1.0f / std::sqrt(static_cast<float>(c.dk));
-    l2norm_forward(L2NormPair<const T, T>{{ptr<T>(s.q), ptr<T>(s.k)},
-                                          {ptr<T>(s.qn), ptr<T>(s.kn)},
-                                          {ptr<float>(s.rstdq), ptr<float>(s.rstdk)},
-                                          {qscale, 1.0f}},
-                   N * Hk, c.dk, 1e-6f);
-    gdn_gates_forward(ptr<T>(s.b), ptr<T>(s.a), w.vec(p::kALog), w.vec(p::kDtBias), ptr<float>(s.beta),
-                      ptr<float>(s.g), N, Hv);
+    recipe::gdn_norms_gates(c, w.vec(p::kALog), w.vec(p::kDtBias), ptr<T>(s.q), ptr<T>(s.k), ptr<T>(s.b), ptr<T>(s.a),
+                            ptr<T>(s.qn), ptr<T>(s.kn), ptr<float>(s.rstdq), ptr<float>(s.rstdk), ptr<float>(s.beta),
+                            ptr<float>(s.g), N);
   });
   DeltaRuleShape ds{ctx.batch, ctx.seq, Hk, Hv, c.dk, c.dv, ctx.document_positions()};
   if (!ctx.cache) {
@@ -200,7 +194,8 @@ void gdn_forward(const LayerContext& ctx, const ComputeWeights<T>& w, const T* h
   compute(mem, [&] {
     gated_rmsnorm_forward(ptr<T>(s.o), ptr<T>(s.z), w.vec(p::kGdnNorm), ptr<T>(s.y), ptr<float>(s.rstdg), N * Hv, c.dv,
                           float(c.rms_eps));
-    linear_forward(ptr<T>(s.y), w.mat(p::kOut), mix, N, H, VD);
+    const recipe::Product m = recipe::gdn_out(c);
+    linear_forward(act(m.in), w.mat(m.weight), act(m.out), N, m.cols, m.depth);
   });
 }
 
@@ -289,16 +284,25 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   s.gate = A.make<T>(N * nH * hd, "attn.gate");
   s.k_raw = A.make<T>(N * nKV * hd, "attn.k_raw");
   s.vv = A.make<T>(N * nKV * hd, "attn.v");
-  {
-    Buffer qg = scratch<T>(mem, N * nH * 2 * hd, "attn.q_proj_out");
-    compute(mem, [&] {
-      rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
-      linear_forward(ptr<T>(s.xn), w.mat(p::kQ), ptr<T>(qg), N, nH * 2 * hd, H);
-      split_query_gate(ptr<T>(qg), ptr<T>(s.q_raw), ptr<T>(s.gate), N, nH, hd);
-      linear_forward(ptr<T>(s.xn), w.mat(p::kK), ptr<T>(s.k_raw), N, nKV * hd, H);
-      linear_forward(ptr<T>(s.xn), w.mat(p::kV), ptr<T>(s.vv), N, nKV * hd, H);
-    });
-  }
+  Buffer qg = scratch<T>(mem, N * nH * 2 * hd, "attn.q_proj_out");
+  auto act = [&](recipe::Act x) -> T* {
+    switch (x) {
+      case recipe::Act::kXn: return ptr<T>(s.xn);
+      case recipe::Act::kQGate: return ptr<T>(qg);
+      case recipe::Act::kKRaw: return ptr<T>(s.k_raw);
+      case recipe::Act::kV: return ptr<T>(s.vv);
+      case recipe::Act::kAttn: return ptr<T>(s.attn_out);
+      case recipe::Act::kMix: return mix;
+      default: throw std::logic_error("attention_forward: no buffer for this activation");
+    }
+  };
+  compute(mem, [&] {
+    rmsnorm_forward(h_in, w.vec(p::kInputNorm), ptr<T>(s.xn), ptr<float>(s.rstd1), N, H, float(c.rms_eps));
+    for (const recipe::Product& m : recipe::attention_in(c))
+      linear_forward(act(m.in), w.mat(m.weight), act(m.out), N, m.cols, m.depth);
+    recipe::split_query_gate(c, ptr<T>(qg), ptr<T>(s.q_raw), ptr<T>(s.gate), N);
+  });
+  qg.reset();
   s.qn = A.make<T>(N * nH * hd, "attn.q");
   s.kn = A.make<T>(N * nKV * hd, "attn.k");
   s.rstdq = A.make<float>(N * nH, "attn.rstdq");
@@ -315,9 +319,8 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   };
   const bool from_start = starts_sequences();
   compute(mem, [&] {
-    rmsnorm_forward(ptr<T>(s.q_raw), w.vec(p::kQNorm), ptr<T>(s.qn), ptr<float>(s.rstdq), N * nH, hd, float(c.rms_eps));
-    rmsnorm_forward(ptr<T>(s.k_raw), w.vec(p::kKNorm), ptr<T>(s.kn), ptr<float>(s.rstdk), N * nKV, hd, float(c.rms_eps));
-    rope_forward(ptr<T>(s.qn), nH, ptr<T>(s.kn), nKV, ctx.positions, N, hd, c.rotary_dim(), float(c.rope_theta));
+    recipe::attention_norms_rope(c, w.vec(p::kQNorm), w.vec(p::kKNorm), ptr<T>(s.q_raw), ptr<T>(s.k_raw), ptr<T>(s.qn),
+                                 ptr<T>(s.kn), ptr<float>(s.rstdq), ptr<float>(s.rstdk), ctx.positions, N);
     if (ctx.cache)
       kv_cache_write({nKV, hd, ctx.cache->capacity}, ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(ctx.cache->k),
                      ptr<T>(ctx.cache->v), ctx.slots, ctx.positions, ctx.batch, ctx.seq);
@@ -331,7 +334,10 @@ void attention_forward(const LayerContext& ctx, const ComputeWeights<T>& w, cons
   if (from_start)
     gated_attention_forward(as, ptr<T>(s.qn), ptr<T>(s.kn), ptr<T>(s.vv), ptr<T>(s.gate), ptr<T>(s.attn_out),
                             keep ? &s.attn : nullptr, mem);
-  compute(mem, [&] { linear_forward(ptr<T>(s.attn_out), w.mat(p::kO), mix, N, H, nH * hd); });
+  compute(mem, [&] {
+    const recipe::Product m = recipe::attention_out(c);
+    linear_forward(act(m.in), w.mat(m.weight), act(m.out), N, m.cols, m.depth);
+  });
 }
 
 template <typename T>
@@ -409,8 +415,8 @@ RouterStats layer_forward(const LayerContext& ctx, const LayerWeights& lw, const
     s.x2 = A.make<T>(N * H, "ffn.xn");
     s.rstd2 = A.make<float>(N, "ffn.rstd");
     compute(mem, [&] {  // h_mid = h_in + mix and its post-attention norm, one pass
-      add_rmsnorm_forward(h_in, ptr<T>(mix), ptr<T>(s.h_mid), w.vec(p::kPostNorm), ptr<T>(s.x2), ptr<float>(s.rstd2), N,
-                          H, float(c.rms_eps));
+      recipe::residual_post_norm(c, w.vec(p::kPostNorm), h_in, ptr<T>(mix), ptr<T>(s.h_mid), ptr<T>(s.x2),
+                                 ptr<float>(s.rstd2), N);
     });
   }
   const int f = ffn_offset(lw.kind);
