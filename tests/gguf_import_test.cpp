@@ -204,26 +204,43 @@ TEST(GgufImportCli, GenerateFromGgufEqualsTheHuggingFaceCheckpoint) {
   }
 }
 
-// generate --gguf-blocks decodes a Q8_0 file from its blocks and refuses what it cannot do. Its tokens are not compared
-// with the dequantized run's: with Q8 activations this random-weight fixture's greedy tokens differ from the first one
-// (QuantDecode.* proves the products with exact activations equal the dequantized path's to ~1e-6 and reports the
-// activation rounding's effect).
+// generate decodes a Q8_0 file from its blocks by default (as --gguf-blocks does, bit for bit, and without writing its
+// tensors anywhere), dequantizes it with --gguf-dequantize or when an option needs that (said on stderr), and refuses
+// what cannot be. Its tokens are not compared with the dequantized run's: with Q8 activations this random-weight
+// fixture's greedy tokens differ from the first one (QuantDecode.* proves the products with exact activations equal
+// the dequantized path's to ~1e-6 and reports the activation rounding's effect).
 TEST(GgufImportCli, GenerateFromTheQuantizedBlocks) {
   const std::string args = " --prompt-ids 104,101,108,108,111 --max-new-tokens 8 --temperature 0 --json --threads 1";
   const std::string f = fixture("qwen3_next_L5.q8_0");
   const auto blocks = test::run_command(test::binary() + " generate --gguf-blocks --checkpoint " + f + args);
-  const auto dequantized = test::run_command(test::binary() + " generate --checkpoint " + f + args);
+  const auto by_default = test::run_command(test::binary() + " generate --checkpoint " + f + args);
+  const auto dequantized = test::run_command(test::binary() + " generate --gguf-dequantize --checkpoint " + f + args);
   ASSERT_EQ(blocks.rc, 0) << blocks.out;
+  ASSERT_EQ(by_default.rc, 0) << by_default.out;
   ASSERT_EQ(dequantized.rc, 0) << dequantized.out;
   auto tokens = [](const std::string& out) { return nlohmann::json::parse(out.substr(out.rfind("\n{") + 1)).at("tokens"); };
+  EXPECT_EQ(tokens(by_default.out), tokens(blocks.out));
   EXPECT_EQ(tokens(blocks.out)[0].size(), tokens(dequantized.out)[0].size());
   EXPECT_NE(blocks.out.find("converted to fp32"), std::string::npos) << blocks.out;  // the small tensors, named
-  const auto not_gguf = test::run_command(test::binary() + " generate --gguf-blocks --checkpoint " + parity("qwen3_next_L5") + args);
-  EXPECT_NE(not_gguf.rc, 0);
-  EXPECT_NE(not_gguf.out.find("is not one"), std::string::npos) << not_gguf.out;
+  EXPECT_EQ(by_default.out.find("dequantized into"), std::string::npos) << by_default.out;  // no fp32 copy written
+  EXPECT_NE(dequantized.out.find("dequantized into"), std::string::npos) << dequantized.out;
+  // An option only the dequantized weights run: the default follows it and says so; --gguf-blocks refuses it.
+  const auto dtype_default = test::run_command(test::binary() + " generate --weight-dtype bf16 --checkpoint " + f + args);
+  EXPECT_EQ(dtype_default.rc, 0) << dtype_default.out;
+  EXPECT_NE(dtype_default.out.find("is dequantized at load: --weight-dtype bf16 needs the dequantized weights"),
+            std::string::npos) << dtype_default.out;
   const auto dtype = test::run_command(test::binary() + " generate --gguf-blocks --weight-dtype bf16 --checkpoint " + f + args);
   EXPECT_NE(dtype.rc, 0);
-  EXPECT_NE(dtype.out.find("leave --weight-dtype unset"), std::string::npos) << dtype.out;
+  EXPECT_NE(dtype.out.find("--gguf-blocks: --weight-dtype bf16 needs the dequantized weights"), std::string::npos)
+      << dtype.out;
+  for (const char* flag : {"--gguf-blocks", "--gguf-dequantize"}) {
+    const auto not_gguf =
+        test::run_command(test::binary() + " generate " + flag + " --checkpoint " + parity("qwen3_next_L5") + args);
+    EXPECT_NE(not_gguf.rc, 0) << flag;
+    EXPECT_NE(not_gguf.out.find("is not one"), std::string::npos) << not_gguf.out;
+  }
+  const auto both = test::run_command(test::binary() + " generate --gguf-blocks --gguf-dequantize --checkpoint " + f + args);
+  EXPECT_NE(both.rc, 0) << both.out;
 }
 
 // ---- bad files: the fixture rewritten by our writer with one thing wrong ----
@@ -409,13 +426,14 @@ nlohmann::json last_json_line(const std::string& out) {
   return nlohmann::json::parse(out.substr(start == std::string::npos ? 0 : start + 1, end - start));
 }
 
-// plan --generate of a .gguf equals what generate measures on it (dequantized at load: fp32 weights), to the byte,
-// and reports the file's own tensor bytes as what quantized storage will hold.
+// plan --generate --gguf-dequantize of a .gguf equals what generate --gguf-dequantize measures on it (dequantized at
+// load: fp32 weights), to the byte, and reports the file's own tensor bytes beside it. (From the blocks, the default:
+// QuantPrefillCli.PlanEqualsWhatGenerateMeasures.)
 TEST(GgufImportCli, PlanOfAGgufEqualsWhatGenerateMeasures) {
   const std::string f = fixture("qwen3_next_L5.q8_0");
-  const auto g = test::run_command(test::binary() + " generate --checkpoint " + f + " --prompt " + std::string(1100, 'a') +
-                                    " --max-new-tokens 5 --json --weights-memory map 2>/dev/null");
-  const auto p = test::run_command(test::binary() + " plan --generate --model " + f +
+  const auto g = test::run_command(test::binary() + " generate --gguf-dequantize --checkpoint " + f + " --prompt " +
+                                    std::string(1100, 'a') + " --max-new-tokens 5 --json --weights-memory map 2>/dev/null");
+  const auto p = test::run_command(test::binary() + " plan --generate --gguf-dequantize --model " + f +
                                     " --context 1104 --batch 1 --json 2>/dev/null");
   ASSERT_EQ(g.rc, 0) << g.out;
   ASSERT_EQ(p.rc, 0) << p.out;

@@ -222,8 +222,9 @@ TEST(QuantPrefill, PlanEqualsWhatGenerateMeasures) {
   }
 }
 
-// The command line: plan --generate --gguf-blocks and generate --gguf-blocks --json report the same bytes (the
-// accounted peak plus the quantized blocks used in place) for a 16-token prompt in pieces of 8, and the same caches.
+// The command line: plan --generate and generate --json of a .gguf (from its blocks, the default) report the same
+// bytes (the accounted peak plus the quantized blocks used in place) for a 16-token prompt in pieces of 8, and the
+// same caches.
 TEST(QuantPrefill, PlanCommandEqualsGenerateCommand) {
   TempDir dir;
   const std::string f = fixture("qwen3_next_L5.q8_0");
@@ -236,16 +237,17 @@ TEST(QuantPrefill, PlanCommandEqualsGenerateCommand) {
     return nlohmann::json::parse(s.substr(start == std::string::npos ? 0 : start + 1, end - start));
   };
   const auto g = run("generate --checkpoint " + f +
-                     " --gguf-blocks --prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 --max-new-tokens 5 "
+                     " --prompt-ids 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 --max-new-tokens 5 "
                      "--prefill-piece 8 --ignore-eos --json");
-  const auto p = run("plan --generate --model " + f + " --gguf-blocks --context 20 --batch 1 --prefill-piece 8 --json");
+  const auto p = run("plan --generate --model " + f + " --context 20 --batch 1 --prefill-piece 8 --json");
+  EXPECT_EQ(p["weights_run_as"], "gguf blocks");
   EXPECT_EQ(g["accounted_peak_bytes"].get<size_t>() + g["weights_mapped_bytes"].get<size_t>(),
             p["total_bytes"].get<size_t>());
   EXPECT_EQ(g["weights_mapped_bytes"], p["quantized_weights_bytes"]);
   EXPECT_EQ(g["kv_cache_bytes"], p["kv_cache_bytes"]);
   EXPECT_EQ(g["recurrent_state_bytes"], p["recurrent_state_bytes"]);
   EXPECT_EQ(g["tokens"][0].size(), 5u);
-  std::printf("generate --gguf-blocks: accounted peak %zu + blocks %zu = plan --generate --gguf-blocks %zu\n",
+  std::printf("generate: accounted peak %zu + blocks %zu = plan --generate %zu\n",
               g["accounted_peak_bytes"].get<size_t>(), g["weights_mapped_bytes"].get<size_t>(),
               p["total_bytes"].get<size_t>());
 }
@@ -276,8 +278,9 @@ TEST(QuantPrefill, EvalOnTheBlocksNearTheDequantizedFile) {
   for (const auto& [f, tol] : {std::pair{fixture("qwen3_next_L5.q8_0"), 1e-3},
                                 {small_gguf(dir, gguf::QuantScheme::Q4_K), 5e-3}}) {
     const std::string args = "eval --checkpoint " + f + " --text " + (dir / "t.txt").string() + " --seq 64";
-    const auto deq = run(args), q = run(args + " --gguf-blocks");
+    const auto deq = run(args + " --gguf-dequantize"), q = run(args);  // (the blocks: the default for a .gguf)
     EXPECT_EQ(q["gguf_blocks"], true);
+    EXPECT_EQ(deq["gguf_blocks"], false);
     EXPECT_EQ(q["tokens"], deq["tokens"]);
     const double a = deq["cross_entropy"].get<double>(), b = q["cross_entropy"].get<double>();
     EXPECT_NEAR(b, a, tol * a) << f;

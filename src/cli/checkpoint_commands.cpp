@@ -10,6 +10,7 @@
 
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/gguf_options.h"
 #include "cli/step_options.h"
 #include "gguf/export.h"
 #include "gguf/import.h"
@@ -162,7 +163,7 @@ void register_eval(CLI::App& app) {
     std::string checkpoint, compute = "fp32";
     train::DataOptions data;
     int64_t seq = 512, batch = 8;
-    bool gguf_blocks = false;
+    GgufArgs gguf;
   };
   auto a = std::make_shared<Args>();
   CLI::App* c = app.add_subcommand("eval", "Cross-entropy and bits per byte of a checkpoint (native or Hugging Face) "
@@ -179,24 +180,22 @@ void register_eval(CLI::App& app) {
   c->add_option("--seq", a->seq, "Window: N+1 tokens, consecutive windows overlap by one")->capture_default_str();
   c->add_option("--batch", a->batch, "Windows per forward pass")->capture_default_str();
   add_dtype_option(c, "--compute-dtype", a->compute, "fp32 | bf16");
-  c->add_flag("--gguf-blocks", a->gguf_blocks,
-              "With a .gguf file: evaluate from its quantized blocks (as generate --gguf-blocks: each window prefilled "
-              "on the blocks, fp32 compute, one window at a time) instead of dequantizing every tensor at load");
+  add_gguf_options(c, a->gguf);
   c->callback([a] {
     if (a->data.text.empty() && a->data.data.empty())
       throw std::invalid_argument("eval needs --text FILE or --data TOKENS (from 'hybridscan tokenize')");
-    if (a->gguf_blocks && !gguf::is_gguf_path(a->checkpoint))
-      throw std::invalid_argument("--gguf-blocks evaluates a .gguf file from its quantized blocks; " + a->checkpoint +
-                                  " is not one");
-    if (a->gguf_blocks && a->compute != "fp32")
-      throw std::invalid_argument("--gguf-blocks computes in fp32: leave --compute-dtype at fp32");
-    const gguf::CheckpointPath source(a->checkpoint);  // a .gguf file is imported for the run
+    std::vector<std::string> needs_dequantized;
+    if (a->compute != "fp32") needs_dequantized.push_back("--compute-dtype " + a->compute);
+    const bool blocks = gguf_from_blocks(a->gguf, a->checkpoint, needs_dequantized, "eval");
+    // A .gguf file is imported for the run (its tensors only when they are dequantized).
+    const gguf::CheckpointPath source(a->checkpoint, blocks ? gguf::CheckpointPath::Weights::FromBlocks
+                                                            : gguf::CheckpointPath::Weights::Dequantized);
     checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
     // The data is checked against the model before any weight is read.
     const train::Tokens t = train::load_tokens(a->data, {d.config.vocab, train::checkpoint_tokenizer(source.path())});
     MemoryAccountant mem;
     train::EvalResult e;
-    if (a->gguf_blocks) {
+    if (blocks) {
       const auto w = infer::load_gguf_weights(a->checkpoint, mem);
       for (const auto& n : w->notes) std::fprintf(stderr, "eval: %s\n", n.c_str());
       e = evaluate_gguf_blocks(*w, t.tokens, a->seq, mem);
@@ -207,7 +206,7 @@ void register_eval(CLI::App& app) {
     }
     nlohmann::json j = {{"cross_entropy", e.ce}, {"tokens", e.count}, {"text_bytes", e.text_bytes},
                         {"bits_per_byte", e.bits_per_byte}, {"checkpoint", a->checkpoint}, {"seq", a->seq},
-                        {"gguf_blocks", a->gguf_blocks}};
+                        {"gguf_blocks", blocks}};
     if (!a->data.text.empty()) j["text"] = a->data.text;
     if (!a->data.data.empty()) j["data"] = a->data.data;
     if (!t.tokenizer.empty()) j["tokenizer"] = t.tokenizer;

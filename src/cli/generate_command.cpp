@@ -14,6 +14,7 @@
 #include "chat/chat_template.h"
 #include "checkpoint/convert.h"
 #include "cli/commands.h"
+#include "cli/gguf_options.h"
 #include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
@@ -47,7 +48,8 @@ struct GenerateArgs {
   double temperature = 0, top_p = 1;
   uint64_t seed = 0;
   std::vector<std::string> stop;
-  bool chat = false, json = false, ignore_eos = false, gguf_blocks = false;
+  bool chat = false, json = false, ignore_eos = false;
+  GgufArgs gguf;
   SpeculativeArgs spec;  // --speculative, --draft
   bool compare_plain = false;
 };
@@ -87,7 +89,14 @@ void run_generate(const GenerateArgs& a) {
   const int64_t draft = speculative_draft(a.spec);
   if (draft == 0 && a.compare_plain) throw std::invalid_argument("--compare-plain needs --speculative mtp");
 
-  const gguf::CheckpointPath source(a.checkpoint);  // a .gguf file is imported for the run
+  std::vector<std::string> needs_dequantized;
+  if (draft > 0) needs_dequantized.push_back("--speculative mtp");
+  if (!a.weight_dtype.empty()) needs_dequantized.push_back("--weight-dtype " + a.weight_dtype);
+  const bool blocks = gguf_from_blocks(a.gguf, a.checkpoint, needs_dequantized, "generate");
+  // A .gguf file is imported for the run: its configuration and tokenizer, and its tensors unless they are used from
+  // its blocks.
+  const gguf::CheckpointPath source(a.checkpoint, blocks ? gguf::CheckpointPath::Weights::FromBlocks
+                                                         : gguf::CheckpointPath::Weights::Dequantized);
   checkpoint::CheckpointDir d = checkpoint::open_checkpoint_dir(source.path());
   const model::ModelConfig& cfg = d.config;
   if (draft > 0 && cfg.mtp_layers < 1)
@@ -95,7 +104,6 @@ void run_generate(const GenerateArgs& a) {
                                 "layer (mtp.*; num_nextn_predict_layers / mtp_num_hidden_layers is 0): train one from a "
                                 "'+mtp' preset (e.g. --preset small+mtp --mtp-weight 0.3), or decode without "
                                 "--speculative");
-  if (draft > 0 && a.gguf_blocks) throw std::invalid_argument("--speculative mtp does not run with --gguf-blocks");
   // Text goes through the checkpoint's tokenizer.json when it has one, else it is bytes (the byte-level presets,
   // vocabulary 256).
   std::optional<tokenizer::Tokenizer> tok;
@@ -169,13 +177,8 @@ void run_generate(const GenerateArgs& a) {
   // Weights in their stored dtype unless --weight-dtype converts them (memory-mapped when they can be used in
   // place); compute in the same dtype, so no layer casts its weights per token.
   MemoryAccountant mem;
-  if (a.gguf_blocks && !gguf::is_gguf_path(a.checkpoint))
-    throw std::invalid_argument("--gguf-blocks decodes a .gguf file from its quantized blocks; " + a.checkpoint +
-                                " is not one");
-  if (a.gguf_blocks && !a.weight_dtype.empty())
-    throw std::invalid_argument("--gguf-blocks keeps the file's own types: leave --weight-dtype unset");
   std::unique_ptr<infer::InferenceWeights> weights =
-      a.gguf_blocks ? infer::load_gguf_weights(a.checkpoint, mem)
+      blocks ? infer::load_gguf_weights(a.checkpoint, mem)
                     : infer::load_weights(d, a.weight_dtype.empty() ? std::nullopt
                                                                     : std::optional<DType>(parse_dtype(a.weight_dtype)),
                                           mem, infer::parse_weights_memory(a.weights_memory));
@@ -306,10 +309,7 @@ void register_generate(CLI::App& app) {
   c->add_option("--seed", a->seed, "Sampling seed (prompt i uses seed + i)")->capture_default_str();
   c->add_option("--stop", a->stop, "End a sequence when its text holds this string (repeatable)");
   add_dtype_option(c, "--weight-dtype", a->weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
-  c->add_flag("--gguf-blocks", a->gguf_blocks,
-              "With a .gguf file: decode from its quantized blocks (the products on Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K "
-              "blocks, activations quantized per row as llama.cpp does; prompts prefill in --prefill-piece pieces with "
-              "batched products on the blocks) instead of dequantizing every tensor at load (docs/gguf.md)");
+  add_gguf_options(c, a->gguf);
   c->add_option("--weights-memory", a->weights_memory,
                 "Where the weights live: map (used in place from the files' memory mapping where they can be: page "
                 "cache, 4 KiB pages, outside the accountant), copy (all but the embedding table read once into "

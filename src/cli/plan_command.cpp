@@ -4,6 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "cli/gguf_options.h"
 #include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
@@ -20,7 +21,8 @@ struct PlanArgs {
   std::string chip;
   int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
   std::string cache_bytes = "1GiB";
-  bool compare = false, json = false, generate = false, fit = false, serve = false, gguf_blocks = false;
+  bool compare = false, json = false, generate = false, fit = false, serve = false;
+  GgufArgs gguf;  // --gguf-blocks, --gguf-dequantize (plan --generate)
   int64_t prefill_piece = 512;
   SpeculativeArgs spec;  // --speculative, --draft (plan --generate)
 };
@@ -48,10 +50,6 @@ std::string gb(size_t b) {
 // converted to fp32, prompts prefilled in --prefill-piece pieces on the blocks), planned by running that decoder over
 // shapes: equal to generate's accounted peak plus the blocks (its weights_mapped_bytes) when a prompt fills two pieces.
 void plan_quantized_generation(const PlanArgs& a) {
-  if (!gguf::is_gguf_path(a.step.model))
-    throw std::invalid_argument("--gguf-blocks plans a .gguf file run from its quantized blocks; " + a.step.model +
-                                " is not one");
-  if (!a.spec.speculative.empty()) throw std::invalid_argument("--speculative mtp does not run with --gguf-blocks");
   if (a.prefill_piece <= 0) throw std::invalid_argument("--prefill-piece must be positive");
   planner::GeneratePlanRequest r;
   r.context = a.context;
@@ -82,11 +80,14 @@ void plan_quantized_generation(const PlanArgs& a) {
 }
 
 void plan_generation(const PlanArgs& a) {
-  if (a.gguf_blocks) return plan_quantized_generation(a);
+  // As generate: a .gguf file from its blocks unless --speculative needs it dequantized.
+  std::vector<std::string> needs_dequantized;
+  if (!a.spec.speculative.empty()) needs_dequantized.push_back("--speculative " + a.spec.speculative);
+  if (gguf_from_blocks(a.gguf, a.step.model, needs_dequantized, "plan")) return plan_quantized_generation(a);
   planner::GeneratePlanRequest r;
-  // GGUF weights (a .gguf --model, or a GGUF type for --weight-dtype) are dequantized at load today: the run holds
-  // them in fp32 (bf16 where the file's embedding is BF16), which is what plan_generate plans and generate measures.
-  // What quantized storage will hold is reported beside it (quantized_weights_bytes) as a prediction.
+  // A .gguf --model here runs dequantized (--gguf-dequantize, or --speculative): the run holds its weights in fp32
+  // (bf16 where the file's embedding is BF16), which is what plan_generate plans and generate measures. For a preset
+  // with a GGUF type for --weight-dtype, what its file would hold is reported beside it (quantized_weights_bytes).
   std::optional<uint64_t> quantized;
   std::string stored = a.step.weight_dtype;
   if (gguf::is_gguf_path(a.step.model)) {
@@ -254,7 +255,8 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
   if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
-  if (a.gguf_blocks && !a.generate) throw std::invalid_argument("--gguf-blocks is for plan --generate");
+  if ((a.gguf.blocks || a.gguf.dequantize) && !a.generate)
+    throw std::invalid_argument("--gguf-blocks and --gguf-dequantize are for plan --generate");
   if (!a.generate && (!a.spec.speculative.empty() || a.spec.draft != -1))
     throw std::invalid_argument("--speculative and --draft are for plan --generate");
   if (a.generate) {
@@ -315,10 +317,8 @@ void register_plan(CLI::App& app) {
                 "Weight storage: fp32 | bf16; with --generate also f16 | q8_0 | q4_k | q5_k | q6_k | mixed (GGUF)")
       ->check(CLI::IsMember({"fp32", "bf16", "f16", "q8_0", "q4_k", "q5_k", "q6_k", "mixed"}))
       ->capture_default_str();
-  c->add_flag("--gguf-blocks", a->gguf_blocks,
-              "--generate with a .gguf --model: plan generate --gguf-blocks (the quantized blocks used in place, the "
-              "prompt prefilled in --prefill-piece pieces on them) instead of the file dequantized at load");
-  c->add_option("--prefill-piece", a->prefill_piece, "--generate --gguf-blocks: prompt tokens per prefill pass")
+  add_gguf_options(c, a->gguf);
+  c->add_option("--prefill-piece", a->prefill_piece, "--generate of a .gguf from its blocks: prompt tokens per prefill pass")
       ->capture_default_str();
   c->add_flag("--json", a->json, "Print JSON");
   c->add_flag("--fit", a->fit,

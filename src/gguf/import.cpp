@@ -403,7 +403,7 @@ std::optional<json> tokenizer_json_from_gguf(const GgufReader& r) {
         {"vocab", vocab}, {"merges", m}}}};
 }
 
-ImportReport import_gguf(const fs::path& path, const fs::path& dir) {
+ImportReport import_gguf(const fs::path& path, const fs::path& dir, bool tensors) {
   GgufReader r(path);
   ImportReport rep;
   rep.architecture = arch_of(r);
@@ -429,20 +429,22 @@ ImportReport import_gguf(const fs::path& path, const fs::path& dir) {
                         std::from_chars(t.name.data() + 4, t.name.data() + t.name.size(), i).ec == std::errc() &&
                         i >= c.layers + c.mtp_layers)
       rep.notes.push_back("skipped " + t.name + " (a block past the decoder's and its multi-token-prediction layer)");
-  checkpoint::ShardedWriter w(dir, decls, 5'000'000'000ull, {{"format", "hybridscan"}});
-  for (const checkpoint::TensorDecl& d : decls) {
-    const std::vector<float> x = read_model_tensor(r, c, d.name);
-    if (static_cast<int64_t>(x.size()) != hs::numel(d.shape))
-      throw std::logic_error("import_gguf: " + d.name + " has the wrong element count");
-    if (d.dtype == checkpoint::FileDType::BF16) {
-      std::vector<bf16> y(x.size());
-      for (size_t k = 0; k < x.size(); ++k) y[k] = bf16(x[k]);
-      w.write(d.name, std::as_bytes(std::span(y)));
-    } else {
-      w.write(d.name, std::as_bytes(std::span(x)));
+  if (tensors) {
+    checkpoint::ShardedWriter w(dir, decls, 5'000'000'000ull, {{"format", "hybridscan"}});
+    for (const checkpoint::TensorDecl& d : decls) {
+      const std::vector<float> x = read_model_tensor(r, c, d.name);
+      if (static_cast<int64_t>(x.size()) != hs::numel(d.shape))
+        throw std::logic_error("import_gguf: " + d.name + " has the wrong element count");
+      if (d.dtype == checkpoint::FileDType::BF16) {
+        std::vector<bf16> y(x.size());
+        for (size_t k = 0; k < x.size(); ++k) y[k] = bf16(x[k]);
+        w.write(d.name, std::as_bytes(std::span(y)));
+      } else {
+        w.write(d.name, std::as_bytes(std::span(x)));
+      }
     }
+    w.commit();
   }
-  w.commit();
   write_file_atomically(dir / "config.json", hf_config_json(r, c).dump(2) + "\n");
   const json native = {{"format", "hybridscan-native"},
                        {"version", 1},
@@ -472,18 +474,18 @@ bool is_gguf_path(const std::string& path) {
   return path.size() > 5 && path.compare(path.size() - 5, 5, ".gguf") == 0;
 }
 
-CheckpointPath::CheckpointPath(const std::string& p) : dir_(p) {
+CheckpointPath::CheckpointPath(const std::string& p, Weights weights) : dir_(p) {
   if (!is_gguf_path(p)) return;
   std::random_device rd;
   const fs::path base = fs::temp_directory_path();
   temp_ = base / ("hybridscan-gguf-" + std::to_string(::getpid()) + "-" + std::to_string(rd()));
   try {
-    const ImportReport rep = import_gguf(p, temp_);
+    const bool dequantize = weights == Weights::Dequantized;
+    const ImportReport rep = import_gguf(p, temp_, dequantize);
     for (const std::string& n : rep.notes) std::fprintf(stderr, "gguf: %s\n", n.c_str());
-    std::fprintf(stderr,
-                 "gguf: %s (%s) dequantized into %s for this run (quantized storage is not implemented yet: the "
-                 "weights take their fp32/bf16 size)\n",
-                 p.c_str(), rep.architecture.c_str(), temp_.c_str());
+    if (dequantize)
+      std::fprintf(stderr, "gguf: %s (%s) dequantized into %s for this run (the weights take their fp32/bf16 size)\n",
+                   p.c_str(), rep.architecture.c_str(), temp_.c_str());
   } catch (...) {
     std::error_code ec;
     fs::remove_all(temp_, ec);

@@ -2,10 +2,11 @@
 // configuration from the metadata, the tensors renamed and the converter's transforms undone (docs/gguf.md), the
 // tokenizer and chat template from tokenizer.* metadata.
 //
-// Today a GGUF model is dequantized at load: import_gguf writes an ordinary native (unscanned) checkpoint directory
-// of fp32 / bf16 tensors, which every command opens as it opens any checkpoint. This is the seam where quantized
-// storage will come in: the per-tensor reads (read_model_tensor) are the one place that turns GGUF blocks into
-// compute-dtype values.
+// A command opens a GGUF model in one of two ways (docs/gguf.md): from its quantized blocks (infer::load_gguf_weights,
+// the default of generate, eval, serve and plan --generate), with import_gguf writing only the configuration and the
+// tokenizer into a temporary native checkpoint; or dequantized, with import_gguf writing every tensor as fp32 / bf16
+// into it, which the command then opens as any checkpoint. The per-tensor reads (read_model_tensor) are the one place
+// that turns GGUF blocks into values.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -56,16 +57,19 @@ struct ImportReport {
 };
 // Writes a native unscanned checkpoint of the GGUF model into `dir` (which must not exist or be empty): config.json,
 // hybridscan.json, model.safetensors (fp32; bf16 for tensors stored in BF16), tokenizer.json and tokenizer_config.json
-// (with the chat template) when the file has a tokenizer.
-ImportReport import_gguf(const std::filesystem::path& gguf, const std::filesystem::path& dir);
+// (with the chat template) when the file has a tokenizer. tensors false: all but model.safetensors (the configuration
+// and the tokenizer of a model whose weights are read from the file itself).
+ImportReport import_gguf(const std::filesystem::path& gguf, const std::filesystem::path& dir, bool tensors = true);
 
 bool is_gguf_path(const std::string& path);
 
 // A checkpoint named on a command line: a directory as it is, or a .gguf file imported into a temporary directory
-// that lives as long as this object. The one lookup generate, eval and inspect make.
+// that lives as long as this object (with its tensors dequantized, or without them when the command reads the
+// weights from the file's blocks). The one lookup generate, eval, serve and inspect make.
 class CheckpointPath {
  public:
-  explicit CheckpointPath(const std::string& path_or_gguf);
+  enum class Weights { Dequantized, FromBlocks };
+  explicit CheckpointPath(const std::string& path_or_gguf, Weights weights = Weights::Dequantized);
   ~CheckpointPath();
   CheckpointPath(const CheckpointPath&) = delete;
   CheckpointPath& operator=(const CheckpointPath&) = delete;
