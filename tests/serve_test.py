@@ -597,6 +597,18 @@ def speculative(ck):
     maxes = [8 + (i * 5) % 17 for i in range(len(prompts))]
     want = [ask(plain.client(), chat=False, stream=False, prompt=p, max_tokens=mt, **kw)
             for p, mt in zip(prompts, maxes)]
+    # End ids and stop strings met inside a run of kept drafts: the tokens past them are dropped. The end id (the
+    # commonest answer token) is set in the config now: the plain server above started without it.
+    flat = [t for w in want for t in w[0][2:]]
+    eos = max(set(flat), key=flat.count)
+    printable = [t for t in flat if 32 < t < 127 and t != eos]
+    stop = chr(max(set(printable), key=printable.count))
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
+    want_eos = [(w[0][:w[0].index(eos) + 1], "stop") if eos in w[0] else (w[0], "length") for w in want]
+    check(sum(f == "stop" for _, f in want_eos) >= 2, f"the end id {eos} ends only {want_eos}")
+    want_stop = [ask(plain.client(), chat=False, stream=False, prompt=p, max_tokens=mt, temperature=0, stop=[stop],
+                     ignore_eos=True) for p, mt in zip(prompts, maxes)]
     # A seeded sampled answer from a prompt past a chunk edge (the second time restored from the prefix cache).
     sampled = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=30, ignore_eos=True)
     sp = prompt_ids(90, 7)
@@ -623,6 +635,15 @@ def speculative(ck):
             m1 = s.metrics()
             counts.append([m1[k] - m0[k] for k in m1 if k.startswith("hybridscan_spec_accepted_total")
                            or k == "hybridscan_spec_verifications_total"])
+        got = run_concurrently([lambda p=p, mt=mt, i=i: ask(c, chat=False, stream=i % 2 == 0, prompt=p, max_tokens=mt,
+                                                            temperature=0) for i, (p, mt) in enumerate(zip(prompts, maxes))])
+        for i, (g, w) in enumerate(zip(got, want_eos)):
+            check((g[0], g[1]) == w, f"draft {draft}, prompt {i}, end id {eos}: {g[:2]} != {w}")
+        got = run_concurrently([lambda p=p, mt=mt, i=i: ask(c, chat=False, stream=i % 2 == 0, prompt=p, max_tokens=mt,
+                                                            temperature=0, stop=[stop], ignore_eos=True)
+                                for i, (p, mt) in enumerate(zip(prompts, maxes))])
+        for i, (g, w) in enumerate(zip(got, want_stop)):
+            check(g[:2] == w[:2], f"draft {draft}, prompt {i}, stop {stop!r}: {g[:2]} != the plain server's {w[:2]}")
         # A restored prefix gives the MTP layer the bits a cold prefill gives it (its keys and values, the hidden row it
         # waits on), so every request drafts, and keeps, exactly what it did in the first round.
         check(counts[0] == counts[1], f"draft {draft}: verifications and kept drafts cold {counts[0]} != cached "
