@@ -26,6 +26,10 @@ Cases:
   page     the chat page at / in headless Chromium (Debian's chromium + chromium-driver, driven over WebDriver's HTTP
            protocol): a typed message streams an answer equal to the API's, with its tokens/s and cached tokens shown;
            SERVE_PAGE_SCREENSHOT=FILE saves a screenshot (skipped, exit 77, without chromedriver)
+  speculative  serve --speculative mtp --draft 1..3 on a tiny+mtp checkpoint: greedy answers (and their logprobs)
+           equal a plain server's, 8 concurrent clients on 4 slots, cold and restored from the prefix cache; a seeded
+           sampled answer is reproducible (cold and cached); /metrics counts drafts and accepted ones; plan --serve
+           --speculative gives the planned peak and bounds the accountant's; bad flags are refused with the fix
   load     SERVE_LOAD_CLIENTS (16) streaming clients for SERVE_LOAD_SECONDS (8): no failed request, every answer the
            expected tokens (none lost or repeated), resident memory flat (the issue's 64 x 60 s: set them)
 """
@@ -546,6 +550,139 @@ def case_plan():
     check(0 < m["hybridscan_memory_accounted_peak_bytes"] <= plan["total_bytes"], f"accountant {m} over plan {plan}")
     print(f"plan: plan --serve {plan['total_bytes']} bytes; the server's accountant peaked at "
           f"{int(m['hybridscan_memory_accounted_peak_bytes'])}, resident {int(m['hybridscan_resident_bytes'])}")
+
+
+def spec_checkpoint(tmp):
+    """A tiny+mtp checkpoint (trained one step: random weights) whose MTP layer is a fair draft model: fc = [I | 0], so
+    it drafts about head(norm(embed(x_{t+1}))) (its own random layer, scaled by 3, moves that by what it attends to:
+    its keys and values matter); the decoder layers' matrices scaled by 0.7, so the model's next token is often, not
+    always, that (60-80% of the drafts are kept at depth 1)."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+    out = pathlib.Path(tmp) / "run"
+    r = subprocess.run([BINARY, "train", "--preset", "tiny+mtp", "--synthetic", "--steps", "1", "--batch", "2",
+                        "--seq", "16", "--threads", "1", "--out", str(out)], capture_output=True, text=True, env=ENV,
+                       timeout=120)
+    check(r.returncode == 0, f"train: {r.stderr}")
+    ck = out / "checkpoint-1"
+    f = ck / "model.safetensors"
+    with safe_open(str(f), "np") as st:
+        meta = st.metadata()
+        t = {k: st.get_tensor(k) for k in st.keys()}
+    hid = t["mtp.fc.weight"].shape[0]
+    t["mtp.fc.weight"] = np.concatenate([np.eye(hid), np.zeros((hid, hid))], axis=1).astype(np.float32)
+    for k, v in t.items():
+        if k.startswith("mtp.layers.") and v.ndim >= 3:
+            t[k] = (v * 3).astype(np.float32)
+        elif (k.startswith("local.") or k.startswith("global.")) and v.ndim >= 3:
+            t[k] = (v * 0.7).astype(np.float32)
+    save_file(t, str(f), metadata=meta)
+    return ck
+
+
+def case_speculative():
+    with tempfile.TemporaryDirectory() as tmp:
+        speculative(spec_checkpoint(tmp))
+
+
+def speculative(ck):
+    global MODEL
+    MODEL = ck.name
+    common = ["--parallel", 4, "--ctx", 256]
+    plain = Server(*common, "--cache-bytes", 0, ckpt=ck, chat_template=None)
+    lengths = [1, 5, 17, 63, 64, 65, 100, 130]
+    prompts = [prompt_ids(n, i) for i, n in enumerate(lengths)]
+    kw = dict(temperature=0, logprobs=1, ignore_eos=True)
+    maxes = [8 + (i * 5) % 17 for i in range(len(prompts))]
+    want = [ask(plain.client(), chat=False, stream=False, prompt=p, max_tokens=mt, **kw)
+            for p, mt in zip(prompts, maxes)]
+    # End ids and stop strings met inside a run of kept drafts: the tokens past them are dropped. The end id (the
+    # commonest answer token) is set in the config now: the plain server above started without it.
+    flat = [t for w in want for t in w[0][2:]]
+    eos = max(set(flat), key=flat.count)
+    printable = [t for t in flat if 32 < t < 127 and t != eos]
+    stop = chr(max(set(printable), key=printable.count))
+    cfg = json.loads((ck / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=eos)))
+    want_eos = [(w[0][:w[0].index(eos) + 1], "stop") if eos in w[0] else (w[0], "length") for w in want]
+    check(sum(f == "stop" for _, f in want_eos) >= 2, f"the end id {eos} ends only {want_eos}")
+    want_stop = [ask(plain.client(), chat=False, stream=False, prompt=p, max_tokens=mt, temperature=0, stop=[stop],
+                     ignore_eos=True) for p, mt in zip(prompts, maxes)]
+    # A seeded sampled answer from a prompt past a chunk edge (the second time restored from the prefix cache).
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=30, ignore_eos=True)
+    sp = prompt_ids(90, 7)
+    for draft in (1, 2, 3):
+        plan = subprocess.run([BINARY, "plan", "--serve", "--model", str(ck), "--weight-dtype", "fp32", "--json",
+                               "--speculative", "mtp", "--draft", str(draft), "--cache-bytes", "4MiB",
+                               *map(str, common)], capture_output=True, text=True, env=ENV)
+        check(plan.returncode == 0, plan.stderr)
+        plan = json.loads(plan.stdout)
+        s = Server(*common, "--cache-bytes", "4MiB", "--speculative", "mtp", "--draft", draft, ckpt=ck,
+                   chat_template=None)
+        c = s.client()
+        counts = []  # per round: verifications and drafts kept per position
+        for rnd in range(2):  # the second round restores the prompts' cached chunks (the MTP layer's part too)
+            m0 = s.metrics()
+            got = run_concurrently([lambda p=p, mt=mt, i=i: ask(c, chat=False, stream=i % 2 == 1, prompt=p,
+                                                                max_tokens=mt, **kw)
+                                    for i, (p, mt) in enumerate(zip(prompts, maxes))])
+            for i, (g, w) in enumerate(zip(got, want)):
+                check(g[0] == w[0], f"draft {draft}, round {rnd}, prompt {i} ({lengths[i]} tokens): {g[0]} != the "
+                                    f"plain server's {w[0]}")
+                check(g[3] == w[3], f"draft {draft}, round {rnd}, prompt {i}: logprobs {g[3]} != plain {w[3]}")
+                check(g[1] == "length" and g[2].completion_tokens == maxes[i], f"finish {g[1]}, usage {g[2]}")
+            m1 = s.metrics()
+            counts.append([m1[k] - m0[k] for k in m1 if k.startswith("hybridscan_spec_accepted_total")
+                           or k == "hybridscan_spec_verifications_total"])
+        got = run_concurrently([lambda p=p, mt=mt, i=i: ask(c, chat=False, stream=i % 2 == 0, prompt=p, max_tokens=mt,
+                                                            temperature=0) for i, (p, mt) in enumerate(zip(prompts, maxes))])
+        for i, (g, w) in enumerate(zip(got, want_eos)):
+            check((g[0], g[1]) == w, f"draft {draft}, prompt {i}, end id {eos}: {g[:2]} != {w}")
+        got = run_concurrently([lambda p=p, mt=mt, i=i: ask(c, chat=False, stream=i % 2 == 0, prompt=p, max_tokens=mt,
+                                                            temperature=0, stop=[stop], ignore_eos=True)
+                                for i, (p, mt) in enumerate(zip(prompts, maxes))])
+        for i, (g, w) in enumerate(zip(got, want_stop)):
+            check(g[:2] == w[:2], f"draft {draft}, prompt {i}, stop {stop!r}: {g[:2]} != the plain server's {w[:2]}")
+        # A restored prefix gives the MTP layer the bits a cold prefill gives it (its keys and values, the hidden row it
+        # waits on), so every request drafts, and keeps, exactly what it did in the first round.
+        check(counts[0] == counts[1], f"draft {draft}: verifications and kept drafts cold {counts[0]} != cached "
+                                      f"{counts[1]}")
+        a = ask(c, chat=False, stream=False, prompt=sp, **sampled)[0]
+        ask(c, chat=False, stream=False, prompt=prompt_ids(90, 8), **sampled)  # (the slot's rows are another's now)
+        b, _, usage, _ = ask(c, chat=False, stream=True, prompt=sp, **sampled)
+        check(usage.prompt_tokens_details.cached_tokens == 64, f"draft {draft}: the seeded prompt's chunk was not "
+                                                               f"restored: {usage}")
+        other = ask(c, chat=False, stream=False, prompt=sp, **dict(sampled, seed=99))[0]
+        check(a == b and len(a) == 30, f"draft {draft}: a seeded sampled answer changed: {a} / {b}")
+        check(other != a, f"draft {draft}: another seed gave the same 30 tokens")
+        m = s.metrics()
+        drafted, steps = m["hybridscan_spec_drafted_total"], m["hybridscan_spec_verifications_total"]
+        acc = [m[f'hybridscan_spec_accepted_total{{position="{k}"}}'] for k in range(1, draft + 1)]
+        check(drafted == draft * steps > 0, f"draft {draft}: {drafted} drafted in {steps} verifications")
+        check(0 < acc[0] < steps and all(x >= y for x, y in zip(acc, acc[1:])),
+              f"draft {draft}: accepted per position {acc} of {steps} (want some, not all, and fewer deeper)")
+        check(m["hybridscan_cache_hits_total"] >= 4, f"draft {draft}: no prefix-cache hits: {m}")
+        check(m["hybridscan_memory_planned_peak_bytes"] == plan["total_bytes"], f"planned {m} vs plan --serve {plan}")
+        check(0 < m["hybridscan_memory_accounted_peak_bytes"] <= plan["total_bytes"],
+              f"draft {draft}: the accountant's peak {m['hybridscan_memory_accounted_peak_bytes']} is over the plan "
+              f"{plan['total_bytes']}")
+        print(f"speculative: draft {draft}: answers equal the plain server's; drafts kept per position "
+              f"{[round(x / steps, 2) for x in acc]} of {int(steps)} verifications; peak "
+              f"{int(m['hybridscan_memory_accounted_peak_bytes'])} of {plan['total_bytes']} planned")
+        s.stop()
+    for args, msg in [(["--speculative", "mtp", "--draft", 0], "--draft must be in [1, 3] (got 0)"),
+                      (["--speculative", "mtp", "--draft", 4], "--draft must be in [1, 3] (got 4)"),
+                      (["--speculative", "eagle"], "--speculative 'eagle' is not known"),
+                      (["--draft", 2], "--draft needs --speculative mtp")]:
+        r = subprocess.run([BINARY, "serve", "--checkpoint", str(ck), "--port", "0", *map(str, args)],
+                           capture_output=True, text=True, env=ENV, timeout=60)
+        check(r.returncode != 0 and msg in r.stderr, f"serve {args}: exit {r.returncode}, {r.stderr}")
+    r = subprocess.run([BINARY, "serve", "--checkpoint", str(CK), "--port", "0", "--speculative", "mtp"],
+                       capture_output=True, text=True, env=ENV, timeout=60)
+    check(r.returncode != 0 and "has no multi-token-prediction layer" in r.stderr,
+          f"serve --speculative mtp without an MTP layer: exit {r.returncode}, {r.stderr}")
+    print("speculative: bad flags refused")
 
 
 def case_load():

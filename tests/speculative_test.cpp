@@ -329,6 +329,49 @@ TEST(Speculative, BadInputIsRefused) {
   EXPECT_THROW(MtpDrafter(without, DType::F32, 1, 8, mem), std::invalid_argument);
 }
 
+// MtpDrafter::save_kv / load_kv (serve --speculative's prefix cache): a slot's MTP keys and values of [0, n), copied
+// into another slot in two ranges, make the next MTP step there give the first slot's logits and output to the bit,
+// in fp32 and bf16. Without the copy (or with a range short by a row) they differ.
+TEST(Speculative, DrafterKeysAndValuesSavedAndLoadedContinueToTheSameBits) {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    MemoryAccountant mem;
+    ParamSet ps(family("qwen3_next"), dt, mem, MemCategory::Parameters, false);
+    model::init_params(ps, 5);
+    const int64_t H = ps.config().hidden, V = ps.config().vocab, n = 40, cap = 64;
+    const size_t hb = static_cast<size_t>(H) * dtype_size(dt);
+    Decoder dec(ps, dt, 1, cap, mem, 64);
+    MtpDrafter mtp(ps, dt, 3, cap, mem, 64);
+    std::vector<int32_t> prompt(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 37 + 11) % V);
+    std::vector<float> logits(static_cast<size_t>(V));
+    std::vector<char> hid(static_cast<size_t>(n) * hb);
+    dec.prefill(0, prompt, logits.data(), false, hid.data());
+    std::vector<int32_t> next(prompt.begin() + 1, prompt.end());
+    next.push_back(7);
+    mtp.prefill(0, 0, hid.data(), next.data(), n - 1, nullptr, nullptr, false);  // the last position: below
+    EXPECT_EQ(mtp.kv_bytes_per_position(), size_t(2 * ps.config().kv_heads * ps.config().head_dim) * dtype_size(dt));
+    std::vector<char> a(static_cast<size_t>(n) * mtp.kv_bytes_per_position()), b(a.size());
+    mtp.save_kv(0, 0, 25, a.data());
+    mtp.save_kv(0, 25, n - 1, b.data());
+    mtp.load_kv(1, 0, 25, a.data());
+    mtp.load_kv(1, 25, n - 1, b.data());
+    mtp.load_kv(2, 0, 25, a.data());  // slot 2: the rows of [25, n - 1) left out
+    // Position n - 1 of each slot (h_{n-1}, the next token) in one step: every row attends to its own slot's rows.
+    const std::vector<int32_t> slots{0, 1, 2}, pos(3, static_cast<int32_t>(n - 1)), ids(3, next.back());
+    std::vector<char> h(3 * hb);
+    for (size_t r = 0; r < 3; ++r) std::memcpy(h.data() + r * hb, hid.data() + static_cast<size_t>(n - 1) * hb, hb);
+    std::vector<float> out(static_cast<size_t>(3 * V));
+    std::vector<char> mh(3 * hb);
+    mtp.step(3, slots.data(), pos.data(), h.data(), ids.data(), out.data(), mh.data());
+    EXPECT_EQ(std::memcmp(out.data(), out.data() + V, static_cast<size_t>(V) * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(mh.data(), mh.data() + hb, hb), 0);
+    EXPECT_NE(std::memcmp(out.data(), out.data() + 2 * V, static_cast<size_t>(V) * sizeof(float)), 0);
+    EXPECT_THROW(mtp.save_kv(0, 0, cap + 1, a.data()), std::out_of_range);
+    EXPECT_THROW(mtp.load_kv(3, 0, 1, a.data()), std::out_of_range);
+  }
+}
+
 // plan --generate --speculative: the planner runs generate_speculative's own allocations over shapes
 // (speculative_over_shapes), so its total is the accountant's peak of a real speculative run whose prompts fill two
 // prefill pieces, to the byte: draft 1 to 3, both families (and the dense Qwen3.5), fp32 and bf16, batch 1 and 2.

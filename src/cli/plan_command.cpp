@@ -159,23 +159,34 @@ void plan_serving(const PlanArgs& a) {
   r.parallel = a.parallel;
   r.cache_bytes = parse_bytes(a.cache_bytes);
   r.weight_dtype = parse_dtype(a.step.weight_dtype);
+  r.draft = speculative_draft(a.spec);
+  if (r.draft > 0 && r.model.mtp_layers < 1)
+    throw std::invalid_argument("--speculative mtp: model " + a.step.model + " has no multi-token-prediction layer "
+                                "(mtp.*) to draft with: plan a model with one (e.g. --model small+mtp), or plan "
+                                "without --speculative");
   const planner::ServePlan p = planner::plan_serve(r);
   if (a.json) {
-    std::printf("%s\n", nlohmann::json({{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
-                                        {"recurrent_state_bytes", p.recurrent_state},
-                                        {"prefix_cache_bytes", p.prefix_cache}, {"workspace_bytes", p.workspace},
-                                        {"total_bytes", p.total}, {"context", r.context}, {"parallel", r.parallel}})
-                            .dump()
-                            .c_str());
+    nlohmann::json j{{"weights_bytes", p.weights}, {"kv_cache_bytes", p.kv_cache},
+                     {"recurrent_state_bytes", p.recurrent_state}, {"prefix_cache_bytes", p.prefix_cache},
+                     {"workspace_bytes", p.workspace}, {"total_bytes", p.total}, {"context", r.context},
+                     {"parallel", r.parallel}};
+    if (r.draft > 0) {
+      j["speculative"] = "mtp";
+      j["draft"] = r.draft;
+      j["mtp_kv_cache_bytes"] = p.mtp_kv_cache;
+    }
+    std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("%s\nserve: %lld slots x %lld positions, prefix cache %s, weights %s, one device\n",
+  std::printf("%s\nserve: %lld slots x %lld positions, prefix cache %s, weights %s%s, one device\n",
               model::describe(r.model).c_str(), (long long)r.parallel, (long long)r.context,
-              format_bytes(double(r.cache_bytes)).c_str(), a.step.weight_dtype.c_str());
+              format_bytes(double(r.cache_bytes)).c_str(), a.step.weight_dtype.c_str(),
+              r.draft > 0 ? (", speculative mtp, draft " + std::to_string(r.draft)).c_str() : "");
   for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
-                                    {"recurrent state", p.recurrent_state}, {"prefix cache", p.prefix_cache},
-                                    {"workspace", p.workspace}, {"total", p.total}})
-    std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+                                    {"recurrent state", p.recurrent_state}, {"mtp kv cache", p.mtp_kv_cache},
+                                    {"prefix cache", p.prefix_cache}, {"workspace", p.workspace}, {"total", p.total}})
+    if (r.draft > 0 || std::string_view(what) != "mtp kv cache")
+      std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
 }
 
 // The request of a training-step plan: --batch is over all devices (a multiple of them), --batch-per-device per device
@@ -257,8 +268,8 @@ void run_plan(const PlanArgs& a) {
   if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
   if ((a.gguf.blocks || a.gguf.dequantize) && !a.generate)
     throw std::invalid_argument("--gguf-blocks and --gguf-dequantize are for plan --generate");
-  if (!a.generate && (!a.spec.speculative.empty() || a.spec.draft != -1))
-    throw std::invalid_argument("--speculative and --draft are for plan --generate");
+  if (!a.generate && !a.serve && (!a.spec.speculative.empty() || a.spec.draft != -1))
+    throw std::invalid_argument("--speculative and --draft are for plan --generate and plan --serve");
   if (a.generate) {
     plan_generation(a);
     return;

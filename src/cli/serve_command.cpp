@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
 #include "core/memory.h"
@@ -19,6 +20,7 @@ struct ServeArgs {
   serve::ServeOptions opt;
   std::string api_key_file, cache_bytes = "1GiB", max_body = "1MiB";
   int threads = 0;
+  SpeculativeArgs spec;
 };
 
 std::string trim(std::string s) {
@@ -41,6 +43,7 @@ void run_serve(ServeArgs a) {
   if (a.opt.engine.prefill_chunk <= 0 || a.opt.engine.prefill_chunk % 64 != 0)
     throw std::invalid_argument("--prefill-chunk must be a positive multiple of 64 (the prefix cache's chunk)");
   if (a.opt.port < 0 || a.opt.port > 65535) throw std::invalid_argument("--port must be in [0, 65535] (0: any free)");
+  a.opt.engine.draft = speculative_draft(a.spec);
   a.opt.engine.cache_bytes = parse_bytes(a.cache_bytes);
   a.opt.max_body = parse_bytes(a.max_body);
   a.opt.engine.threads = omp_get_max_threads();
@@ -91,6 +94,7 @@ void register_serve(CLI::App& app) {
                 "kept-alive connection); then it is dropped, however it trickles")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  add_speculative_options(c, a->spec);
   add_dtype_option(c, "--weight-dtype", a->opt.weight_dtype, "Convert the weights at load: fp32 | bf16 (default: as stored)");
   c->add_option("--weights-memory", a->opt.weights_memory,
                 "Where the weights live: map (in place from the files' mapping), copy (into memory), auto (as generate)")

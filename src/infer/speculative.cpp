@@ -149,6 +149,43 @@ void MtpDrafter::prefill(int64_t slot, int64_t start, const void* h, const int32
 
 size_t MtpDrafter::kv_cache_bytes() const { return impl_->caches[0].k.bytes() + impl_->caches[0].v.bytes(); }
 
+size_t MtpDrafter::kv_bytes_per_position() const {
+  return static_cast<size_t>(2 * impl_->cfg.kv_heads * impl_->cfg.head_dim * dtype_size(impl_->compute));
+}
+
+// One layer's keys then values, head by head: the rows of [from, to) are contiguous within a head.
+void MtpDrafter::save_kv(int64_t slot, int64_t from, int64_t to, void* out) const {
+  const Impl& m = *impl_;
+  if (slot < 0 || from < 0 || to < from || to > m.capacity)
+    throw std::out_of_range("mtp drafter: positions [" + std::to_string(from) + ", " + std::to_string(to) +
+                            ") outside the capacity " + std::to_string(m.capacity));
+  const size_t row = static_cast<size_t>(m.cfg.head_dim * dtype_size(m.compute)), n = static_cast<size_t>(to - from) * row;
+  char* o = static_cast<char*>(out);
+  for (const Buffer* b : {&m.caches[0].k, &m.caches[0].v})
+    for (int64_t h = 0; h < m.cfg.kv_heads; ++h) {
+      const size_t at = static_cast<size_t>((slot * m.cfg.kv_heads + h) * m.capacity + from) * row;
+      if (at + n > b->bytes()) throw std::out_of_range("mtp drafter: slot " + std::to_string(slot) + " does not exist");
+      std::memcpy(o, static_cast<const char*>(b->data()) + at, n);
+      o += n;
+    }
+}
+
+void MtpDrafter::load_kv(int64_t slot, int64_t from, int64_t to, const void* in) {
+  Impl& m = *impl_;
+  if (slot < 0 || from < 0 || to < from || to > m.capacity)
+    throw std::out_of_range("mtp drafter: positions [" + std::to_string(from) + ", " + std::to_string(to) +
+                            ") outside the capacity " + std::to_string(m.capacity));
+  const size_t row = static_cast<size_t>(m.cfg.head_dim * dtype_size(m.compute)), n = static_cast<size_t>(to - from) * row;
+  const char* p = static_cast<const char*>(in);
+  for (Buffer* b : {&m.caches[0].k, &m.caches[0].v})
+    for (int64_t h = 0; h < m.cfg.kv_heads; ++h) {
+      const size_t at = static_cast<size_t>((slot * m.cfg.kv_heads + h) * m.capacity + from) * row;
+      if (at + n > b->bytes()) throw std::out_of_range("mtp drafter: slot " + std::to_string(slot) + " does not exist");
+      std::memcpy(static_cast<char*>(b->data()) + at, p, n);
+      p += n;
+    }
+}
+
 void MtpDrafter::step(int64_t R, const int32_t* slots, const int32_t* positions, const void* h,
                       const int32_t* next_ids, float* logits, void* hidden) {
   if (impl_->f32)
@@ -208,7 +245,6 @@ void sampling_probs(const float* logits, int64_t vocab, const Sampling& s, std::
   for (size_t i = 0; i < n; ++i) probs[static_cast<size_t>(c[i].second)] = c[i].first / total;
 }
 
-namespace {
 int32_t draw(const std::vector<double>& w, std::mt19937_64& rng) {
   double total = 0;
   for (double x : w) total += x;
@@ -223,7 +259,6 @@ int32_t draw(const std::vector<double>& w, std::mt19937_64& rng) {
   }
   return last;
 }
-}  // namespace
 
 int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std::vector<std::vector<double>>& q,
                            const int32_t* drafts, int64_t n, std::mt19937_64& rng, std::vector<int32_t>& out,

@@ -44,6 +44,11 @@ class MtpDrafter {
   void step(int64_t R, const int32_t* slots, const int32_t* positions, const void* h, const int32_t* next_ids,
             float* logits, void* hidden);
   size_t kv_cache_bytes() const;
+  // Snapshots of a slot's keys and values, for the server's prefix cache (serve --speculative mtp): positions
+  // [from, to) to / from out (kv_bytes_per_position() bytes per position), laid out as Decoder::save_kv's.
+  size_t kv_bytes_per_position() const;
+  void save_kv(int64_t slot, int64_t from, int64_t to, void* out) const;
+  void load_kv(int64_t slot, int64_t from, int64_t to, const void* in);
 
  private:
   struct Impl;
@@ -52,6 +57,10 @@ class MtpDrafter {
 
 // The distribution sample_token draws from (temperature > 0): probs [V], zero outside the top-k / top-p set.
 void sampling_probs(const float* logits, int64_t vocab, const Sampling& s, std::vector<double>& probs);
+
+// One id drawn from weights w (not necessarily normalized; zero weights are never drawn): how a draft is drawn from
+// its distribution q.
+int32_t draw(const std::vector<double>& w, std::mt19937_64& rng);
 
 // The rejection rule of one verification. p: n + 1 target distributions [n + 1][V] (rows 0..n), q: n draft
 // distributions, drafts: n ids (drafts[j] drawn from q[j]). Appends to out the accepted drafts and one more token

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <numeric>
 #include <stdexcept>
 
@@ -156,24 +157,76 @@ ServePlan plan_serve(const ServePlanRequest& r) {
   p.weights = mem.live_total();
   // In the order serve::Engine allocates: the decoder (64-token pieces: serve::PrefixCache::kChunk), the logits, then
   // the cache fills while prompts are prefilled and slots step.
-  const int64_t chunk = 64;
-  infer::Decoder dec(params, r.weight_dtype, r.parallel, r.context, mem, chunk);
-  Buffer logits = mem.allocate_n<float>(static_cast<size_t>(r.parallel * r.model.vocab), MemCategory::Workspace,
-                                        "serve.logits");
+  const int64_t chunk = 64, N = r.draft, P = r.parallel, V = r.model.vocab;
+  if (N < 0 || N > infer::kMaxDraft)
+    throw std::invalid_argument("--draft must be in [1, " + std::to_string(infer::kMaxDraft) + "] (got " +
+                                std::to_string(N) + ")");
+  if (N > 0 && r.model.mtp_layers < 1)
+    throw std::invalid_argument("the model has no multi-token-prediction layer (mtp.*): --speculative mtp needs one "
+                                "(a '+mtp' preset, or a config with num_nextn_predict_layers / mtp_num_hidden_layers)");
+  infer::Decoder dec(params, r.weight_dtype, P, r.context + N, mem, chunk, nullptr, N);
+  std::unique_ptr<infer::MtpDrafter> mtp;
+  if (N > 0) mtp = std::make_unique<infer::MtpDrafter>(params, r.weight_dtype, P, r.context + N, mem, chunk);
+  const size_t R = static_cast<size_t>(P * (N + 1)), hb = static_cast<size_t>(r.model.hidden * dtype_size(r.weight_dtype));
+  Buffer logits = mem.allocate_n<float>(R * static_cast<size_t>(V), MemCategory::Workspace, "serve.logits");
+  Buffer hidden, mlogits, mhidden, mh_in, phid, pending, dlogits, dhidden;  // (serve::Engine's, in its order)
+  if (mtp) {
+    hidden = mem.allocate(R * hb, MemCategory::Workspace, "serve.hidden");
+    mlogits = mem.allocate_n<float>(R * static_cast<size_t>(V), MemCategory::Workspace, "serve.mtp_logits");
+    mhidden = mem.allocate(R * hb, MemCategory::Workspace, "serve.mtp_hidden");
+    mh_in = mem.allocate(R * hb, MemCategory::Workspace, "serve.mtp_hidden_in");
+    phid = mem.allocate(static_cast<size_t>(chunk + 1) * hb, MemCategory::Workspace, "serve.prompt_hidden");
+    pending = mem.allocate(static_cast<size_t>(P) * hb, MemCategory::Workspace, "serve.mtp_pending");
+    dlogits = mem.allocate_n<float>(static_cast<size_t>(P * V), MemCategory::Workspace, "serve.draft_logits");
+    dhidden = mem.allocate(static_cast<size_t>(P) * hb, MemCategory::Workspace, "serve.draft_hidden");
+  }
   Buffer cache;
   if (r.cache_bytes > 0) cache = mem.allocate(r.cache_bytes, MemCategory::Activations, "prefix_cache");
   // (Room left for the step's position: a context of at most two pieces plans shorter ones.)
   const std::vector<int32_t> piece(static_cast<size_t>(std::min(chunk, r.context - 1)), 0);
-  if (!piece.empty()) dec.prefill(0, piece, nullptr);
-  if (r.context > 2 * chunk) dec.prefill(0, piece, nullptr);
-  std::vector<int32_t> slots(static_cast<size_t>(r.parallel)), ids(slots.size(), 0);
+  const int64_t m = static_cast<int64_t>(piece.size());
+  // The MTP layer one position behind (serve::Engine::mtp_prefill): m - 1 rows after the first piece, m after a later.
+  if (!piece.empty()) {
+    dec.prefill(0, piece, nullptr, false, mtp ? phid.data() : nullptr);
+    if (mtp && m > 1) mtp->prefill(0, 0, phid.data(), piece.data(), m - 1, nullptr, nullptr, false);
+  }
+  if (r.context > 2 * chunk) {
+    dec.prefill(0, piece, nullptr, false, mtp ? phid.data() : nullptr);
+    if (mtp) mtp->prefill(0, m - 1, phid.data(), piece.data(), m, nullptr, nullptr, false);
+  }
+  std::vector<int32_t> slots(static_cast<size_t>(P)), ids(slots.size(), 0);
   std::iota(slots.begin(), slots.end(), 0);
-  dec.step(slots, ids, nullptr);
+  if (!mtp) {
+    dec.step(slots, ids, nullptr);
+  } else {
+    // The first draft's rows of the prompt's last position, then serve::Engine::speculative_step at its widest:
+    // drafts 2..N, the verification of N + 1 positions of every slot, the catch-up on all of them.
+    const int32_t first = 0;
+    mtp->prefill(0, dec.length(0), phid.data(), &first, 1, ptr<float>(dlogits), dhidden.data(), true);
+    std::vector<int32_t> pos(R), next(R, 0), rows(R);
+    for (int64_t k = 1; k < N; ++k) {
+      for (int64_t i = 0; i < P; ++i) pos[static_cast<size_t>(i)] = static_cast<int32_t>(dec.length(i) + k - 1);
+      mtp->step(P, slots.data(), pos.data(), mh_in.data(), next.data(), ptr<float>(mlogits), mhidden.data());
+    }
+    ids.assign(R, 0);
+    dec.verify(slots, N + 1, ids, ptr<float>(logits), hidden.data());
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t L = dec.length(i);
+      dec.accept(i, N + 1);
+      for (int64_t j = 0; j <= N; ++j) {
+        rows[static_cast<size_t>(i * (N + 1) + j)] = static_cast<int32_t>(i);
+        pos[static_cast<size_t>(i * (N + 1) + j)] = static_cast<int32_t>(L + j);
+      }
+    }
+    mtp->step(static_cast<int64_t>(R), rows.data(), pos.data(), mh_in.data(), next.data(), ptr<float>(mlogits),
+              mhidden.data());
+    p.mtp_kv_cache = mtp->kv_cache_bytes();
+  }
   p.kv_cache = dec.kv_cache_bytes();
   p.recurrent_state = dec.recurrent_state_bytes();
   p.prefix_cache = r.cache_bytes;
   p.total = mem.peak_total();
-  p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.prefix_cache;
+  p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.prefix_cache - p.mtp_kv_cache;
   return p;
 }
 

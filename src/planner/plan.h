@@ -86,14 +86,18 @@ QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const Gen
 // 64-token pieces, a prefix cache of at most cache_bytes. What the server's scheduler allocates, over shapes: the
 // decoder's caches, the logits of every slot, two prefill pieces (the flash kernel's, then one against the cache), a
 // decode step of every slot, and the cache's budget, full. Weights count whole, as plan_generate counts them.
+// draft > 0 (serve --speculative mtp --draft N): the decoder's N more recurrent-state slots per sequence and N more
+// positions, the MTP drafter (its keys and values, weight casts, fused step), the rows of parallel * (N + 1)
+// verified positions (logits, hidden) and of the MTP layer's steps, its prompt rows, and the widest speculative step.
 struct ServePlanRequest {
   model::ModelConfig model;
-  int64_t context = 4096, parallel = 4;
+  int64_t context = 4096, parallel = 4, draft = 0;
   size_t cache_bytes = 0;
   DType weight_dtype = DType::BF16;
 };
 struct ServePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, prefix_cache = 0, workspace = 0, total = 0;
+  size_t mtp_kv_cache = 0;  // the MTP drafter's keys and values (draft > 0)
 };
 ServePlan plan_serve(const ServePlanRequest& r);
 // plan --fit: every configuration of remat policy x AdamW moment dtype x update in backward for the request (its

@@ -6,7 +6,15 @@
 //   4. runs one decode step for every request past its prompt, all slots at once,
 // so a long prompt never stalls the streams already running and each request ends on its own stop condition.
 // Request threads (the HTTP handlers) submit Jobs and read their tokens as they come.
+//
+// With speculative decoding (EngineOptions::draft > 0, serve --speculative mtp) step 4 is generate_speculative's
+// step (infer/speculative.h) over the decoding requests: the MTP layer drafts `draft` tokens for each, one
+// Decoder::verify checks all of them, each request keeps its longest agreeing prefix and the model's next token
+// (greedy), or follows the rejection rule with its own generator (sampled), and the MTP layer catches up on the kept
+// positions. Prompts go through the MTP layer too, one position behind the decoder (its position t reads the token
+// t + 1), so that the prefix cache's chunks hold its part of the state as well (prefix_cache.h).
 #pragma once
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,6 +31,7 @@
 #include "core/memory.h"
 #include "infer/decoder.h"
 #include "infer/generate.h"
+#include "infer/speculative.h"
 #include "model/params.h"
 #include "serve/prefix_cache.h"
 
@@ -35,6 +44,7 @@ struct EngineOptions {
   int64_t prefill_chunk = 512;   // prompt tokens per scheduler pass (a multiple of 64)
   size_t cache_bytes = 0;        // prefix cache budget (0: no cache)
   int threads = 0;               // OpenMP threads of the scheduler (0: as the process)
+  int64_t draft = 0;             // speculative decoding with the MTP layer: tokens drafted per step (0: off)
 };
 
 // One generated token: its id, and with logprobs its log-probability and the most likely alternatives.
@@ -70,6 +80,10 @@ struct EngineMetrics {
   // The longest time between the starts of two consecutive decode steps while requests were decoding: what a prefill
   // between them made the running streams wait (a prompt prefilled whole would show its whole prefill here).
   std::atomic<int64_t> decode_gap_max_ns{0};
+  // Speculative decoding: verifications (one per request and step), drafts proposed, and per draft position k
+  // (0-based) the verifications whose drafts 1..k+1 were all kept.
+  std::atomic<int64_t> spec_verifications{0}, spec_drafted{0};
+  std::array<std::atomic<int64_t>, infer::kMaxDraft> spec_accepted{};
 };
 
 class Engine {
@@ -102,18 +116,36 @@ class Engine {
     int32_t last = 0;       // the last token, fed by the next step
     int64_t generated = 0;
     std::mt19937_64 rng;
+    // Speculative decoding: this step's drafts and, sampled, the distributions they were drawn from.
+    std::vector<int32_t> drafts;
+    std::vector<std::vector<double>> q;
   };
   void loop();
   void pass(std::vector<Active>& active);
-  // Records a token; false when the request ends with it.
+  // Samples a token from logits and records it; false when the request ends with it.
   bool emit(Active& a, const float* logits);
+  // Records `token` (its logprobs from `logits`); false when the request ends with it.
+  bool push(Active& a, int32_t token, const float* logits);
+  // Speculative decoding: the MTP layer's prefill of a prompt piece [from, from + m) just prefilled (its hidden
+  // rows in phid_ from row 1), and the step of the decoding requests.
+  void mtp_prefill(Active& a, int64_t from, int64_t m);
+  void speculative_step(const std::vector<Active*>& rows);
+  int32_t choose_draft(Active& a, int64_t k, const float* mtp_logits);
+  char* slot_row(Buffer& b, int64_t slot) const { return static_cast<char*>(b.data()) + static_cast<size_t>(slot) * hb_; }
   void finish(Active& a, const std::string& reason, const std::string& error = "");
 
   EngineOptions opt_;
   MemoryAccountant& mem_;
   infer::Decoder dec_;
+  size_t hb_ = 0;  // one hidden row in the compute dtype
+  std::unique_ptr<infer::MtpDrafter> mtp_;
   std::unique_ptr<PrefixCache> cache_;
   Buffer logits_;
+  // Speculative decoding (allocated in this order after logits_, which then has parallel * (draft + 1) rows): the
+  // verified rows' hidden states; the MTP layer's step rows (logits, output, input); a prompt piece's hidden rows
+  // behind the one the MTP layer still waits on; per slot, that waiting row (h of the last prefilled position) and the
+  // MTP logits and output the next draft comes from.
+  Buffer hidden_, mlogits_, mhidden_, mh_in_, phid_, pending_, dlogits_, dhidden_;
   std::vector<std::pair<float, int32_t>> scratch_;
   EngineMetrics metrics_;
   std::optional<std::chrono::steady_clock::time_point> last_step_;  // the previous pass's decode step, if it had one

@@ -334,6 +334,15 @@ Server::Server(const ServeOptions& opt)
     throw std::invalid_argument("a context of " + std::to_string(eo.context) + " positions is past the model's " +
                                 std::to_string(model_ctx) + " (max_position_embeddings)");
   model_.context = eo.context;
+  // (Checked before the weights load: the engine checks the same, later.)
+  if (eo.draft > 0 && cfg.mtp_layers < 1)
+    throw std::invalid_argument("--speculative mtp: checkpoint " + opt.checkpoint.string() + " has no "
+                                "multi-token-prediction layer (mtp.*) to draft with (a model trained from a '+mtp' "
+                                "preset, or a released Qwen3-Next / Qwen3.5 checkpoint with its mtp.* tensors); serve "
+                                "it without --speculative");
+  if (eo.draft > 0 && opt.gguf_blocks)
+    throw std::invalid_argument("--speculative mtp does not run with --gguf-blocks (the MTP layer and the verification "
+                                "need weights in the compute dtype)");
   if (opt.gguf_blocks && !gguf::is_gguf_path(opt.checkpoint.string()))
     throw std::invalid_argument("--gguf-blocks serves a .gguf file from its quantized blocks; " +
                                 opt.checkpoint.string() + " is not one");
@@ -353,6 +362,7 @@ Server::Server(const ServeOptions& opt)
   pr.parallel = eo.parallel;
   pr.cache_bytes = eo.cache_bytes;
   pr.weight_dtype = compute;
+  pr.draft = eo.draft;
   // plan_serve plans dense weights; the quantized path is not planned for serving yet (0: none).
   if (!quant) plan_ = planner::plan_serve(pr);
   engine_ = std::make_unique<Engine>(params, compute, eo, mem_, quant);
@@ -600,6 +610,19 @@ std::string Server::metrics_text() {
          m.prefill_tokens.load());
   metric("hybridscan_decode_tokens_total", "counter", "Tokens decoded by decode steps", m.decode_tokens.load());
   metric("hybridscan_decode_steps_total", "counter", "Decode steps run", m.steps.load());
+  if (const int64_t draft = engine_->options().draft; draft > 0) {
+    // Speculative decoding: accepted{position=k} / verifications is the share of steps that kept drafts 1..k, and
+    // decode tokens / verifications the tokens a request gains per step.
+    metric("hybridscan_spec_draft", "gauge", "Tokens drafted per request and step (--draft)", draft);
+    metric("hybridscan_spec_verifications_total", "counter", "Verifications (one per request and decode step)",
+           m.spec_verifications.load());
+    metric("hybridscan_spec_drafted_total", "counter", "Draft tokens proposed by the MTP layer", m.spec_drafted.load());
+    o << "# HELP hybridscan_spec_accepted_total Verifications whose drafts 1..position were all kept\n"
+         "# TYPE hybridscan_spec_accepted_total counter\n";
+    for (int64_t k = 0; k < draft; ++k)
+      o << "hybridscan_spec_accepted_total{position=\"" << k + 1 << "\"} "
+        << m.spec_accepted[static_cast<size_t>(k)].load() << '\n';
+  }
   metric("hybridscan_prefill_tokens_per_second", "gauge", "Prefill throughput while prefilling",
          pre_s > 0 ? double(m.prefill_tokens.load()) / pre_s : 0.0);
   metric("hybridscan_decode_tokens_per_second", "gauge", "Decode throughput while decoding (all slots)",
@@ -756,9 +779,10 @@ int Server::run() {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     http_.stop();
   });
-  std::fprintf(stderr, "serve: %s on http://%s:%d (%lld slots of %lld positions, prefix cache %s; planned peak %s)\n",
+  const std::string spec = eo.draft > 0 ? ", speculative mtp, draft " + std::to_string(eo.draft) : "";
+  std::fprintf(stderr, "serve: %s on http://%s:%d (%lld slots of %lld positions%s, prefix cache %s; planned peak %s)\n",
                model_.name.c_str(), opt_.host.c_str(), port, (long long)eo.parallel, (long long)eo.context,
-               format_bytes(double(eo.cache_bytes)).c_str(),
+               spec.c_str(), format_bytes(double(eo.cache_bytes)).c_str(),
                weights_->quant ? "not planned with --gguf-blocks" : format_bytes(double(plan_.total)).c_str());
   if (opt_.on_listening) opt_.on_listening(port);
   const bool ok = http_.listen_after_bind();
