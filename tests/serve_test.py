@@ -19,7 +19,7 @@ Cases:
   errors   400 for malformed JSON, wrong types, an unknown model, max_tokens <= 0 or past the context, a prompt longer
            than the context; 401 without the API key; 413 over --max-body; 429 with Retry-After past slots + queue; a
            client that disconnects frees its slot; a client that stalls is dropped; the server keeps serving
-  gguf     serve --gguf-blocks (a Q8_0 .gguf from its quantized blocks): greedy answers equal generate --gguf-blocks's,
+  gguf     serve of a Q8_0 .gguf (from its quantized blocks, the default): greedy answers equal generate's on it,
            cold and restored from the prefix cache
   drain    SIGTERM: the running stream finishes (all its tokens, then [DONE]), new requests are refused, exit 0
   plan     plan --serve gives the peak /metrics reports as planned, and the accountant's peak stays within it
@@ -227,21 +227,22 @@ def case_greedy():
 
 
 def case_gguf():
-    """serve --gguf-blocks on a Q8_0 .gguf file: greedy answers equal generate --gguf-blocks's (the same 64-token
-    prefill pieces on the quantized blocks, then fused steps), with the prefix cache's hit changing nothing."""
+    """serve on a Q8_0 .gguf file (from its quantized blocks, the default): greedy answers equal generate's on it (the
+    same 64-token prefill pieces on the quantized blocks, then fused steps), with the prefix cache's hit changing
+    nothing."""
     global MODEL
     f = HERE / "fixtures" / "gguf" / "qwen3_next_L5.q8_0.gguf"
     MODEL = f.name  # the served model's name: the file's
-    s = Server("--gguf-blocks", "--parallel", 4, "--ctx", 256, "--cache-bytes", "4MiB", "--prefill-chunk", 64, ckpt=f)
+    s = Server("--parallel", 4, "--ctx", 256, "--cache-bytes", "4MiB", "--prefill-chunk", 64, ckpt=f)
     c = s.client()
     lengths = [5, 70, 130]
     prompts = [prompt_ids(n, i) for i, n in enumerate(lengths)]
-    cmd = [BINARY, "generate", "--checkpoint", str(f), "--gguf-blocks", "--max-new-tokens", "12", "--json",
+    cmd = [BINARY, "generate", "--checkpoint", str(f), "--max-new-tokens", "12", "--json",
            "--threads", "2", "--prefill-piece", "64", "--ignore-eos"]
     for p in prompts:
         cmd += ["--prompt-ids", ",".join(map(str, p))]
     r = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=ENV, timeout=300)
-    check(r.returncode == 0, f"generate --gguf-blocks: {r.stderr}")
+    check(r.returncode == 0, f"generate: {r.stderr}")
     want = json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
     for rnd in range(2):  # the second round restores the cached prefixes
         got = run_concurrently([lambda p=p: ask(c, chat=False, stream=False, prompt=p, max_tokens=12, temperature=0,
@@ -250,7 +251,7 @@ def case_gguf():
             check(ids == want[i], f"round {rnd}, prompt {i} ({lengths[i]} tokens): {ids} != generate's {want[i]}")
     m = s.metrics()
     check(m["hybridscan_cache_hits_total"] >= 2, f"no prefix-cache hits in the second round: {m}")
-    print("gguf: serve --gguf-blocks equals generate --gguf-blocks, cold and from the prefix cache")
+    print("gguf: serve of a .gguf equals generate on it, cold and from the prefix cache")
 
 
 def case_batching():

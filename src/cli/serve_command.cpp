@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/commands.h"
+#include "cli/gguf_options.h"
 #include "cli/speculative_options.h"
 #include "cli/step_options.h"
 #include "cli/threads.h"
@@ -21,6 +22,7 @@ struct ServeArgs {
   std::string api_key_file, cache_bytes = "1GiB", max_body = "1MiB";
   int threads = 0;
   SpeculativeArgs spec;
+  GgufArgs gguf;  // --gguf-blocks, --gguf-dequantize
 };
 
 std::string trim(std::string s) {
@@ -44,6 +46,10 @@ void run_serve(ServeArgs a) {
     throw std::invalid_argument("--prefill-chunk must be a positive multiple of 64 (the prefix cache's chunk)");
   if (a.opt.port < 0 || a.opt.port > 65535) throw std::invalid_argument("--port must be in [0, 65535] (0: any free)");
   a.opt.engine.draft = speculative_draft(a.spec);
+  std::vector<std::string> needs_dequantized;
+  if (a.opt.engine.draft > 0) needs_dequantized.push_back("--speculative mtp");
+  if (!a.opt.weight_dtype.empty()) needs_dequantized.push_back("--weight-dtype " + a.opt.weight_dtype);
+  a.opt.gguf_blocks = gguf_from_blocks(a.gguf, a.opt.checkpoint.string(), needs_dequantized, "serve");
   a.opt.engine.cache_bytes = parse_bytes(a.cache_bytes);
   a.opt.max_body = parse_bytes(a.max_body);
   a.opt.engine.threads = omp_get_max_threads();
@@ -61,12 +67,11 @@ void register_serve(CLI::App& app) {
   auto a = std::make_shared<ServeArgs>();
   CLI::App* c = app.add_subcommand("serve", "Serve a checkpoint over an OpenAI-compatible HTTP API (docs/serving.md)");
   c->add_option("--checkpoint", a->opt.checkpoint,
-                "Checkpoint directory (native or Hugging Face) or .gguf file (dequantized at load unless --gguf-blocks)")
+                "Checkpoint directory (native or Hugging Face) or .gguf file (run from its quantized blocks unless "
+                "--gguf-dequantize)")
       ->required()
       ->check(CLI::ExistingPath);
-  c->add_flag("--gguf-blocks", a->opt.gguf_blocks,
-              "With a .gguf file: serve from its quantized blocks (as generate --gguf-blocks: decode steps and "
-              "prefill pieces on the blocks, fp32 compute) instead of dequantizing every tensor at load");
+  add_gguf_options(c, a->gguf);
   c->add_option("--chat-template", a->opt.chat_template,
                 "A chat template (.jinja file, or a directory holding one) for chat requests instead of the "
                 "checkpoint's own (chat_template.jinja or tokenizer_config.json's chat_template)")

@@ -300,7 +300,8 @@ class Server {
   std::vector<int32_t> prompt_ids(const CompletionRequest& r) const;
 
   ServeOptions opt_;
-  gguf::CheckpointPath source_;  // a .gguf file imported for the run (its config, tokenizer and chat template)
+  gguf::CheckpointPath source_;  // a .gguf file imported for the run (its config, tokenizer, chat template; its
+                                 // tensors only when they are dequantized)
   checkpoint::CheckpointDir dir_;
   ChatFormat chat_;
   MemoryAccountant mem_;
@@ -317,7 +318,10 @@ class Server {
 };
 
 Server::Server(const ServeOptions& opt)
-    : opt_(opt), source_(opt.checkpoint.string()), dir_(checkpoint::open_checkpoint_dir(source_.path())),
+    : opt_(opt),
+      source_(opt.checkpoint.string(), opt.gguf_blocks ? gguf::CheckpointPath::Weights::FromBlocks
+                                                       : gguf::CheckpointPath::Weights::Dequantized),
+      dir_(checkpoint::open_checkpoint_dir(source_.path())),
       chat_(dir_.path, opt.chat_template) {
   const model::ModelConfig& cfg = dir_.config;
   model_.name = std::filesystem::weakly_canonical(opt.checkpoint).filename().string();

@@ -22,8 +22,8 @@ struct ServeOptions {
   int request_timeout_s = 30;  // a request (line, headers, body) not all in within this from the connection's start
                                // or the previous answer: the connection is dropped
   std::string weight_dtype;       // empty: as stored
-  // A .gguf checkpoint run from its quantized blocks (infer::load_gguf_weights, as generate --gguf-blocks); without
-  // it a .gguf file is dequantized at load (imported for the run).
+  // A .gguf checkpoint run from its quantized blocks (infer::load_gguf_weights, as generate does by default); without
+  // it a .gguf file is dequantized at load (imported for the run). The command line sets it (cli/gguf_options.h).
   bool gguf_blocks = false;
   std::string weights_memory = "auto";  // map | copy | auto (infer::parse_weights_memory)
   // Called once the port is bound (the port is known then: `port` 0 asks for a free one).
