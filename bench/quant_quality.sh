@@ -27,6 +27,7 @@
 #              that type, token_embd and output included; the same-type comparison)
 #   llama-Q4_K_M   llama-quantize's mixture, of base.f32
 #   ours-q8_0, ours-q4_k, ours-q5_k, ours-q6_k, ours-mixed   hybridscan convert --quantize of the checkpoint
+# Existing files in --out are reused (delete them to remake them), and so are finished logs newer than their file.
 # Per file: its tensor types and bits per weight (all tensors' bytes x 8 / weights), and for ours against llama's of
 # the same type how many tensors are byte-equal (bench/quant_quality.py same).
 # llama-perplexity runs with --no-repack (a native build's AMX repacking crashed on `small` here; bench/qdecode_bench.sh).
@@ -86,7 +87,8 @@ for t in Q8_0 Q4_K Q5_K Q6_K Q4_K_M; do
     "$THREADS" > "$OUT/quantize-$t.log" 2>&1
 done
 for t in q8_0 q4_k q5_k q6_k mixed; do
-  build/hybridscan convert --from "$CK" --to "$OUT/ours-$t.gguf" --quantize "$t" --overwrite --quiet >&2
+  [[ -f $OUT/ours-$t.gguf ]] ||
+    build/hybridscan convert --from "$CK" --to "$OUT/ours-$t.gguf" --quantize "$t" --overwrite --quiet >&2
 done
 
 # Same type, same bytes?
@@ -103,8 +105,14 @@ if [[ $CHUNKS != 0 ]]; then
   EVAL_TEXT=$OUT/eval-text.txt
   head -c $((CHUNKS * CTX)) "$TEXT" > "$EVAL_TEXT"
 fi
-"$BIN/llama-perplexity" -m "$OUT/base.f32.gguf" "${PPLX[@]}" --kl-divergence-base "$OUT/base.kld" \
-  > "$OUT/ppl-base.f32.log" 2>&1
+# Logs of other evaluation settings are not reused.
+if [[ "$(cat "$OUT/settings" 2>/dev/null)" != "${PPLX[*]}" ]]; then
+  rm -f "$OUT"/ppl-*.log "$OUT"/eval-*.json "$OUT/base.kld"
+  echo "${PPLX[*]}" > "$OUT/settings"
+fi
+[[ -s $OUT/base.kld && $OUT/base.kld -nt $OUT/base.f32.gguf ]] && grep -q 'Final estimate' "$OUT/ppl-base.f32.log" ||
+  "$BIN/llama-perplexity" -m "$OUT/base.f32.gguf" "${PPLX[@]}" --kl-divergence-base "$OUT/base.kld" \
+    > "$OUT/ppl-base.f32.log" 2>&1
 names=(base.f32 llama-bf16 llama-Q8_0 ours-q8_0 llama-Q6_K ours-q6_k llama-Q5_K ours-q5_k llama-Q4_K ours-q4_k
   llama-Q4_K_M ours-mixed)
 : > "$OUT/results.jsonl"
@@ -114,14 +122,21 @@ for n in "${names[@]}"; do
     kl=$(grep -o 'Final estimate: PPL = [0-9.]* +/- [0-9.]*' "$OUT/ppl-base.f32.log" |
       awk '{print "{\"ppl\": " $5 ", \"ppl_err\": " $7 ", \"kld\": null}"}')
   else
-    "$BIN/llama-perplexity" -m "$f" "${PPLX[@]}" --kl-divergence --kl-divergence-base "$OUT/base.kld" \
-      > "$OUT/ppl-$n.log" 2>&1
+    # A finished log newer than the file is kept (a rerun resumes). One run here stopped after its 39th of 40 chunks
+    # without its summary; such a log is run again.
+    for try in 1 2; do
+      if [[ ! $OUT/ppl-$n.log -nt $f ]] || ! $PY $HELP kld "$OUT/ppl-$n.log" > /dev/null 2>&1; then
+        "$BIN/llama-perplexity" -m "$f" "${PPLX[@]}" --kl-divergence --kl-divergence-base "$OUT/base.kld" \
+          > "$OUT/ppl-$n.log" 2>&1
+      fi
+    done
     kl=$($PY $HELP kld "$OUT/ppl-$n.log")
   fi
   ce=null
   if [[ $EVAL == 1 ]]; then
-    OMP_NUM_THREADS=$THREADS build/hybridscan eval --checkpoint "$f" --gguf-blocks --text "$EVAL_TEXT" --seq "$CTX" \
-      > "$OUT/eval-$n.json" 2> "$OUT/eval-$n.log"
+    [[ -s $OUT/eval-$n.json && $OUT/eval-$n.json -nt $f ]] ||
+      OMP_NUM_THREADS=$THREADS build/hybridscan eval --checkpoint "$f" --gguf-blocks --text "$EVAL_TEXT" --seq "$CTX" \
+        > "$OUT/eval-$n.json" 2> "$OUT/eval-$n.log"
     ce=$(tail -n1 "$OUT/eval-$n.json" | jq .cross_entropy)
   fi
   $PY $HELP types "$f" | jq -c --arg n "$n" --argjson kl "$kl" --argjson ce "$ce" \
