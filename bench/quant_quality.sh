@@ -32,7 +32,7 @@
 # the same type how many tensors are byte-equal (bench/quant_quality.py same).
 # llama-perplexity runs with --no-repack (a native build's AMX repacking crashed on `small` here; bench/qdecode_bench.sh).
 set -euo pipefail
-usage() { sed -n '2,30p' "$0"; exit "${1:-0}"; }
+usage() { sed -n '2,33p' "$0"; exit "${1:-0}"; }
 [[ $# -ge 1 ]] || usage 1
 [[ $1 == -h || $1 == --help ]] && usage
 CK=$(cd "$1" && pwd)
@@ -110,7 +110,7 @@ if [[ "$(cat "$OUT/settings" 2>/dev/null)" != "${PPLX[*]}" ]]; then
   rm -f "$OUT"/ppl-*.log "$OUT"/eval-*.json "$OUT/base.kld"
   echo "${PPLX[*]}" > "$OUT/settings"
 fi
-[[ -s $OUT/base.kld && $OUT/base.kld -nt $OUT/base.f32.gguf ]] && grep -q 'Final estimate' "$OUT/ppl-base.f32.log" ||
+[[ -s $OUT/base.kld && $OUT/base.kld -nt $OUT/base.f32.gguf ]] && grep -qs "Final estimate" "$OUT/ppl-base.f32.log" ||
   "$BIN/llama-perplexity" -m "$OUT/base.f32.gguf" "${PPLX[@]}" --kl-divergence-base "$OUT/base.kld" \
     > "$OUT/ppl-base.f32.log" 2>&1
 names=(base.f32 llama-bf16 llama-Q8_0 ours-q8_0 llama-Q6_K ours-q6_k llama-Q5_K ours-q5_k llama-Q4_K ours-q4_k
