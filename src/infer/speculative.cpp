@@ -260,6 +260,26 @@ int32_t draw(const std::vector<double>& w, std::mt19937_64& rng) {
   return last;
 }
 
+int64_t accept_drafts(const float* rows, int64_t vocab, const int32_t* drafts, int64_t n, const Sampling& s,
+                      std::mt19937_64& rng, const std::vector<std::vector<double>>& q,
+                      std::vector<std::vector<double>>& p, std::vector<std::pair<float, int32_t>>& scratch,
+                      std::vector<int32_t>& emitted) {
+  emitted.clear();
+  if (s.temperature > 0) {
+    p.resize(static_cast<size_t>(n + 1));
+    for (int64_t k = 0; k <= n; ++k) sampling_probs(rows + k * vocab, vocab, s, p[static_cast<size_t>(k)]);
+    return speculative_accept(p, q, drafts, n, rng, emitted);
+  }
+  int64_t acc = 0;
+  for (; acc < n; ++acc) {
+    const int32_t t = sample_token(rows + acc * vocab, vocab, s, rng, scratch);
+    if (t != drafts[acc]) break;
+    emitted.push_back(t);
+  }
+  emitted.push_back(sample_token(rows + acc * vocab, vocab, s, rng, scratch));
+  return acc;
+}
+
 int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std::vector<std::vector<double>>& q,
                            const int32_t* drafts, int64_t n, std::mt19937_64& rng, std::vector<int32_t>& out,
                            bool resample_residual) {
@@ -503,20 +523,9 @@ GenerateResult generate_speculative(const model::ParamSet& params, const std::ve
     for (int64_t a = 0; a < A; ++a) {
       const int32_t i = active[static_cast<size_t>(a)];
       const float* rows = ptr<float>(logits) + a * (N + 1) * V;
-      const int32_t* d = drafts[static_cast<size_t>(i)].data();
-      emitted.clear();
-      int64_t acc = 0;
-      if (greedy) {
-        for (; acc < N; ++acc) {
-          const int32_t t = sample_token(rows + acc * V, V, opt.sampling, rngs[static_cast<size_t>(i)], scratch);
-          if (t != d[acc]) break;
-          emitted.push_back(t);
-        }
-        emitted.push_back(sample_token(rows + acc * V, V, opt.sampling, rngs[static_cast<size_t>(i)], scratch));
-      } else {
-        for (int64_t k = 0; k <= N; ++k) sampling_probs(rows + k * V, V, opt.sampling, pdist[static_cast<size_t>(k)]);
-        acc = speculative_accept(pdist, q[static_cast<size_t>(i)], d, N, rngs[static_cast<size_t>(i)], emitted);
-      }
+      const int64_t acc = accept_drafts(rows, V, drafts[static_cast<size_t>(i)].data(), N, opt.sampling,
+                                        rngs[static_cast<size_t>(i)], q[static_cast<size_t>(i)], pdist, scratch,
+                                        emitted);
       ++st.steps;
       for (int64_t k = 0; k < acc; ++k) ++st.accepted[static_cast<size_t>(k)];
       const int64_t L = dec.length(i);

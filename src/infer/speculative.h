@@ -71,6 +71,17 @@ int64_t speculative_accept(const std::vector<std::vector<double>>& p, const std:
                            const int32_t* drafts, int64_t n, std::mt19937_64& rng, std::vector<int32_t>& out,
                            bool resample_residual = true);
 
+// What one verification keeps, greedy or sampled, as plain decoding would choose: rows, the target's logits of the
+// N + 1 verified positions [N + 1, V]; drafts, the N drafted ids. Greedy (temperature 0): the longest prefix of drafts
+// equal to the target's argmax, then the target's token at the first disagreement (or after the last draft).
+// Sampled: speculative_accept over the target's distributions (computed into p) and the drafts' q. emitted is cleared
+// and gets the kept drafts and one more token; returns the number of kept drafts. Shared by generate_speculative and
+// the server's step.
+int64_t accept_drafts(const float* rows, int64_t vocab, const int32_t* drafts, int64_t n, const Sampling& s,
+                      std::mt19937_64& rng, const std::vector<std::vector<double>>& q,
+                      std::vector<std::vector<double>>& p, std::vector<std::pair<float, int32_t>>& scratch,
+                      std::vector<int32_t>& emitted);
+
 // What a speculative run holds from start to end, allocated (in this order) by generate_speculative and, over
 // shapes, by speculative_over_shapes (the planner's): the decoder with `draft` more recurrent-state slots per
 // sequence, the MTP drafter (its keys and values, its weight casts, its fused step), the logits and hidden rows of

@@ -385,22 +385,9 @@ void Engine::speculative_step(const std::vector<Active*>& rows) {
   std::vector<std::pair<Active*, size_t>> caught;  // a request going on and its last catch-up row
   for (int64_t r = 0; r < A; ++r) {
     Active& a = *rows[static_cast<size_t>(r)];
-    const infer::Sampling& s = a.job->sampling;
     const float* lrows = ptr<float>(logits_) + r * (N + 1) * V;
-    const int32_t* d = a.drafts.data();
-    emitted.clear();
-    int64_t acc = 0;
-    if (s.temperature <= 0) {
-      for (; acc < N; ++acc) {
-        const int32_t t = infer::sample_token(lrows + acc * V, V, s, a.rng, scratch_);
-        if (t != d[acc]) break;
-        emitted.push_back(t);
-      }
-      emitted.push_back(infer::sample_token(lrows + acc * V, V, s, a.rng, scratch_));
-    } else {
-      for (int64_t k = 0; k <= N; ++k) infer::sampling_probs(lrows + k * V, V, s, p[static_cast<size_t>(k)]);
-      acc = infer::speculative_accept(p, a.q, d, N, a.rng, emitted);
-    }
+    const int64_t acc = infer::accept_drafts(lrows, V, a.drafts.data(), N, a.job->sampling, a.rng, a.q, p, scratch_,
+                                             emitted);
     for (int64_t k = 0; k < acc; ++k) ++metrics_.spec_accepted[static_cast<size_t>(k)];
     const int64_t L = dec_.length(a.slot);
     dec_.accept(a.slot, acc + 1);
