@@ -158,6 +158,29 @@ TEST(QuantFormat, DequantizeEqualsGgufPackage) {
   EXPECT_EQ(checked, 31);  // every type's random and edge cases
 }
 
+// The bf16 overload (the prefill's weight tiles on CPUs with bf16 products) gives each gguf value rounded as
+// bf16::from_float rounds it: to nearest even, NaNs quiet (BF16 rows: the stored bits). A lane taking another element's scale, or truncating
+// instead of rounding, changes the bits of about half the elements.
+TEST(QuantFormat, DequantizeToBf16RoundsTheGgufValues) {
+  int checked = 0;
+  for (const Case& c : reference_cases()) {
+    if (c.kind != 0 || c.type == GgmlType::Q8_K) continue;
+    ++checked;
+    std::vector<hs::bf16> got(c.n);
+    dequantize_row(c.type, c.blocks.data(), got.data(), static_cast<int64_t>(c.n));
+    int64_t bad = 0;
+    for (uint64_t i = 0; i < c.n; ++i) {
+      uint16_t want = hs::bf16(c.floats[i]).bits;
+      if (c.type == GgmlType::BF16) std::memcpy(&want, c.blocks.data() + 2 * i, 2);  // copied as stored (NaNs too)
+      if (got[i].bits != want && ++bad <= 3)
+        ADD_FAILURE() << c.label << ": element " << i << " is 0x" << std::hex << got[i].bits << ", gguf's "
+                      << c.floats[i] << " gives 0x" << want << std::dec;
+    }
+    EXPECT_EQ(bad, 0) << c.label << " (" << c.n << " elements)";
+  }
+  EXPECT_GE(checked, 25);
+}
+
 TEST(QuantFormat, QuantizeEqualsGgufPackage) {
   const auto& cases = reference_cases();
   int checked = 0;

@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/dtype.h"
+
 namespace hs::kernels {
 
 // ggml's numeric type ids (enum ggml_type; GGUF stores them in each tensor's header). Only the types this engine
@@ -94,6 +96,8 @@ inline uint16_t fp32_to_fp16(float f) { return _cvtss_sh(f, _MM_FROUND_TO_NEARES
 // out[0, n) = the n elements stored in `blocks` (a row, or consecutive rows, of type t). n must be a multiple of the
 // block (std::invalid_argument otherwise). Bit-identical to gguf.quants.dequantize (F32/F16/BF16 included).
 void dequantize_row(GgmlType t, const void* blocks, float* out, int64_t n);
+// The same values rounded to bf16 (to nearest even, as bf16::from_float does; BF16 rows copied as stored). Not Q8_K.
+void dequantize_row(GgmlType t, const void* blocks, bf16* out, int64_t n);
 // blocks = x[0, n) in type t, as ggml's quantize_row_*_ref writes it (F16 / BF16: rounded to nearest even; BF16 NaNs
 // made quiet as ggml does). Q8_K is the activations' format (quantize_row_q8_K_ref, bsums included).
 void quantize_row(GgmlType t, const float* x, void* blocks, int64_t n);
