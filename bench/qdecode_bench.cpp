@@ -6,8 +6,11 @@
 //                                                  the bytes copied (fp32 conversions + V-head-reordered quantized rows)
 //   qdecode_bench prefill FILE.gguf N [MODE]       the prefill of an N-token prompt (after one untimed warm-up
 //                                                  prefill), MODE chunked (default: in pieces through quant_matmul's
-//                                                  Auto way), int8 or dequantized (that way forced), or tokens (a
-//                                                  fused step per token); one JSON line with its tokens/s
+//                                                  Auto way), int8, dequantized (fp32) or bf16 (DequantizedBf16)
+//                                                  forced, or tokens (a fused step per token); one JSON line with
+//                                                  its tokens/s
+//   qdecode_bench matmul q8_0|q4_k M N K WAY REPS  quant_matmul alone on random fp32 rows, WAY int8|dequantized|bf16|
+//                                                  auto; the median GFLOP/s of REPS
 #include <omp.h>
 
 #include <algorithm>
@@ -71,8 +74,8 @@ int main(int argc, char** argv) {
   if (cmd == "prefill" && (argc == 4 || argc == 5)) {
     const int64_t n = std::atoll(argv[3]);
     const std::string mode = argc == 5 ? argv[4] : "chunked";
-    if (n <= 0 || (mode != "chunked" && mode != "int8" && mode != "dequantized" && mode != "tokens")) {
-      std::fprintf(stderr, "qdecode_bench prefill: N > 0 and chunked|int8|dequantized|tokens\n");
+    if (n <= 0 || (mode != "chunked" && mode != "int8" && mode != "dequantized" && mode != "bf16" && mode != "tokens")) {
+      std::fprintf(stderr, "qdecode_bench prefill: N > 0 and chunked|int8|dequantized|bf16|tokens\n");
       return 2;
     }
     MemoryAccountant mem;
@@ -83,6 +86,8 @@ int main(int argc, char** argv) {
     if (mode == "int8") dec.set_quant_prefill(infer::Decoder::QuantPrefill::Chunked, kernels::QuantMatmul::Int8);
     if (mode == "dequantized")
       dec.set_quant_prefill(infer::Decoder::QuantPrefill::Chunked, kernels::QuantMatmul::Dequantized);
+    if (mode == "bf16")
+      dec.set_quant_prefill(infer::Decoder::QuantPrefill::Chunked, kernels::QuantMatmul::DequantizedBf16);
     std::vector<float> logits(static_cast<size_t>(c.vocab));
     std::vector<int32_t> prompt(static_cast<size_t>(n));
     for (int64_t i = 0; i < n; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 1) % c.vocab);
@@ -112,7 +117,10 @@ int main(int argc, char** argv) {
       kernels::quantize_row(t, w.data(), W.data() + n * kernels::ggml_row_bytes(t, K), K);
     }
     for (float& v : x) v = rnd();
-    const kernels::QuantMatmul how = way == "int8" ? kernels::QuantMatmul::Int8 : kernels::QuantMatmul::Dequantized;
+    const kernels::QuantMatmul how = way == "int8"          ? kernels::QuantMatmul::Int8
+                                     : way == "dequantized" ? kernels::QuantMatmul::Dequantized
+                                     : way == "bf16"        ? kernels::QuantMatmul::DequantizedBf16
+                                                            : kernels::QuantMatmul::Auto;
     kernels::quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, how);  // warm-up
     std::vector<double> g;
     for (int r = 0; r < reps; ++r) {
@@ -126,6 +134,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::fprintf(stderr, "usage: qdecode_bench make-small q8_0|q4_k OUT.gguf | run FILE.gguf NEW [DEPTH] | "
-                       "prefill FILE.gguf N [chunked|int8|dequantized|tokens]\n");
+                       "prefill FILE.gguf N [chunked|int8|dequantized|bf16|tokens]\n");
   return 2;
 }

@@ -225,9 +225,9 @@ TEST(QuantGemv, CloseToTheFp32Product) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), 4 * N), 0);
 }
 
-// Prefill: the int8 way gives every row the bits quant_gemv gives it; the dequantized way (oneDNN on dequantized
-// tiles) is within fp32 summation (fp32 x) or bf16's rounding of x and the weights (bf16 x: 2 * 2^-9 per product,
-// bounded relative to sum |w x|) of the product of the dequantized weights.
+// Prefill: the int8 way gives every row the bits quant_gemv gives it; the dequantized ways (oneDNN on dequantized
+// tiles) are within fp32 summation (fp32 x) or bf16's rounding of x and the weights (bf16 x, or fp32 x rounded by
+// DequantizedBf16: 2 * 2^-9 per product, bounded relative to sum |w x|) of the product of the dequantized weights.
 TEST(QuantGemv, PrefillProducts) {
   const int64_t M = 40, N = 300, K = 512;
   for (GgmlType t : kTypes) {
@@ -243,21 +243,37 @@ TEST(QuantGemv, PrefillProducts) {
     EXPECT_TRUE(same_bits(int8, rows, where)) << ggml_type_info(t).name << " " << where;
     std::vector<float> w(static_cast<size_t>(N * K));
     for (int64_t n = 0; n < N; ++n) dequantize_row(t, W.data() + n * ggml_row_bytes(t, K), w.data() + n * K, K);
-    for (bool bf : {false, true}) {
+    // way 0: fp32 x, dequantized to fp32; 1: bf16 x, dequantized to bf16; 2: fp32 x, DequantizedBf16 (x rounded to
+    // bf16 inside, in a workspace of exactly the size quant_matmul_workspace_bytes gives, tiles in bf16).
+    for (int way = 0; way < 3; ++way) {
       std::vector<float> y(static_cast<size_t>(M * N));
       const std::vector<bf16> xb = test::cast<bf16>(x);
-      if (bf) quant_matmul(t, xb.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
-      else quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
+      if (way == 1) {
+        quant_matmul(t, xb.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
+      } else if (way == 0) {
+        quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::Dequantized);
+      } else {
+        const int64_t bytes = quant_matmul_workspace_bytes<float>(t, M, N, K, QuantMatmul::DequantizedBf16);
+        EXPECT_EQ(bytes, (M * K * 2 + 63) / 64 * 64 + std::min<int64_t>(N, 256) * K * 2);
+        std::vector<uint8_t> ws(static_cast<size_t>(bytes + 64));
+        void* p = ws.data() + (64 - reinterpret_cast<uintptr_t>(ws.data()) % 64) % 64;
+        quant_matmul(t, x.data(), W.data(), y.data(), M, N, K, 0, 0, QuantMatmul::DequantizedBf16, p, bytes);
+      }
+      const char* name = way == 0 ? " fp32" : way == 1 ? " bf16 x" : " DequantizedBf16";
       for (int64_t m = 0; m < M; ++m)
         for (int64_t n = 0; n < N; ++n) {
           double s = 0, a = 0;
           for (int64_t k = 0; k < K; ++k) {
-            const double xk = bf ? double(to_f32(xb[m * K + k])) : double(x[m * K + k]);
+            const double xk = way == 1 ? double(to_f32(xb[m * K + k])) : double(x[m * K + k]);
             s += double(w[n * K + k]) * xk;
             a += std::fabs(double(w[n * K + k]) * xk);
           }
-          const double tol = bf ? std::ldexp(1.0, -8) * a : K * std::ldexp(1.0, -24) * a;
-          ASSERT_LE(std::fabs(y[m * N + n] - s), tol) << ggml_type_info(t).name << (bf ? " bf16" : " fp32") << " m " << m << " n " << n;
+          // DequantizedBf16: each product of w (1 + e1) and x (1 + e2), |e| <= 2^-9, is off by (2^-8 + 2^-18) |w x|;
+          // then the fp32 sum's K 2^-24.
+          const double tol = way == 1   ? std::ldexp(1.0, -8) * a
+                             : way == 0 ? K * std::ldexp(1.0, -24) * a
+                                        : (std::ldexp(1.0, -8) + std::ldexp(1.0, -18) + K * std::ldexp(1.0, -24)) * a;
+          ASSERT_LE(std::fabs(y[m * N + n] - s), tol) << ggml_type_info(t).name << name << " m " << m << " n " << n;
         }
     }
   }

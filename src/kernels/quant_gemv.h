@@ -92,19 +92,24 @@ void quant_gemv_rows(const QuantizedRows& xq, const void* W, float* y, int64_t l
 void quant_gemv_ranges(const QuantizedRows& xq, const void* W, float* y, int64_t ldy,
                        const std::vector<std::pair<int64_t, int64_t>>& ranges, cpu::Level isa);
 
-// Prefill products: y[M, N] = x[M, K] W^T for any M (fp32 y, rows ldy apart). Two ways, chosen by `how`:
+// Prefill products: y[M, N] = x[M, K] W^T for any M (fp32 y, rows ldy apart). Three ways, chosen by `how`:
 //  * Int8: the decode arithmetic above for every row (x quantized per row, weight rows in tiles that stay in cache
 //    while all of x passes over them): the same bits as quant_gemv gives each row.
 //  * Dequantized: tiles of weight rows dequantized to x's dtype (fp32, or bf16: the weights rounded to bf16) and
 //    multiplied by kernels::matmul (oneDNN).
+//  * DequantizedBf16: the same in bf16 whatever x's dtype: fp32 x rounded to bf16 once (to nearest even), the tiles
+//    dequantized to bf16, oneDNN's bf16 products (AMX or AVX-512-BF16) summing in fp32. Each input is off by at most
+//    2^-9 of itself: finer than Int8's Q8 activations (up to half a quantum, 1/254 of a block's largest) and, for
+//    the 4-6 bit types, far below the weights' own quantization step.
 // The default (Auto) is the one measured faster (docs/quantization.md): int8 for M <= kGemvMaxRows (a few rows: the
-// decode product, each weight block read once; a dequantized tile would cost more than the product), else
-// dequantized, except int8 for the K-quants with bf16 x.
-enum class QuantMatmul { Auto, Int8, Dequantized };
+// decode product, each weight block read once; a dequantized tile would cost more than the product); above it,
+// DequantizedBf16 where oneDNN makes bf16 products on this CPU (matmul_bf16_on_onednn), elsewhere Dequantized for fp32
+// x, and for bf16 x dequantized for Q8_0 / Q4_0 and int8 for the K-quants.
+enum class QuantMatmul { Auto, Int8, Dequantized, DequantizedBf16 };
 // The way Auto takes for these shapes and activations (never Auto).
 QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_activations);
-// Scratch bytes quant_matmul needs for these shapes and way (x in T): the quantized activation rows (int8) or one
-// dequantized tile of weight rows (dequantized).
+// Scratch bytes quant_matmul needs for these shapes and way (x in T): the quantized activation rows (int8), or one
+// dequantized tile of weight rows (dequantized; DequantizedBf16 with fp32 x: also x's rows in bf16).
 template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how);
 // workspace: null (quant_matmul allocates its scratch itself), or at least quant_matmul_workspace_bytes bytes,
 // 64-byte aligned (std::invalid_argument if too small).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "kernels/matmul.h"
+#include "kernels/paths.h"
 #include "kernels/quant_gemv.h"
 
 namespace hs::kernels {
@@ -21,18 +22,24 @@ constexpr int64_t kDequantTileRows = 256;
 
 template <typename T> void dequantize_tile(GgmlType t, const uint8_t* W, int64_t rows, int64_t K, T* out) {
   const int64_t rb = ggml_row_bytes(t, K);
-#pragma omp parallel
-  {
-    std::vector<float> row(static_cast<size_t>(K));
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < rows; ++n) {
-      if constexpr (std::is_same_v<T, float>) {
-        dequantize_row(t, W + n * rb, out + n * K, K);
-      } else {
-        dequantize_row(t, W + n * rb, row.data(), K);
-        for (int64_t k = 0; k < K; ++k) out[n * K + k] = from_f32<T>(row[static_cast<size_t>(k)]);
-      }
-    }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < rows; ++n) dequantize_row(t, W + n * rb, out + n * K, K);
+}
+
+constexpr int64_t align64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
+// Tiles of kDequantTileRows weight rows dequantized to Tw (x's element type) into `tile`, each multiplied by x.
+template <typename Tw>
+void dequantized_products(GgmlType t, const Tw* x, const uint8_t* w, float* y, int64_t M, int64_t N, int64_t K,
+                          int64_t ldx, int64_t ldy, Tw* tile) {
+  const int64_t rb = ggml_row_bytes(t, K);
+  for (int64_t n0 = 0; n0 < N; n0 += kDequantTileRows) {
+    const int64_t rows = std::min(kDequantTileRows, N - n0);
+    dequantize_tile(t, w + n0 * rb, rows, K, tile);
+    MatmulLayout ld;
+    ld.lda = ldx;
+    ld.ldc = ldy;
+    matmul(x, tile, y + n0, M, rows, K, false, true, false, ld);
   }
 }
 
@@ -42,16 +49,22 @@ QuantMatmul quant_matmul_way(GgmlType t, int64_t M, QuantMatmul how, bool fp32_a
   if (how != QuantMatmul::Auto) return how;
   // A few rows: the decode product (each weight block read once for all rows). More (M = 512, N = K = 2048, 2
   // threads): with bf16 x (AMD EPYC, medians of 5 alternated runs) Q8_0 244 GFLOP/s dequantized against 82 int8, Q4_K
-  // 59 dequantized (its dequantization is the slower part) against 83 int8; with fp32 x (Intel Xeon with AVX-512 and
-  // AMX, loaded machine, medians of 5, two runs) Q8_0 44-61 dequantized against 16-25 int8, Q4_K 45-49 against 26-27.
+  // 59 dequantized (its dequantization, scalar then, was the slower part) against 83 int8; with fp32 x (Intel Xeon
+  // with AVX-512 and AMX, quiet, medians of 5; bench/qdecode_bench matmul) Q8_0 65 int8, 134-152 dequantized to
+  // fp32, 366 DequantizedBf16; Q4_K 75, 109-154, 466 (the tiles dequantized in AVX2 lanes). Capped at AVX2 there:
+  // Q8_0 69 int8, 98 dequantized; Q4_K 78-94 against 79-97 (even: fp32, the exact one, taken).
   if (M <= kGemvMaxRows) return QuantMatmul::Int8;
+  if (matmul_bf16_on_onednn()) return QuantMatmul::DequantizedBf16;
   if (fp32_activations) return QuantMatmul::Dequantized;
   return (t == GgmlType::Q8_0 || t == GgmlType::Q4_0) ? QuantMatmul::Dequantized : QuantMatmul::Int8;
 }
 
 template <typename T> int64_t quant_matmul_workspace_bytes(GgmlType t, int64_t M, int64_t N, int64_t K, QuantMatmul how) {
   if (M <= 0 || N <= 0) return 0;
-  if (quant_matmul_way(t, M, how, std::is_same_v<T, float>) == QuantMatmul::Int8) return quantized_rows_bytes(t, M, K);
+  const QuantMatmul way = quant_matmul_way(t, M, how, std::is_same_v<T, float>);
+  if (way == QuantMatmul::Int8) return quantized_rows_bytes(t, M, K);
+  if (way == QuantMatmul::DequantizedBf16 && std::is_same_v<T, float>)
+    return align64(M * K * 2) + std::min(N, kDequantTileRows) * K * 2;
   return std::min(N, kDequantTileRows) * K * static_cast<int64_t>(sizeof(T));
 }
 
@@ -64,7 +77,6 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
   if (ldx == 0) ldx = K;
   if (ldy == 0) ldy = N;
   const auto* w = static_cast<const uint8_t*>(W);
-  const int64_t rb = ggml_row_bytes(t, K);
   how = quant_matmul_way(t, M, how, std::is_same_v<T, float>);
   if (workspace && workspace_bytes < quant_matmul_workspace_bytes<T>(t, M, N, K, how))
     throw std::invalid_argument("quant_matmul: a workspace of " + std::to_string(workspace_bytes) + " bytes, " +
@@ -87,20 +99,25 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
       quant_gemv_rows(xq, w, y, ldy, i * kInt8TileRows, std::min(N, (i + 1) * kInt8TileRows), isa);
     return;
   }
-  std::vector<T> own;
-  T* tile = static_cast<T*>(workspace);
-  if (!tile) {
-    own.resize(static_cast<size_t>(std::min(N, kDequantTileRows) * K));
-    tile = own.data();
+  // Dequantized ways: x in bf16 (rounded into the workspace's head) for DequantizedBf16 with fp32 x, else as given.
+  std::vector<uint8_t> own;
+  uint8_t* scratch = static_cast<uint8_t*>(workspace);
+  if (!scratch) {
+    own.resize(static_cast<size_t>(quant_matmul_workspace_bytes<T>(t, M, N, K, how)));
+    scratch = own.data();
   }
-  for (int64_t n0 = 0; n0 < N; n0 += kDequantTileRows) {
-    const int64_t rows = std::min(kDequantTileRows, N - n0);
-    dequantize_tile(t, w + n0 * rb, rows, K, tile);
-    MatmulLayout ld;
-    ld.lda = ldx;
-    ld.ldc = ldy;
-    matmul(x, tile, y + n0, M, rows, K, false, true, false, ld);
+  if constexpr (std::is_same_v<T, float>) {
+    if (how == QuantMatmul::DequantizedBf16) {
+      auto* xb = reinterpret_cast<bf16*>(scratch);
+#pragma omp parallel for schedule(static)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xb[m * K + k] = from_f32<bf16>(x[m * ldx + k]);
+      dequantized_products(t, static_cast<const bf16*>(xb), w, y, M, N, K, K, ldy,
+                           reinterpret_cast<bf16*>(scratch + align64(M * K * 2)));
+      return;
+    }
   }
+  dequantized_products(t, x, w, y, M, N, K, ldx, ldy, reinterpret_cast<T*>(scratch));
 }
 
 template void quant_matmul<float>(GgmlType, const float*, const void*, float*, int64_t, int64_t, int64_t, int64_t,
