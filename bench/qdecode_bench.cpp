@@ -1,11 +1,14 @@
 // Decode (and prefill) tokens/s of a GGUF model run from its quantized blocks (infer::load_gguf_weights + the fused step on
 // quant_gemv), at batch 1, for bench/qdecode_bench.sh (which runs llama-bench on the same file beside it).
 //   qdecode_bench make-small q8_0|q4_k OUT.gguf   a random `small` model (seed 7) exported as GGUF of that type
-//   qdecode_bench run FILE.gguf NEW [DEPTH]        DEPTH prompt tokens (default 1) then NEW timed decode steps;
-//                                                  prints one JSON line: tokens/s, the quantized blocks used in place,
-//                                                  the bytes copied (fp32 conversions + V-head-reordered quantized rows)
-//   qdecode_bench prefill FILE.gguf N [MODE]       the prefill of an N-token prompt (after one untimed warm-up
-//                                                  prefill), MODE chunked (default: in pieces through quant_matmul's
+//   qdecode_bench run FILE.gguf NEW [DEPTH [BATCH]] BATCH sequences (default 1) of DEPTH prompt tokens (default 1),
+//                                                  then NEW timed decode steps of all of them; prints one JSON line:
+//                                                  tokens/s (all sequences), the quantized blocks used in place, the
+//                                                  bytes copied (fp32 conversions + V-head-reordered quantized rows),
+//                                                  the model bytes a batch-1 step reads (bytes_read_per_token)
+//   qdecode_bench prefill FILE.gguf N [MODE [BATCH]] the prefill of BATCH (default 1) N-token prompts, one after
+//                                                  another (after one untimed warm-up prefill; tokens/s of all),
+//                                                  MODE chunked (default: in pieces through quant_matmul's
 //                                                  Auto way), int8, dequantized (fp32) or bf16 (DequantizedBf16)
 //                                                  forced, or tokens (a fused step per token); one JSON line with
 //                                                  its tokens/s
@@ -30,6 +33,25 @@
 
 using namespace hs;
 
+// The model bytes a batch-1 decode step reads: every quantized matrix whole, except the routed experts' stacks
+// ("*_exps": top_k of their experts' rows), the embedding's one row, and every parameter held in memory as fp32
+// (norms, the router, matrices the file stores unquantized: copied_bytes). The decode's bandwidth bound is the
+// machine's copy bandwidth over this.
+double bytes_read_per_token(const infer::InferenceWeights& w) {
+  const model::ModelConfig& c = w.params->config();
+  double bytes = double(w.copied_bytes);
+  for (const infer::QuantLayer& l : w.quant->layers)
+    for (const auto& part : l.parts)
+      for (const infer::QuantMatrix& m : part) {
+        const double all = double(m.rows) * double(m.row_bytes);
+        const bool routed = m.name.find("_exps") != std::string::npos && c.experts > 0;
+        bytes += routed ? all * double(c.top_k) / double(c.experts) : all;
+      }
+  if (w.quant->lm_head) bytes += double(w.quant->lm_head->rows) * double(w.quant->lm_head->row_bytes);
+  if (w.quant->embed) bytes += double(w.quant->embed->row_bytes);
+  return bytes;
+}
+
 int main(int argc, char** argv) {
   const std::string cmd = argc > 1 ? argv[1] : "";
   if (cmd == "make-small" && argc == 4) {
@@ -45,43 +67,53 @@ int main(int argc, char** argv) {
     std::filesystem::remove_all(native);
     return 0;
   }
-  if (cmd == "run" && (argc == 4 || argc == 5)) {
-    const int64_t n_new = std::atoll(argv[3]), depth = argc == 5 ? std::atoll(argv[4]) : 1;
-    MemoryAccountant mem;
-    auto w = infer::load_gguf_weights(argv[2], mem);
-    const model::ModelConfig& c = w->params->config();
-    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
-    infer::Decoder dec(*w->params, DType::F32, 1, depth + n_new + 1, mem, 512, w->quant.get());
-    std::vector<float> logits(static_cast<size_t>(c.vocab));
-    std::vector<int32_t> prompt(static_cast<size_t>(depth));
-    for (int64_t i = 0; i < depth; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 1) % c.vocab);
-    dec.prefill(0, prompt, logits.data());
-    const int32_t slot = 0;
-    int32_t id = 1;
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int64_t i = 0; i < n_new; ++i) {
-      dec.step({&slot, 1}, {&id, 1}, logits.data());
-      id = static_cast<int32_t>((id * 31 + 7) % c.vocab);  // fixed ids: the speed does not depend on them
-    }
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("{\"file\": \"%s\", \"threads\": %d, \"new\": %lld, \"depth\": %lld, \"decode_tokens_per_s\": %.3f, "
-                "\"quantized_bytes\": %llu, \"copied_bytes\": %llu}\n",
-                std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n_new),
-                static_cast<long long>(depth), double(n_new) / s, static_cast<unsigned long long>(w->quant->bytes),
-                static_cast<unsigned long long>(w->copied_bytes));
-    return 0;
-  }
-  if (cmd == "prefill" && (argc == 4 || argc == 5)) {
-    const int64_t n = std::atoll(argv[3]);
-    const std::string mode = argc == 5 ? argv[4] : "chunked";
-    if (n <= 0 || (mode != "chunked" && mode != "int8" && mode != "dequantized" && mode != "bf16" && mode != "tokens")) {
-      std::fprintf(stderr, "qdecode_bench prefill: N > 0 and chunked|int8|dequantized|bf16|tokens\n");
+  if (cmd == "run" && argc >= 4 && argc <= 6) {
+    const int64_t n_new = std::atoll(argv[3]), depth = argc >= 5 ? std::atoll(argv[4]) : 1,
+                  batch = argc == 6 ? std::atoll(argv[5]) : 1;
+    if (n_new <= 0 || depth <= 0 || batch <= 0) {
+      std::fprintf(stderr, "qdecode_bench run: NEW, DEPTH and BATCH must be positive\n");
       return 2;
     }
     MemoryAccountant mem;
     auto w = infer::load_gguf_weights(argv[2], mem);
     const model::ModelConfig& c = w->params->config();
-    infer::Decoder dec(*w->params, DType::F32, 1, n, mem, 512, w->quant.get());
+    for (const std::string& n : w->notes) std::fprintf(stderr, "note: %s\n", n.c_str());
+    infer::Decoder dec(*w->params, DType::F32, batch, depth + n_new + 1, mem, 512, w->quant.get());
+    std::vector<float> logits(static_cast<size_t>(c.vocab * batch));
+    std::vector<int32_t> prompt(static_cast<size_t>(depth));
+    for (int64_t i = 0; i < depth; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 1) % c.vocab);
+    std::vector<int32_t> slots(static_cast<size_t>(batch)), ids(static_cast<size_t>(batch), 1);
+    for (int64_t b = 0; b < batch; ++b) {
+      slots[static_cast<size_t>(b)] = static_cast<int32_t>(b);
+      dec.prefill(b, prompt, logits.data());
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int64_t i = 0; i < n_new; ++i) {
+      dec.step(slots, ids, logits.data());
+      for (int64_t b = 0; b < batch; ++b)  // fixed ids (the speed does not depend on them), different per sequence
+        ids[static_cast<size_t>(b)] = static_cast<int32_t>((ids[static_cast<size_t>(b)] * 31 + 7 + b) % c.vocab);
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("{\"file\": \"%s\", \"threads\": %d, \"new\": %lld, \"depth\": %lld, \"batch\": %lld, "
+                "\"decode_tokens_per_s\": %.3f, \"quantized_bytes\": %llu, \"copied_bytes\": %llu, "
+                "\"bytes_read_per_token\": %.0f}\n",
+                std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n_new),
+                static_cast<long long>(depth), static_cast<long long>(batch), double(n_new * batch) / s,
+                static_cast<unsigned long long>(w->quant->bytes), static_cast<unsigned long long>(w->copied_bytes),
+                bytes_read_per_token(*w));
+    return 0;
+  }
+  if (cmd == "prefill" && argc >= 4 && argc <= 6) {
+    const int64_t n = std::atoll(argv[3]), batch = argc == 6 ? std::atoll(argv[5]) : 1;
+    const std::string mode = argc >= 5 ? argv[4] : "chunked";
+    if (n <= 0 || batch <= 0 || (mode != "chunked" && mode != "int8" && mode != "dequantized" && mode != "bf16" && mode != "tokens")) {
+      std::fprintf(stderr, "qdecode_bench prefill: N > 0, chunked|int8|dequantized|bf16|tokens, BATCH > 0\n");
+      return 2;
+    }
+    MemoryAccountant mem;
+    auto w = infer::load_gguf_weights(argv[2], mem);
+    const model::ModelConfig& c = w->params->config();
+    infer::Decoder dec(*w->params, DType::F32, batch, n, mem, 512, w->quant.get());
     if (mode == "tokens") dec.set_quant_prefill(infer::Decoder::QuantPrefill::TokenByToken);
     if (mode == "int8") dec.set_quant_prefill(infer::Decoder::QuantPrefill::Chunked, kernels::QuantMatmul::Int8);
     if (mode == "dequantized")
@@ -94,12 +126,12 @@ int main(int argc, char** argv) {
     dec.prefill(0, prompt, logits.data());  // untimed warm-up (file pages, oneDNN primitives), as llama-bench's
     dec.reset(0);
     const auto t0 = std::chrono::steady_clock::now();
-    dec.prefill(0, prompt, logits.data());
+    for (int64_t b = 0; b < batch; ++b) dec.prefill(b, prompt, logits.data());  // BATCH prompts, one after another
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::printf("{\"file\": \"%s\", \"threads\": %d, \"prompt\": %lld, \"mode\": \"%s\", "
+    std::printf("{\"file\": \"%s\", \"threads\": %d, \"prompt\": %lld, \"batch\": %lld, \"mode\": \"%s\", "
                 "\"prefill_tokens_per_s\": %.3f}\n",
                 std::filesystem::path(argv[2]).filename().c_str(), omp_get_max_threads(), static_cast<long long>(n),
-                mode.c_str(), double(n) / s);
+                static_cast<long long>(batch), mode.c_str(), double(n * batch) / s);
     return 0;
   }
   if (cmd == "matmul" && argc == 8) {  // quant_matmul alone on random rows: TYPE M N K WAY REPS
@@ -133,7 +165,7 @@ int main(int argc, char** argv) {
                 argv[2], (long long)M, (long long)N, (long long)K, way.c_str(), g[g.size() / 2]);
     return 0;
   }
-  std::fprintf(stderr, "usage: qdecode_bench make-small q8_0|q4_k OUT.gguf | run FILE.gguf NEW [DEPTH] | "
-                       "prefill FILE.gguf N [chunked|int8|dequantized|bf16|tokens]\n");
+  std::fprintf(stderr, "usage: qdecode_bench make-small q8_0|q4_k OUT.gguf | run FILE.gguf NEW [DEPTH [BATCH]] | "
+                       "prefill FILE.gguf N [chunked|int8|dequantized|bf16|tokens [BATCH]] | matmul q8_0|q4_k M N K WAY REPS\n");
   return 2;
 }
