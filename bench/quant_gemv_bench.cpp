@@ -2,7 +2,7 @@
 // the same run: ggml's mul_mat on its CPU backend as llama.cpp runs it, with the weights in a plain CPU buffer
 // ("ggml") and in the CPU backend's repacking buffer ("ggml_repack", llama.cpp's default where it applies), through
 // bench/quant_ggml_peer.cpp built against a llama.cpp by bench/quant_gemv_bench.sh. Shapes: real widths
-// (bench/real_widths.json: hidden 2048) at 1 and 8 rows, Q8_0 and Q4_K. Each side cycles through copies of the
+// (bench/real_widths.json: hidden 2048) at 1 and 8 rows, Q8_0, Q4_K, Q5_K and Q6_K (Q4_K_M files mix the last three). Each side cycles through copies of the
 // weights totalling >= 128 MiB (4x this L3), so every call streams its weights from DRAM as a decode step does. Counter: weight
 // GB/s. Not a test: on a shared machine only the ratios mean anything; run with repetitions interleaved.
 //   build/bench/quant_gemv_bench [--ggml-peer=LIB.so] [--threads=2] [--benchmark_repetitions=5
@@ -40,7 +40,7 @@ const Shape kShapes[] = {
     {"expert_down 2048x512", 2048, 512},
 };
 constexpr int64_t kRows[] = {1, 8};
-constexpr GgmlType kTypes[] = {GgmlType::Q8_0, GgmlType::Q4_K};
+constexpr GgmlType kTypes[] = {GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K};
 constexpr int64_t kStreamBytes = int64_t{128} << 20;
 
 int g_threads = 2;

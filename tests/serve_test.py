@@ -20,7 +20,8 @@ Cases:
            than the context; 401 without the API key; 413 over --max-body; 429 with Retry-After past slots + queue; a
            client that disconnects frees its slot; a client that stalls is dropped; the server keeps serving
   gguf     serve of a Q8_0 .gguf (from its quantized blocks, the default): greedy answers equal generate's on it,
-           cold and restored from the prefix cache
+           cold and restored from the prefix cache; plan --serve of the file is the planned peak /metrics reports,
+           and bounds the accountant's peak plus the mapped blocks
   drain    SIGTERM: the running stream finishes (all its tokens, then [DONE]), new requests are refused, exit 0
   plan     plan --serve gives the peak /metrics reports as planned, and the accountant's peak stays within it
   page     the chat page at / in headless Chromium (Debian's chromium + chromium-driver, driven over WebDriver's HTTP
@@ -251,7 +252,19 @@ def case_gguf():
             check(ids == want[i], f"round {rnd}, prompt {i} ({lengths[i]} tokens): {ids} != generate's {want[i]}")
     m = s.metrics()
     check(m["hybridscan_cache_hits_total"] >= 2, f"no prefix-cache hits in the second round: {m}")
-    print("gguf: serve of a .gguf equals generate on it, cold and from the prefix cache")
+    # plan --serve of the same file and options plans it from its blocks: the server reports that plan, and its
+    # accountant's peak plus the quantized blocks it maps stays within it.
+    r = subprocess.run([BINARY, "plan", "--serve", "--model", str(f), "--parallel", "4", "--ctx", "256",
+                        "--cache-bytes", "4MiB", "--json"], capture_output=True, text=True, env=ENV)
+    check(r.returncode == 0, r.stderr)
+    plan = json.loads(r.stdout)
+    check(plan["weights_run_as"] == "gguf blocks" and plan["quantized_weights_bytes"] > 0, f"plan --serve: {plan}")
+    check(m["hybridscan_memory_planned_peak_bytes"] == plan["total_bytes"], f"planned {m} vs plan --serve {plan}")
+    used = m["hybridscan_memory_accounted_peak_bytes"] + m["hybridscan_weights_mapped_bytes"]
+    check(m["hybridscan_weights_mapped_bytes"] == plan["quantized_weights_bytes"], f"mapped {m} vs {plan}")
+    check(0 < used <= plan["total_bytes"], f"accountant + mapped blocks {used} over plan {plan}")
+    print(f"gguf: serve of a .gguf equals generate on it, cold and from the prefix cache; plan --serve {plan['total_bytes']} "
+          f"bytes, the accountant's peak + the mapped blocks {int(used)}")
 
 
 def case_batching():

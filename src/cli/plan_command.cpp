@@ -22,7 +22,7 @@ struct PlanArgs {
   int64_t devices = 1, batch_per_device = 0, context = 4096, parallel = 4;
   std::string cache_bytes = "1GiB";
   bool compare = false, json = false, generate = false, fit = false, serve = false;
-  GgufArgs gguf;  // --gguf-blocks, --gguf-dequantize (plan --generate)
+  GgufArgs gguf;  // --gguf-blocks, --gguf-dequantize (plan --generate, plan --serve)
   int64_t prefill_piece = 512;
   SpeculativeArgs spec;  // --speculative, --draft (plan --generate)
 };
@@ -152,13 +152,30 @@ void plan_generation(const PlanArgs& a) {
 }
 
 // plan --serve: hybridscan serve's peak for --parallel slots of --ctx positions and a --cache-bytes prefix cache.
+// A .gguf --model: as serve runs it, from its quantized blocks (unless --speculative or --gguf-dequantize needs it
+// dequantized: then in fp32, bf16 where the file's embedding is BF16, as the imported checkpoint holds it).
 void plan_serving(const PlanArgs& a) {
   planner::ServePlanRequest r;
-  r.model = model::load_config(a.step.model);
+  std::vector<std::string> needs_dequantized;
+  if (!a.spec.speculative.empty()) needs_dequantized.push_back("--speculative " + a.spec.speculative);
+  const bool blocks = gguf_from_blocks(a.gguf, a.step.model, needs_dequantized, "plan");
+  std::string weights = a.step.weight_dtype;
+  if (blocks) {
+    r.gguf_path = a.step.model;
+    r.model = gguf::config_from_gguf(gguf::GgufReader(a.step.model));
+    weights = "gguf blocks";
+  } else if (gguf::is_gguf_path(a.step.model)) {
+    const gguf::GgufReader file(a.step.model);
+    r.model = gguf::config_from_gguf(file);
+    r.weight_dtype = file.tensor("token_embd.weight").type == gguf::ggml_type::BF16 ? DType::BF16 : DType::F32;
+    weights = std::string(dtype_name(r.weight_dtype)) + " (the .gguf dequantized)";
+  } else {
+    r.model = model::load_config(a.step.model);
+    r.weight_dtype = parse_dtype(a.step.weight_dtype);
+  }
   r.context = a.context;
   r.parallel = a.parallel;
   r.cache_bytes = parse_bytes(a.cache_bytes);
-  r.weight_dtype = parse_dtype(a.step.weight_dtype);
   r.draft = speculative_draft(a.spec);
   if (r.draft > 0 && r.model.mtp_layers < 1)
     throw std::invalid_argument("--speculative mtp: model " + a.step.model + " has no multi-token-prediction layer "
@@ -170,6 +187,11 @@ void plan_serving(const PlanArgs& a) {
                      {"recurrent_state_bytes", p.recurrent_state}, {"prefix_cache_bytes", p.prefix_cache},
                      {"workspace_bytes", p.workspace}, {"total_bytes", p.total}, {"context", r.context},
                      {"parallel", r.parallel}};
+    if (blocks) {
+      j["weights_run_as"] = "gguf blocks";
+      j["converted_weights_bytes"] = p.converted_bytes;
+      j["quantized_weights_bytes"] = p.quantized_bytes;
+    }
     if (r.draft > 0) {
       j["speculative"] = "mtp";
       j["draft"] = r.draft;
@@ -180,13 +202,16 @@ void plan_serving(const PlanArgs& a) {
   }
   std::printf("%s\nserve: %lld slots x %lld positions, prefix cache %s, weights %s%s, one device\n",
               model::describe(r.model).c_str(), (long long)r.parallel, (long long)r.context,
-              format_bytes(double(r.cache_bytes)).c_str(), a.step.weight_dtype.c_str(),
+              format_bytes(double(r.cache_bytes)).c_str(), weights.c_str(),
               r.draft > 0 ? (", speculative mtp, draft " + std::to_string(r.draft)).c_str() : "");
   for (const auto& [what, bytes] : {std::pair{"weights", p.weights}, {"kv cache", p.kv_cache},
                                     {"recurrent state", p.recurrent_state}, {"mtp kv cache", p.mtp_kv_cache},
                                     {"prefix cache", p.prefix_cache}, {"workspace", p.workspace}, {"total", p.total}})
     if (r.draft > 0 || std::string_view(what) != "mtp kv cache")
       std::printf("%-18s %12s\n", what, format_bytes(double(bytes)).c_str());
+  if (blocks)
+    std::printf("(weights: %s converted to fp32 + %s of quantized blocks used in place from the file)\n",
+                format_bytes(double(p.converted_bytes)).c_str(), format_bytes(double(p.quantized_bytes)).c_str());
 }
 
 // The request of a training-step plan: --batch is over all devices (a multiple of them), --batch-per-device per device
@@ -266,8 +291,8 @@ void print_plans(const PlanArgs& a, const planner::PlanRequest& r, const std::ve
 void run_plan(const PlanArgs& a) {
   apply_threads(a.step.threads);
   if (a.generate && a.serve) throw std::invalid_argument("give --generate or --serve, not both");
-  if ((a.gguf.blocks || a.gguf.dequantize) && !a.generate)
-    throw std::invalid_argument("--gguf-blocks and --gguf-dequantize are for plan --generate");
+  if ((a.gguf.blocks || a.gguf.dequantize) && !a.generate && !a.serve)
+    throw std::invalid_argument("--gguf-blocks and --gguf-dequantize are for plan --generate and plan --serve");
   if (!a.generate && !a.serve && (!a.spec.speculative.empty() || a.spec.draft != -1))
     throw std::invalid_argument("--speculative and --draft are for plan --generate and plan --serve");
   if (a.generate) {

@@ -150,24 +150,39 @@ ServePlan plan_serve(const ServePlanRequest& r) {
   if (r.context <= 0 || r.parallel <= 0)
     throw std::invalid_argument("server plan: the context (" + std::to_string(r.context) + ") and the slots (" +
                                 std::to_string(r.parallel) + ") must be positive");
-  r.model.validate();
+  if (!r.gguf_path.empty() && r.draft > 0)
+    throw std::invalid_argument("a .gguf served from its quantized blocks has no speculative decoding (serve "
+                                "--speculative runs it dequantized): plan it with --gguf-dequantize");
   MemoryAccountant mem(/*planning=*/true);
-  model::ParamSet params(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
+  std::unique_ptr<infer::InferenceWeights> file;  // gguf_path: the quantized model, as serve loads it
+  std::unique_ptr<model::ParamSet> dense;
+  if (!r.gguf_path.empty()) {
+    file = infer::load_gguf_weights(r.gguf_path, mem);
+  } else {
+    r.model.validate();
+    dense = std::make_unique<model::ParamSet>(r.model, r.weight_dtype, mem, MemCategory::Parameters, false);
+  }
+  const model::ParamSet& params = file ? *file->params : *dense;
+  const model::ModelConfig& cfg = params.config();
+  const DType compute = file ? DType::F32 : r.weight_dtype;
+  const infer::QuantWeights* quant = file ? file->quant.get() : nullptr;
   ServePlan p;
-  p.weights = mem.live_total();
+  p.converted_bytes = mem.live_total();
+  p.quantized_bytes = quant ? quant->bytes : 0;
+  p.weights = p.converted_bytes + p.quantized_bytes;
   // In the order serve::Engine allocates: the decoder (64-token pieces: serve::PrefixCache::kChunk), the logits, then
   // the cache fills while prompts are prefilled and slots step.
-  const int64_t chunk = 64, N = r.draft, P = r.parallel, V = r.model.vocab;
+  const int64_t chunk = 64, N = r.draft, P = r.parallel, V = cfg.vocab;
   if (N < 0 || N > infer::kMaxDraft)
     throw std::invalid_argument("--draft must be in [1, " + std::to_string(infer::kMaxDraft) + "] (got " +
                                 std::to_string(N) + ")");
-  if (N > 0 && r.model.mtp_layers < 1)
+  if (N > 0 && cfg.mtp_layers < 1)
     throw std::invalid_argument("the model has no multi-token-prediction layer (mtp.*): --speculative mtp needs one "
                                 "(a '+mtp' preset, or a config with num_nextn_predict_layers / mtp_num_hidden_layers)");
-  infer::Decoder dec(params, r.weight_dtype, P, r.context + N, mem, chunk, nullptr, N);
+  infer::Decoder dec(params, compute, P, r.context + N, mem, chunk, quant, N);
   std::unique_ptr<infer::MtpDrafter> mtp;
-  if (N > 0) mtp = std::make_unique<infer::MtpDrafter>(params, r.weight_dtype, P, r.context + N, mem, chunk);
-  const size_t R = static_cast<size_t>(P * (N + 1)), hb = static_cast<size_t>(r.model.hidden * dtype_size(r.weight_dtype));
+  if (N > 0) mtp = std::make_unique<infer::MtpDrafter>(params, compute, P, r.context + N, mem, chunk);
+  const size_t R = static_cast<size_t>(P * (N + 1)), hb = static_cast<size_t>(cfg.hidden * dtype_size(compute));
   Buffer logits = mem.allocate_n<float>(R * static_cast<size_t>(V), MemCategory::Workspace, "serve.logits");
   Buffer hidden, mlogits, mhidden, mh_in, phid, pending, dlogits, dhidden;  // (serve::Engine's, in its order)
   if (mtp) {
@@ -225,7 +240,7 @@ ServePlan plan_serve(const ServePlanRequest& r) {
   p.kv_cache = dec.kv_cache_bytes();
   p.recurrent_state = dec.recurrent_state_bytes();
   p.prefix_cache = r.cache_bytes;
-  p.total = mem.peak_total();
+  p.total = mem.peak_total() + p.quantized_bytes;
   p.workspace = p.total - p.weights - p.kv_cache - p.recurrent_state - p.prefix_cache - p.mtp_kv_cache;
   return p;
 }

@@ -89,15 +89,21 @@ QuantizedGeneratePlan plan_generate_gguf(const std::string& gguf_path, const Gen
 // draft > 0 (serve --speculative mtp --draft N): the decoder's N more recurrent-state slots per sequence and N more
 // positions, the MTP drafter (its keys and values, weight casts, fused step), the rows of parallel * (N + 1)
 // verified positions (logits, hidden) and of the MTP layer's steps, its prompt rows, and the widest speculative step.
+// gguf_path set: the server of that .gguf run from its quantized blocks (infer::load_gguf_weights; model and
+// weight_dtype are then the file's configuration and fp32 compute, and draft must be 0: serve runs --speculative on
+// the dequantized weights). As plan_generate_gguf: weights = the tensors converted to fp32 + the quantized blocks used
+// in place (file pages); total = the accountant's peak + quantized_bytes.
 struct ServePlanRequest {
   model::ModelConfig model;
   int64_t context = 4096, parallel = 4, draft = 0;
   size_t cache_bytes = 0;
   DType weight_dtype = DType::BF16;
+  std::string gguf_path;
 };
 struct ServePlan {
   size_t weights = 0, kv_cache = 0, recurrent_state = 0, prefix_cache = 0, workspace = 0, total = 0;
   size_t mtp_kv_cache = 0;  // the MTP drafter's keys and values (draft > 0)
+  size_t converted_bytes = 0, quantized_bytes = 0;  // gguf_path: the weights' two parts
 };
 ServePlan plan_serve(const ServePlanRequest& r);
 // plan --fit: every configuration of remat policy x AdamW moment dtype x update in backward for the request (its

@@ -367,8 +367,8 @@ Server::Server(const ServeOptions& opt)
   pr.cache_bytes = eo.cache_bytes;
   pr.weight_dtype = compute;
   pr.draft = eo.draft;
-  // plan_serve plans dense weights; the quantized path is not planned for serving yet (0: none).
-  if (!quant) plan_ = planner::plan_serve(pr);
+  if (quant) pr.gguf_path = opt.checkpoint.string();  // planned from its quantized blocks, as it runs
+  plan_ = planner::plan_serve(pr);
   engine_ = std::make_unique<Engine>(params, compute, eo, mem_, quant);
 }
 
@@ -649,7 +649,7 @@ std::string Server::metrics_text() {
   metric("hybridscan_memory_accounted_bytes", "gauge", "Bytes live in the memory accountant", mem_.live_total());
   metric("hybridscan_memory_accounted_peak_bytes", "gauge", "The memory accountant's peak", mem_.peak_total());
   metric("hybridscan_memory_planned_peak_bytes", "gauge",
-         "The peak plan --serve gives for these options (weights counted whole; 0 with --gguf-blocks: not planned)",
+         "The peak plan --serve gives for these options (weights counted whole; a .gguf's quantized blocks included)",
          plan_.total);
   metric("hybridscan_weights_mapped_bytes", "gauge", "Weight bytes used in place from the checkpoint's files (outside "
          "the accountant)", weights_->mapped_bytes);
@@ -787,7 +787,7 @@ int Server::run() {
   std::fprintf(stderr, "serve: %s on http://%s:%d (%lld slots of %lld positions%s, prefix cache %s; planned peak %s)\n",
                model_.name.c_str(), opt_.host.c_str(), port, (long long)eo.parallel, (long long)eo.context,
                spec.c_str(), format_bytes(double(eo.cache_bytes)).c_str(),
-               weights_->quant ? "not planned with --gguf-blocks" : format_bytes(double(plan_.total)).c_str());
+               format_bytes(double(plan_.total)).c_str());
   if (opt_.on_listening) opt_.on_listening(port);
   const bool ok = http_.listen_after_bind();
   if (!draining_) kill(getpid(), SIGTERM);  // the listener ended on its own: let the signal thread finish
