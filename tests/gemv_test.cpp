@@ -202,6 +202,7 @@ TEST(Gemv, PrefetchChangesNoBit) {
     EXPECT_EQ(gemv_prefetch_blocks(1, gemv_level()), 0);
     EXPECT_EQ(gemv_prefetch_blocks(4, gemv_level()), 0);
     EXPECT_EQ(gemv_prefetch_blocks(8, gemv_level()), avx512 ? 2 : 0);
+    for (int64_t M : {1, 4, 8}) EXPECT_EQ(gemv_prefetch_blocks(M, gemv_level(), 4), 2) << "fp32 weights, M " << M;
   }
 }
 

@@ -68,9 +68,13 @@ std::atomic<int>& prefetch_setting() {
   }();
   return n;
 }
-int prefetch_blocks(int R) {
+// fp32 weights prefetch 2 blocks ahead at every blocking: the dense `+mtp` model's fp32 decode step (K = 256, 1 KiB
+// rows; bench/speculative_rollback_bench, 200 steps, alternated runs, AVX-512 and capped at AVX2) took 13-18% less
+// with it, one row and a 3-row verification alike.
+int prefetch_blocks(int R, size_t weight_bytes) {
   const int n = prefetch_setting().load(std::memory_order_relaxed);
-  return n >= 0 ? n : R == 2 || R == 3 ? 2 : 0;  // only where measured to help: 2 x 8 (and 3 x 8) blocks
+  if (n >= 0) return n;
+  return R == 2 || R == 3 || weight_bytes == 4 ? 2 : 0;  // only where measured to help: 2 x 8 (and 3 x 8) blocks, fp32
 }
 
 // ---- scalar -------------------------------------------------------------------------------------------------------
@@ -162,11 +166,11 @@ __attribute__((target("avx2,fma"))) void block_avx2(const Block<float, TW>& b, f
 using simd::load16;
 // The block's R weight rows in turn within each 16-element chunk: MB x R independent FMA chains in flight (one row at a
 // time has MB, and with MB <= 4 was bound by the FMAs' 4-cycle latency). Each output's chain is the same (x_k w_k in
-// ascending k, then _mm512_reduce_add_ps), so the bits are those of one row at a time. Taken for 2 or more x rows (the
-// speculative verification's N + 1, small batches): fp32, K = 256, 30,000 rows (31 MB, the dense `+mtp` model's
-// size), 2 threads, three alternated runs on a loaded machine: M = 2 1.16-1.17 ms against 1.18-1.57 one row at a
-// time, M = 3 1.26-1.36 against 1.36-1.73, M = 4 1.39-1.51 against 1.46-1.79; M = 1 stays one row at a time (its
-// one chain per row is not the limit: it streams at the same rate either way).
+// ascending k, then _mm512_reduce_add_ps), so the bits are those of one row at a time. Measured: fp32, K = 256, 30,000
+// rows (31 MB, the dense `+mtp` model's size), 2 threads, three alternated runs on a loaded machine: M = 2 1.16-1.17
+// ms against 1.18-1.57 one row at a time, M = 3 1.26-1.36 against 1.36-1.73, M = 4 1.39-1.51 against 1.46-1.79; the
+// dense +mtp model's whole decode step (bench/speculative_rollback_bench, two alternated runs): one row 1.18-1.31 ms
+// against 1.30-1.37, a verification of 3 rows even.
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void rows_in_turn_avx512(const Block<float, TW>& b,
                                                                                float s[kXRows][kRowsPerBlock]) {
@@ -199,22 +203,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void rows_in_turn_
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
-  if constexpr (MB >= 2) return rows_in_turn_avx512<MB, R, TW>(b, s);
-  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
-    __m512 acc[MB];
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < b.K; k += 16) {
-      const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
-      const __m512 w = load16(b.w[r] + k, mask);
-      if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
-#pragma GCC unroll 8
-      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k), w, acc[m]);
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MB; ++m) s[m][r] = _mm512_reduce_add_ps(acc[m]);
-  }
+  rows_in_turn_avx512<MB, R, TW>(b, s);
 }
 
 // ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
@@ -326,7 +315,7 @@ void dispatch_block(cpu::Level isa, int mb, int R, const Block<TX, TW>& b, float
 template <typename TX, typename TW, typename TY>
 void product_blocks(cpu::Level isa, const TX* x, int64_t ldx, const TW* W, TY* y, int64_t ldy, int64_t M, int64_t N,
                     int64_t K, int R, int XR, int64_t blk0, int64_t blk1) {
-  const int pf = prefetch_blocks(R);
+  const int pf = prefetch_blocks(R, sizeof(TW));
   for (int64_t blk = blk0; blk < blk1; ++blk) {
     const int64_t n0 = blk * R, nr = std::min<int64_t>(R, N - n0);
     Block<TX, TW> b{x, ldx, {}, K, {}};
@@ -424,8 +413,8 @@ void gemv(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_
   }
 }
 
-int gemv_prefetch_blocks(int64_t M, cpu::Level isa) {
-  return prefetch_blocks(blocking(path_of(isa, "gemv"), M).R);
+int gemv_prefetch_blocks(int64_t M, cpu::Level isa, size_t weight_bytes) {
+  return prefetch_blocks(blocking(path_of(isa, "gemv"), M).R, weight_bytes);
 }
 void set_gemv_prefetch_blocks(int n) { prefetch_setting().store(std::max(-1, n), std::memory_order_relaxed); }
 

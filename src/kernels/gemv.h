@@ -40,9 +40,10 @@ int64_t gemv_row_align(int64_t M, cpu::Level isa);
 
 // Software prefetch: while a block of weight rows streams, the block `n` blocks later (within the same call's range)
 // is prefetched line by line (0: none, the hardware prefetchers alone). By default (-1) 2 ahead for the 2 x 8 and 3 x 8 blocks
-// (M > 4 on the AVX-512 paths: 2 weight rows in flight), none elsewhere; HS_GEMV_PREFETCH=n or the setter (for
-// benchmarks) fixes n for every M and path. Results do not depend on it (a prefetch changes no value).
-int gemv_prefetch_blocks(int64_t M, cpu::Level isa);
+// (M > 4 on the AVX-512 paths: 2 weight rows in flight) and for fp32 weights (weight_bytes 4) at every blocking, none
+// elsewhere; HS_GEMV_PREFETCH=n or the setter (for benchmarks) fixes n for every M and path. Results do not depend on
+// it (a prefetch changes no value).
+int gemv_prefetch_blocks(int64_t M, cpu::Level isa, size_t weight_bytes = 2);
 void set_gemv_prefetch_blocks(int n);
 template <typename T, typename TY>
 void gemv_rows(const T* x, const T* W, TY* y, int64_t M, int64_t N, int64_t K, int64_t ldx, int64_t ldy, int64_t n0,
