@@ -37,6 +37,8 @@ namespace {
 //    only XR chains of 6-cycle vdpbf16ps in flight, 3 x 8 keeps 24 (8 x rows against 32 MiB, K = 2048: 90 against
 //    151 GFLOP/s; real-width b8 decode 59.6 -> 81.7 tokens/s). At 2-4 x rows the same in turn order was slower at
 //    K = 512 (the experts' down products of a real b8 step 6.6-7.3 -> 9.2-9.5 ms) and left as memory order.
+//  * fp32 weights on the AVX-512F path (fp32 checkpoints, e.g. the `+mtp` models trained here) go in turn from 2 x
+//    rows (rows_in_turn_avx512; measured on the Intel Xeon with AMX, 2-4 x rows, K = 256: 5-25% faster).
 // Every kernel's sums stay in registers: the loops over x rows and weight rows are unrolled (GCC otherwise kept the
 // accumulator arrays on the stack and stored them every iteration).
 constexpr int kRowsPerBlock = 8;  // the most
@@ -169,8 +171,8 @@ using simd::load16;
 // ascending k, then _mm512_reduce_add_ps), so the bits are those of one row at a time. Measured: fp32, K = 256, 30,000
 // rows (31 MB, the dense `+mtp` model's size), 2 threads, three alternated runs on a loaded machine: M = 2 1.16-1.17
 // ms against 1.18-1.57 one row at a time, M = 3 1.26-1.36 against 1.36-1.73, M = 4 1.39-1.51 against 1.46-1.79; the
-// dense +mtp model's whole decode step (bench/speculative_rollback_bench, two alternated runs): one row 1.18-1.31 ms
-// against 1.30-1.37, a verification of 3 rows even.
+// whole decode step of that model (bench/speculative_rollback_bench) did not separate the two orders beyond this
+// loaded VM's noise at one x row.
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void rows_in_turn_avx512(const Block<float, TW>& b,
                                                                                float s[kXRows][kRowsPerBlock]) {
@@ -200,10 +202,29 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void rows_in_turn_
     for (int r = 0; r < R; ++r) s[m][r] = _mm512_reduce_add_ps(acc[m][r]);
 }
 
+// Rows in turn only where measured to help: fp32 weights and 2 or more x rows (measured at 2-4: the speculative
+// verification's N + 1 rows, small batches). One x row, and bf16 weights widened here, keep the memory order the header's measurements chose
+// (one row's 16-lane chain streams as fast as the memory at one x row; a block's short rows read in turn were served
+// worse by the prefetchers on the EPYC).
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
-  rows_in_turn_avx512<MB, R, TW>(b, s);
+  if constexpr (MB >= 2 && std::is_same_v<TW, float>) return rows_in_turn_avx512<MB, R, TW>(b, s);
+  for (int r = 0; r < R; ++r) {  // each row in turn, in memory order (see kRowsPerBlock); its sums in registers
+    __m512 acc[MB];
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < b.K; k += 16) {
+      const __mmask16 mask = b.K - k >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (b.K - k)) - 1);
+      const __m512 w = load16(b.w[r] + k, mask);
+      if (b.pf[0] && ((k * static_cast<int64_t>(sizeof(TW))) & 63) == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(b.pf[r] + k), _MM_HINT_T0);
+#pragma GCC unroll 8
+      for (int m = 0; m < MB; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, b.x + m * b.ldx + k), w, acc[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MB; ++m) s[m][r] = _mm512_reduce_add_ps(acc[m]);
+  }
 }
 
 // ---- AVX-512-BF16: x and W in bf16, 32 products per vdpbf16ps (pairs summed into 16 fp32 lanes).
