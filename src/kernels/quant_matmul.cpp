@@ -9,7 +9,6 @@
 
 #include "kernels/matmul.h"
 #include "kernels/paths.h"
-#include "kernels/simd.h"
 #include "kernels/quant_gemv.h"
 
 namespace hs::kernels {
@@ -111,11 +110,7 @@ void quant_matmul(GgmlType t, const T* x, const void* W, float* y, int64_t M, in
     if (how == QuantMatmul::DequantizedBf16) {
       auto* xb = reinterpret_cast<bf16*>(scratch);
 #pragma omp parallel for schedule(static)
-      for (int64_t m = 0; m < M; ++m) {
-        int64_t k = 0;
-        for (; k + 8 <= K; k += 8) simd::store8(xb + m * K + k, simd::load8(x + m * ldx + k));  // as from_f32 rounds
-        for (; k < K; ++k) xb[m * K + k] = from_f32<bf16>(x[m * ldx + k]);
-      }
+      for (int64_t m = 0; m < M; ++m) convert(x + m * ldx, xb + m * K, static_cast<size_t>(K));
       dequantized_products(t, static_cast<const bf16*>(xb), w, y, M, N, K, K, ldy,
                            reinterpret_cast<bf16*>(scratch + align64(M * K * 2)));
       return;
