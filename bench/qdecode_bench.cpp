@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -35,21 +36,31 @@ using namespace hs;
 
 // The model bytes a batch-1 decode step reads: every quantized matrix whole, except the routed experts' stacks
 // ("*_exps": top_k of their experts' rows), the embedding's one row, and every parameter held in memory as fp32
-// (norms, the router, matrices the file stores unquantized: copied_bytes). The decode's bandwidth bound is the
-// machine's copy bandwidth over this.
+// (norms, the router, matrices the file stores unquantized). copied_bytes holds those fp32 tensors and also the
+// quantized rows copied into native order (Qwen3.5's V heads): the quantized matrices not among the file's mapped
+// blocks (quant->bytes) are those copies, counted once, with the matrices. The decode's bandwidth bound is the
+// machine's read bandwidth over this.
 double bytes_read_per_token(const infer::InferenceWeights& w) {
   const model::ModelConfig& c = w.params->config();
-  double bytes = double(w.copied_bytes);
+  std::set<const uint8_t*> seen;  // a tied head shares the embedding's blocks
+  double all_quantized = 0, read = 0;
+  auto add = [&](const infer::QuantMatrix& m, double share) {
+    if (!seen.insert(m.data).second) return;
+    const double bytes = double(m.rows) * double(m.row_bytes);
+    all_quantized += bytes;
+    read += bytes * share;
+  };
   for (const infer::QuantLayer& l : w.quant->layers)
     for (const auto& part : l.parts)
-      for (const infer::QuantMatrix& m : part) {
-        const double all = double(m.rows) * double(m.row_bytes);
-        const bool routed = m.name.find("_exps") != std::string::npos && c.experts > 0;
-        bytes += routed ? all * double(c.top_k) / double(c.experts) : all;
-      }
-  if (w.quant->lm_head) bytes += double(w.quant->lm_head->rows) * double(w.quant->lm_head->row_bytes);
-  if (w.quant->embed) bytes += double(w.quant->embed->row_bytes);
-  return bytes;
+      for (const infer::QuantMatrix& m : part)
+        add(m, m.name.find("_exps") != std::string::npos && c.experts > 0 ? double(c.top_k) / double(c.experts) : 1.0);
+  if (w.quant->lm_head) add(*w.quant->lm_head, 1.0);
+  if (w.quant->embed) {
+    const infer::QuantMatrix& e = *w.quant->embed;
+    add(e, double(e.row_bytes) / (double(e.rows) * double(e.row_bytes)));  // one row (unless it is the tied head)
+  }
+  const double copied_quantized = all_quantized - double(w.quant->bytes);
+  return read + double(w.copied_bytes) - copied_quantized;
 }
 
 int main(int argc, char** argv) {
