@@ -12,7 +12,8 @@ void add_gguf_options(CLI::App* c, GgufArgs& a) {
       c->add_flag("--gguf-blocks", a.blocks,
                   "With a .gguf file: run from its quantized blocks (the default; this flag makes a conflicting option "
                   "an error instead of a switch to --gguf-dequantize). Products on Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K "
-                  "blocks with activations quantized per row as llama.cpp does, fp32 compute (docs/gguf.md)");
+                  "blocks: decode with activations quantized per row as llama.cpp does; prefill on dequantized "
+                  "tiles, in bf16 where the CPU has bf16 products (docs/quantization.md); fp32 compute otherwise");
   c->add_flag("--gguf-dequantize", a.dequantize,
               "With a .gguf file: dequantize every tensor at load (fp32, bf16 where the file's embedding is BF16) and "
               "run as from any checkpoint: the weights take their fp32 size")
