@@ -165,7 +165,7 @@ def main():
     mm_flops = sum(s["flops"] for s in shapes) / steps
     mm_peak_s = sum(s["peak_s"] for s in shapes) / steps
     mm_peak32_s = sum(s["peak_fp32_s"] for s in shapes) / steps
-    peak = mm_flops / mm_peak_s          # FLOP/s: the bf16 (as run) GEMM peak at the step's own shapes
+    peak = mm_flops / mm_peak_s          # FLOP/s: the GEMM peak at the step's own shapes, in the dtypes as run
     peak32 = mm_flops / mm_peak32_s
     fl = analytic_flops(cfg, a.batch, a.seq)
     params = summary.get("argument_bytes")
@@ -196,8 +196,8 @@ def main():
         "step_s": step_s, "tokens_per_s": a.batch * a.seq / step_s,
         "phase_sum_s": prof["phase_sum_s"] / steps,
         "model_gflop": model_flops * 1e-9, "achieved_gflops": model_flops / step_s * 1e-9,
-        "gemm_peak_bf16_gflops": peak * 1e-9, "gemm_peak_fp32_gflops": peak32 * 1e-9,
-        "efficiency_vs_bf16_peak": model_flops / step_s / peak,
+        "gemm_peak_as_run_gflops": peak * 1e-9, "gemm_peak_fp32_gflops": peak32 * 1e-9,
+        "efficiency_vs_peak": model_flops / step_s / peak,
         "gemm_time_at_peak_share": mm_peak_s / step_s,
         "copy_gbps": copy["copy_bytes_per_s"] * 1e-9,
         "minor_faults_per_step": prof["minor_faults"] / steps,
@@ -216,7 +216,7 @@ def main():
           f"Step {step_s * 1e3:.1f} ms ({overall['tokens_per_s']:.0f} tokens/s; phases add up to "
           f"{overall['phase_sum_s'] * 1e3:.1f} ms), mean of {steps} steady-state steps. "
           f"GEMM peak at the step's own {len(shapes)} product shapes ({families} timed): "
-          f"bf16 {peak * 1e-9:.0f} GFLOP/s, fp32 {peak32 * 1e-9:.0f} GFLOP/s; copy bandwidth "
+          f"{a.dtype} as run {peak * 1e-9:.0f} GFLOP/s, all-fp32 {peak32 * 1e-9:.0f} GFLOP/s; copy bandwidth "
           f"{overall['copy_gbps']:.1f} GB/s.", "",
           "| phase | ms / step | share | calls | GFLOP (model) | achieved | efficiency |", "|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -225,12 +225,12 @@ def main():
         if r["phase"] == "matmul":
             gfl += f" (counted {r['counted_gflop']:.1f})"
         eff = f(r.get("efficiency"), "{:.0%}")
-        if r["phase"] == "matmul": eff += " of the bf16 peak at its shapes"
-        elif r["phase"] in ("attention", "delta_rule"): eff += " of the bf16 GEMM peak"
+        if r["phase"] == "matmul": eff += f" of the {a.dtype} peak at its shapes"
+        elif r["phase"] in ("attention", "delta_rule"): eff += f" of the {a.dtype} GEMM peak"
         elif r["phase"] == "optimizer" and "efficiency" in r: eff += " of copy bandwidth"
         md.append(f"| {r['phase']} | {r['seconds'] * 1e3:.1f} | {r['share']:.1%} | {r['calls']:.0f} | {gfl} | {ach} | {eff} |")
     md += ["", f"**Overall:** {overall['model_gflop']:.1f} GFLOP of model work per step in {step_s * 1e3:.1f} ms = "
-               f"{overall['achieved_gflops']:.0f} GFLOP/s, **{overall['efficiency_vs_bf16_peak']:.0%} of the bf16 GEMM "
+               f"{overall['achieved_gflops']:.0f} GFLOP/s, **{overall['efficiency_vs_peak']:.0%} of the {a.dtype} GEMM "
                f"peak at the step's shapes** ({peak * 1e-9:.0f} GFLOP/s). The step's products alone would take "
                f"{mm_peak_s * 1e3:.1f} ms at that peak ({overall['gemm_time_at_peak_share']:.0%} of the step). "
                f"Page faults: {overall['minor_faults_per_step']:.0f} minor per step.", "",
