@@ -163,7 +163,8 @@ TEST(Cpu, CommandLineRefusesABadCapAndPrintsThePaths) {
   const test::CliRun capped = run_cli("HS_MAX_ISA=avx2", "--version");
   EXPECT_EQ(capped.rc, 0) << capped.out;
   for (const char* want : {"hybridscan ", "cpu: ", "level: avx2", "gemv (decode): avx2", "attention: avx2",
-                           "bf16 widened to fp32", "AdamW: avx2", "matmul (oneDNN avx2"})
+                           "bf16 widened to fp32", "AdamW: avx2", "matmul (oneDNN avx2",
+                           "element-wise (norms, causal conv, SwiGLU rows): avx2"})
     EXPECT_NE(capped.out.find(want), std::string::npos) << want << "\n" << capped.out;
   const test::CliRun plain = run_cli("env -u HS_MAX_ISA", "--version");
   EXPECT_EQ(plain.rc, 0) << plain.out;

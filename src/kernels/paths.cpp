@@ -32,6 +32,7 @@ std::string kernel_paths_report() {
                                   : "avx2 (bf16 widened to fp32)")
     << "\n";
   o << "  cached attention (decode): " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
+  o << "  element-wise (norms, causal conv, SwiGLU rows): " << (allows(Level::Avx512) ? "avx512" : "avx2") << "\n";
   o << "  AdamW: " << cpu::level_name(adamw_level()) << "\n";
   o << "  bf16 rounding of activations: " << (allows(Level::Avx512Bf16) ? "avx512_bf16" : "avx2") << "\n";
   const std::string set = settings::describe_set();
