@@ -144,11 +144,13 @@ TEST(GatedRmsNorm, MatchesReferenceF32) {
   gated_matches_reference<float>(9, 33);
   gated_matches_reference<float>(64, 128);
   gated_matches_reference<float>(1000, 64);  // many dw row blocks
+  gated_matches_reference<float>(5, 300);  // the backward's SiLU buffer in two pieces (256 + 44)
 }
 TEST(GatedRmsNorm, MatchesReferenceBf16) {
   gated_matches_reference<bf16>(9, 33);
   gated_matches_reference<bf16>(64, 128);
   gated_matches_reference<bf16>(1000, 64);
+  gated_matches_reference<bf16>(5, 300);  // the backward's SiLU buffer in two pieces (256 + 44)
 }
 
 TEST(GatedRmsNorm, ReferenceBackwardMatchesFiniteDifferences) {
