@@ -203,9 +203,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void rows_in_turn_
 }
 
 // Rows in turn only where measured to help: fp32 weights and 2 or more x rows (measured at 2-4: the speculative
-// verification's N + 1 rows, small batches). One x row, and bf16 weights widened here, keep the memory order the header's measurements chose
-// (one row's 16-lane chain streams as fast as the memory at one x row; a block's short rows read in turn were served
-// worse by the prefetchers on the EPYC).
+// verification's N + 1 rows, small batches). One x row, and bf16 weights widened here, keep the memory order the
+// header's measurements chose (one row's 16-lane chain streams as fast as the memory at one x row; a block's short
+// rows read in turn were served worse by the prefetchers on the EPYC).
 template <int MB, int R, typename TW>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq"))) void block_avx512(const Block<float, TW>& b,
                                                                         float s[kXRows][kRowsPerBlock]) {
